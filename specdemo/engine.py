@@ -1,0 +1,238 @@
+"""Autoregressive and speculative decoders as generators of step events. KV caches and their rollback live here.
+
+The decoders work on token ids; text comes from text.IncrementalDetokenizer only to honour stop strings
+and to hand each event its text delta. No UI code, no metrics beyond per-step timings.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import MAX_K_ENGINE, GenerationConfig
+from .drafters import Drafter, DraftRequest, Verdict, crop_cache
+from .text import IncrementalDetokenizer, find_stop
+from .verify import choose, greedy_accept, logits_to_probs, rejection_accept
+
+
+class GenerationError(ValueError):
+    """Bad input to a decoder (empty prompt, absurd k, ...); the message says what to change."""
+
+
+@dataclass
+class StepEvent:
+    """One decoder step. `elapsed` is this run's own compute time so far, excluding time paused at `yield`."""
+
+    kind: str  # "prefill" (first token), "ar" (one target pass, one token) or "spec" (draft + verify)
+    tokens: list[int]  # tokens committed by this step (after EOS / stop / length truncation)
+    text: str  # text delta for those tokens
+    elapsed: float
+    num_generated: int  # total committed new tokens after this step
+    drafted: list[int] = field(default_factory=list)  # spec: the proposal, in order
+    num_accepted: int = 0  # spec: drafted[:num_accepted] were kept
+    correction: int | None = None  # spec: the target's token replacing drafted[num_accepted]
+    bonus: int | None = None  # spec: the target's extra token after a full acceptance
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    k: int = 0  # k asked of the drafter this step
+    finish_reason: str | None = None  # "eos", "stop" or "length" on the last event
+
+    @property
+    def rejected(self) -> list[int]:
+        """Drafted tokens that were thrown away (the first one is replaced by `correction`)."""
+        return self.drafted[self.num_accepted :]
+
+
+class _Clock:
+    """Accumulates compute time between `start` and `stop`; synchronizes CUDA so the numbers are real."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.total = 0.0
+        self._t0 = 0.0
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self._t0 = self.now()
+
+    def stop(self) -> float:
+        dt = self.now() - self._t0
+        self.total += dt
+        return dt
+
+
+class _Committer:
+    """Appends tokens one at a time, stopping at EOS, a stop string or max_new_tokens; same rules for both decoders."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], config: GenerationConfig, eos: frozenset[int]):
+        self.ids = list(prompt_ids)
+        self.num_prompt = len(prompt_ids)
+        self.config = config
+        self.eos = eos
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.finish_reason: str | None = None
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.ids) - self.num_prompt
+
+    def commit(self, tokens: list[int]) -> tuple[list[int], str]:
+        kept, text = [], ""
+        for t in tokens:
+            self.ids.append(t)
+            kept.append(t)
+            delta = self.detok.add(t)
+            text += delta
+            if t in self.eos:
+                self.finish_reason = "eos"
+            elif delta and find_stop(self.detok.text, self.config.stop_strings, len(delta)) >= 0:
+                self.finish_reason = "stop"
+            elif self.num_generated >= self.config.max_new_tokens:
+                self.finish_reason = "length"
+            if self.finish_reason:
+                break
+        if self.finish_reason:
+            text += self.detok.flush()
+        return kept, text
+
+
+def eos_ids(model, tokenizer) -> frozenset[int]:
+    """EOS ids from the generation config and the tokenizer."""
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def encode_prompt(tokenizer, prompt: str, use_chat_template: bool = True) -> list[int]:
+    """Prompt ids, wrapped in the chat template when the tokenizer has one."""
+    if not prompt or not prompt.strip():
+        raise GenerationError("the prompt is empty; type something for the model to continue")
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        ids = ids["input_ids"] if isinstance(ids, dict) else ids
+        return list(ids)
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def _check(prompt_ids: list[int], config: GenerationConfig) -> None:
+    if not prompt_ids:
+        raise GenerationError("the prompt is empty; type something for the model to continue")
+    try:
+        config.validate()
+    except ValueError as exc:
+        raise GenerationError(str(exc)) from exc
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def _target_pass(target, ids: list[int], cache, keep: int, want_hidden: bool):
+    """Run the target on `ids` after its cache; return logits (keep, V) and, if asked, hidden states (len, H)."""
+    x = torch.tensor([ids], device=target.device)
+    if want_hidden:
+        hidden = target.model(input_ids=x, cache=cache, use_cache=True).last_hidden_state  # (1, T, H)
+        return target.lm_head(hidden[:, -keep:])[0], hidden[0]
+    return target(input_ids=x, cache=cache, use_cache=True, logits_to_keep=keep).logits[0], None
+
+
+def _new_cache(model):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+@torch.inference_mode()
+def autoregressive(target, tokenizer, prompt_ids: list[int], config: GenerationConfig) -> Iterator[StepEvent]:
+    """Plain decoding with a KV cache: one target pass per token."""
+    _check(prompt_ids, config)
+    clock = _Clock(target.device)
+    gen = _generator(target.device, config.seed)
+    out = _Committer(tokenizer, prompt_ids, config, eos_ids(target, tokenizer))
+    cache = _new_cache(target)
+    feed, kind = prompt_ids, "prefill"
+    while out.finish_reason is None:
+        clock.start()
+        logits, _ = _target_pass(target, feed, cache, 1, False)
+        token = choose(logits[-1], config.sampling, gen)
+        kept, text = out.commit([token])
+        dt = clock.stop()
+        yield StepEvent(kind, kept, text, clock.total, out.num_generated, verify_seconds=dt,
+                        finish_reason=out.finish_reason)
+        feed, kind = [token], "ar"
+
+
+@torch.inference_mode()
+def speculative(
+    target, tokenizer, drafter: Drafter, prompt_ids: list[int], config: GenerationConfig
+) -> Iterator[StepEvent]:
+    """Draft k tokens, verify them in one target pass, keep the agreed prefix plus the target's own next token."""
+    _check(prompt_ids, config)
+    clock = _Clock(target.device)
+    gen = _generator(target.device, config.seed)
+    eos = eos_ids(target, tokenizer)
+    out = _Committer(tokenizer, prompt_ids, config, eos)
+    cache = _new_cache(target)
+    want_hidden = drafter.needs_target_hidden
+    sampling = config.sampling
+
+    clock.start()  # prefill: the target's first token, exactly as in autoregressive()
+    logits, hidden = _target_pass(target, prompt_ids, cache, 1, want_hidden)
+    token = choose(logits[-1], sampling, gen)
+    drafter.begin(prompt_ids, hidden)
+    kept, text = out.commit([token])
+    dt = clock.stop()
+    yield StepEvent("prefill", kept, text, clock.total, out.num_generated, verify_seconds=dt,
+                    finish_reason=out.finish_reason)
+
+    k = config.num_draft_tokens
+    while out.finish_reason is None:
+        ids = out.ids  # ids[-1] is pending: not yet in the target's cache
+        k_step = min(k, config.max_new_tokens - out.num_generated - 1)  # no drafting past the length bound
+        clock.start()
+        proposal = drafter.propose(DraftRequest(ids, k_step, sampling, gen, eos)) if k_step > 0 else None
+        drafted = proposal.tokens[:k_step] if proposal else []
+        draft_seconds = clock.stop()
+
+        clock.start()
+        logits, hidden = _target_pass(target, [ids[-1]] + drafted, cache, len(drafted) + 1, want_hidden)
+        draft_t = torch.tensor(drafted, dtype=torch.long, device=logits.device)
+        if sampling.greedy:
+            num_accepted, next_token = greedy_accept(draft_t, logits)
+        else:
+            q = proposal.probs[: len(drafted)] if proposal and proposal.probs is not None else None
+            num_accepted, next_token = rejection_accept(draft_t, q, logits_to_probs(logits, sampling), gen)
+        crop_cache(cache, len(ids) + num_accepted)  # keep the pending token and the accepted drafts
+        new_ids = ids + drafted[:num_accepted] + [next_token]
+        drafter.update(Verdict(num_accepted, new_ids, hidden[: num_accepted + 1] if hidden is not None else None))
+        kept, text = out.commit(drafted[:num_accepted] + [next_token])
+        verify_seconds = clock.stop()
+
+        full = num_accepted == len(drafted)
+        yield StepEvent(
+            "spec", kept, text, clock.total, out.num_generated,
+            drafted=drafted, num_accepted=num_accepted,
+            correction=None if full else next_token, bonus=next_token if full and drafted else None,
+            draft_seconds=draft_seconds, verify_seconds=verify_seconds, k=k_step,
+            finish_reason=out.finish_reason,
+        )
+        if config.dynamic_k and drafted:  # transformers' heuristic: +2 after a full acceptance, -1 otherwise
+            k = min(k + 2, MAX_K_ENGINE) if full and len(drafted) == k else max(1, k - 1)
+
+
+def generated_ids(events: list[StepEvent]) -> list[int]:
+    """All tokens committed by a run."""
+    return [t for e in events for t in e.tokens]

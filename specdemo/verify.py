@@ -1,0 +1,79 @@
+"""Acceptance rules as pure tensor functions.
+
+Names follow Leviathan et al. 2023 (Alg. 1): `p` is the target's distribution, `q` the draft's.
+Shapes: k drafted tokens, V vocabulary; target rows are k + 1 (the last one gives the bonus token).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import SamplingConfig
+
+
+def logits_to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Temperature, then top-k, then top-p, then softmax: (..., V) -> (..., V). Used identically for p and q."""
+    logits = logits.float() / max(sampling.temperature, 1e-5)
+    vocab = logits.shape[-1]
+    if 0 < sampling.top_k < vocab:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        # drop a token when the mass before it already reaches top_p; the most likely token always stays
+        drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= sampling.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token id from a (V,) distribution."""
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def choose(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> int:
+    """The next token from (V,) logits: argmax when greedy, else a sample from the processed distribution."""
+    if sampling.greedy:
+        return int(torch.argmax(logits))
+    return sample(logits_to_probs(logits, sampling), generator)
+
+
+def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+    """Keep draft tokens while they equal the target's argmax. (k,), (k+1, V) -> (num_accepted, next_token)."""
+    target_choice = target_logits.argmax(dim=-1)  # (k+1,)
+    k = draft_tokens.shape[0]
+    matches = (draft_tokens == target_choice[:k]).int()
+    num_accepted = int(matches.cumprod(dim=0).sum()) if k else 0
+    return num_accepted, int(target_choice[num_accepted])
+
+
+def rejection_accept(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """Leviathan et al. Alg. 1: accept x_i with min(1, p/q); on rejection sample norm(max(0, p - q)); else bonus ~ p.
+
+    draft_tokens (k,); draft_probs (k, V) or None for a deterministic drafter (q is one-hot at the drafted token);
+    target_probs (k+1, V). Returns (num_accepted, next_token).
+    """
+    k = draft_tokens.shape[0]
+    rows = torch.arange(k, device=target_probs.device)
+    p = target_probs[rows, draft_tokens]  # (k,)
+    q = draft_probs[rows, draft_tokens] if draft_probs is not None else torch.ones_like(p)
+    r = torch.rand(k, generator=generator, device=target_probs.device)
+    rejected = (r * q > p).nonzero()  # r < p/q accepts; written without division so q == 0 cannot blow up
+    if rejected.numel() == 0:
+        return k, sample(target_probs[k], generator)  # all accepted: the bonus token comes from p
+    i = int(rejected[0])
+    if draft_probs is not None:
+        residual = (target_probs[i] - draft_probs[i]).clamp(min=0)
+    else:
+        residual = target_probs[i].clone()
+        residual[draft_tokens[i]] = 0.0  # max(0, p - onehot) zeroes only the drafted token
+    if float(residual.sum()) <= 0:  # p == q up to rounding: any sample from p is exact
+        residual = target_probs[i]
+    return i, sample(residual / residual.sum(), generator)
