@@ -1,0 +1,275 @@
+"""An EAGLE-style draft head: one llama decoder layer that reads the target's final hidden states and predicts the next.
+
+Tokens come from the target's own output head restricted to a frequent-token subset (FR-Spec), so the draft's q is
+zero outside the subset and rejection sampling stays exact. The target's embeddings and head are borrowed, frozen and
+never saved; the asset holds only the layer, the input projection and the subset ids. Training lives in distill.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .drafters import Drafter, DraftRequest, Proposal, Verdict
+from .verify import logits_to_probs
+
+CONFIG_FILE = "eagle_config.json"
+WEIGHTS_FILE = "eagle.safetensors"
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """Shapes of the head; copied from the target's config except the subset size."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    vocab_size: int
+    subset_size: int
+
+    @classmethod
+    def from_target(cls, config, subset_size: int) -> EagleConfig:
+        rope = getattr(config, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(config.hidden_size, config.intermediate_size, config.num_attention_heads,
+                   config.num_key_value_heads, head_dim, float(theta), float(config.rms_norm_eps),
+                   config.vocab_size, subset_size)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecoderLayer(nn.Module):
+    """A llama decoder layer (GQA attention with RoPE, SwiGLU MLP) that returns its new keys and values."""
+
+    def __init__(self, c: EagleConfig):
+        super().__init__()
+        self.c = c
+        h, d = c.hidden_size, c.head_dim
+        self.input_norm = RMSNorm(h, c.rms_norm_eps)
+        self.q_proj = nn.Linear(h, c.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, c.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, c.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * d, h, bias=False)
+        self.post_norm = RMSNorm(h, c.rms_norm_eps)
+        self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
+
+    def forward(self, x, cos, sin, past_k=None, past_v=None, mask=None):
+        """x (B, T, H) attends to past keys (B, KV, L, D) and its own under `mask` (T, L+T) bool or None (causal)."""
+        b, t, _ = x.shape
+        c = self.c
+        y = self.input_norm(x)
+        q = self.q_proj(y).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)  # (B, NH, T, D)
+        k = self.k_proj(y).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)  # (B, KV, T, D)
+        v = self.v_proj(y).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        keys = k if past_k is None else torch.cat([past_k, k], dim=2)
+        values = v if past_v is None else torch.cat([past_v, v], dim=2)
+        if mask is None and t > 1:  # causal, aligned to the end when there is a past
+            past = keys.shape[2] - t
+            mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
+        att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # (B, NH, T, D)
+        x = x + self.o_proj(att.transpose(1, 2).reshape(b, t, -1))
+        y = self.post_norm(x)
+        x = x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
+        return x, k, v
+
+
+class EagleHead(nn.Module):
+    """feature_t ++ embed(token_{t+1}) -> Linear(2H, H) -> decoder layer -> norm = predicted feature_{t+1}.
+
+    `embed` (V, H) and `head` (V, H) are the target's frozen matrices (not saved); `subset` (S,) holds target ids.
+    """
+
+    def __init__(self, c: EagleConfig, embed: torch.Tensor, head: torch.Tensor, subset: torch.Tensor):
+        super().__init__()
+        self.c = c
+        self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
+        self.layer = DecoderLayer(c)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.register_buffer("subset", subset.long(), persistent=True)
+        self.register_buffer("embed", embed.detach(), persistent=False)
+        self.register_buffer("head_weight", head.detach()[subset.to(head.device)].clone(), persistent=False)
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (T, D) for integer positions (T,)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, features, tokens, positions, past_k=None, past_v=None, mask=None):
+        """features (B, T, H), tokens (B, T) = the token after each feature's position -> (feature (B, T, H), k, v)."""
+        x = self.fc(torch.cat([features, self.embed[tokens].to(features.dtype)], dim=-1))
+        cos, sin = self.rope(positions, x.dtype)
+        x, k, v = self.layer(x, cos, sin, past_k, past_v, mask)
+        return self.norm(x), k, v
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """(..., H) -> (..., S) logits over the subset."""
+        return features @ self.head_weight.T
+
+    def unrolled(self, features: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
+        """Training-time test: `depth` draft steps from every position at once, exactly as propose() runs them.
+
+        features (B, T, H) true target features, tokens (B, T + depth) with tokens[:, i + 1] following position i.
+        Row i of step d is the chain that started from the true feature at i; it sits at position i + d - 1, sees the
+        true entries at positions <= i and its own chain's earlier steps. Returns d predicted features (B, T, H).
+        """
+        t = features.shape[1]
+        pos = torch.arange(t, device=features.device)
+        causal = torch.ones(t, t, dtype=torch.bool, device=features.device).tril()
+        eye = torch.eye(t, dtype=torch.bool, device=features.device)
+        outs, past_k, past_v, feat = [], None, None, features
+        for d in range(1, depth + 1):
+            mask = causal if d == 1 else torch.cat([causal] + [eye] * (d - 1), dim=1)
+            feat, k, v = self(feat, tokens[:, d : d + t], pos + d - 1, past_k, past_v, mask)
+            past_k = k if past_k is None else torch.cat([past_k, k], dim=2)
+            past_v = v if past_v is None else torch.cat([past_v, v], dim=2)
+            outs.append(feat)
+        return outs
+
+
+def save_draft(head: EagleHead, path: str | Path, meta: dict | None = None) -> None:
+    """Write the trainable weights (fp16) and the subset ids; the target's embeddings are not saved."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {k: (v.to(torch.int32) if k == "subset" else v.detach().to(torch.float16)).contiguous().cpu()
+               for k, v in head.state_dict().items()}
+    save_file(tensors, str(path / WEIGHTS_FILE))
+    (path / CONFIG_FILE).write_text(json.dumps({"config": asdict(head.c), **(meta or {})}, indent=2) + "\n")
+
+
+def build_head(target_model: nn.Module, subset: torch.Tensor) -> EagleHead:
+    """A fresh head on the target's device and dtype, borrowing its frozen embeddings and output head."""
+    c = EagleConfig.from_target(target_model.config, len(subset))
+    embed = target_model.get_input_embeddings().weight
+    head = target_model.get_output_embeddings().weight
+    return EagleHead(c, embed, head, subset).to(device=embed.device, dtype=embed.dtype)
+
+
+def load_trained_draft(path: str | Path, target_loaded) -> EagleDrafter:
+    """An EagleDrafter from an asset folder, bound to the target in a loading.LoadedModel."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    meta = json.loads((path / CONFIG_FILE).read_text())
+    tensors = load_file(str(path / WEIGHTS_FILE))
+    model = target_loaded.model
+    if meta["config"]["vocab_size"] != model.config.vocab_size or meta["config"]["hidden_size"] != model.config.hidden_size:
+        raise ValueError(f"the draft in {path} was trained for a different target (config {meta['config']})")
+    head = build_head(model, tensors["subset"].long())
+    head.load_state_dict({k: v for k, v in tensors.items()})
+    return EagleDrafter(head.eval())
+
+
+class EagleDrafter(Drafter):
+    """Drafts with an EagleHead; its KV cache holds entries from true target features only, between proposals."""
+
+    name = "eagle"
+    needs_target_hidden = True
+
+    def __init__(self, head: EagleHead):
+        self.head = head
+        self.k = self.v = None
+        self.num_true = 0  # cache entries computed from true target features (positions 0 .. num_true - 1)
+        self.pending: torch.Tensor | None = None  # true features (m, H) for positions num_true .. num_true + m - 1
+        self.last_true: torch.Tensor | None = None  # the last true feature fed, to redo a proposal without update
+
+    @property
+    def cache_length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def begin(self, prompt_ids: list[int], target_hidden: torch.Tensor | None = None) -> None:
+        if target_hidden is None:
+            raise ValueError("EagleDrafter needs the target's hidden states (needs_target_hidden)")
+        self.k = self.v = None
+        self.num_true = 0
+        self.pending = target_hidden
+        self.last_true = None
+
+    def _crop(self, length: int) -> None:
+        if self.k is not None and self.k.shape[2] > length:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+    def _step(self, features: torch.Tensor, tokens: list[int], start: int) -> torch.Tensor:
+        """Feed features (T, H) and their following tokens at positions start.. ; return the last predicted feature."""
+        dev = self.head.head_weight.device
+        tok = torch.tensor([tokens], device=dev)
+        pos = torch.arange(start, start + len(tokens), device=dev)
+        out, k, v = self.head(features[None].to(self.head.head_weight.dtype), tok, pos, self.k, self.v)
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return out[0, -1]
+
+    @torch.inference_mode()
+    def propose(self, request: DraftRequest) -> Proposal:
+        ids, sampling = request.ids, request.sampling
+        if request.k <= 0:
+            return Proposal([])
+        self._crop(self.num_true)
+        if self.pending is None or len(self.pending) == 0:  # proposed twice without an update: redo the last entry
+            self.num_true -= 1
+            self._crop(self.num_true)
+            self.pending = self.last_true
+        m = len(self.pending)
+        if self.num_true + m != len(ids) - 1:
+            raise ValueError(f"draft state covers {self.num_true + m} positions but the request has {len(ids) - 1}")
+        feature = self._step(self.pending, ids[self.num_true + 1 :], self.num_true)
+        self.num_true += m
+        self.last_true, self.pending = self.pending[-1:], None
+        tokens, probs = [], []
+        subset = self.head.subset
+        for j in range(request.k):
+            logits = self.head.logits(feature)  # (S,)
+            if sampling.greedy:
+                token = int(subset[int(torch.argmax(logits))])
+            else:
+                q_sub = logits_to_probs(logits, sampling)
+                gen = request.generator if request.generator is not None and request.generator.device == q_sub.device else None
+                token = int(subset[int(torch.multinomial(q_sub, 1, generator=gen))])
+                q = torch.zeros(self.head.c.vocab_size, dtype=q_sub.dtype, device=q_sub.device)
+                probs.append(q.index_copy_(0, subset, q_sub))
+            tokens.append(token)
+            if token in request.eos_token_ids or j == request.k - 1:
+                break
+            feature = self._step(feature[None], [token], len(ids) - 1 + j)
+        return Proposal(tokens, torch.stack(probs) if probs else None)
+
+    def update(self, verdict: Verdict) -> None:
+        if verdict.target_hidden is None:
+            raise ValueError("EagleDrafter needs the target's hidden states in the verdict")
+        self._crop(self.num_true)  # drop entries computed from drafted features
+        self.pending = verdict.target_hidden
