@@ -96,14 +96,21 @@ class ModelDrafter(Drafter):
                 token = int(torch.argmax(logits))
             else:
                 q = logits_to_probs(logits, request.sampling)
-                gen = request.generator if request.generator is None or request.generator.device == q.device else None
-                token = int(torch.multinomial(q, 1, generator=gen))
+                token = int(torch.multinomial(q, 1, generator=self._generator(request)))
                 probs.append(q.to(self.target_device))
             tokens.append(token)
             if token in request.eos_token_ids:
                 break
             feed = [token]
         return Proposal(tokens, torch.stack(probs) if probs else None)
+
+    def _generator(self, request: DraftRequest) -> torch.Generator | None:
+        """The engine's generator, or a seeded one of our own when the draft sits on another device."""
+        if request.generator is None or request.generator.device.type == self.device.type:
+            return request.generator
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(int(torch.randint(2**62, (1,), generator=request.generator)))
+        return gen
 
     def update(self, verdict: Verdict) -> None:
         # the cache holds committed ids plus drafted tokens; keep only the part the target agreed with

@@ -39,6 +39,7 @@ class StepEvent:
     verify_seconds: float = 0.0
     k: int = 0  # k asked of the drafter this step
     finish_reason: str | None = None  # "eos", "stop" or "length" on the last event
+    target_cache_length: int = 0  # positions in the target's KV cache after the step (for rollback checks)
 
     @property
     def rejected(self) -> list[int]:
@@ -171,7 +172,7 @@ def autoregressive(target, tokenizer, prompt_ids: list[int], config: GenerationC
         kept, text = out.commit([token])
         dt = clock.stop()
         yield StepEvent(kind, kept, text, clock.total, out.num_generated, verify_seconds=dt,
-                        finish_reason=out.finish_reason)
+                        finish_reason=out.finish_reason, target_cache_length=cache.get_seq_length())
         feed, kind = [token], "ar"
 
 
@@ -196,7 +197,7 @@ def speculative(
     kept, text = out.commit([token])
     dt = clock.stop()
     yield StepEvent("prefill", kept, text, clock.total, out.num_generated, verify_seconds=dt,
-                    finish_reason=out.finish_reason)
+                    finish_reason=out.finish_reason, target_cache_length=cache.get_seq_length())
 
     k = config.num_draft_tokens
     while out.finish_reason is None:
@@ -227,7 +228,7 @@ def speculative(
             drafted=drafted, num_accepted=num_accepted,
             correction=None if full else next_token, bonus=next_token if full and drafted else None,
             draft_seconds=draft_seconds, verify_seconds=verify_seconds, k=k_step,
-            finish_reason=out.finish_reason,
+            finish_reason=out.finish_reason, target_cache_length=cache.get_seq_length(),
         )
         if config.dynamic_k and drafted:  # transformers' heuristic: +2 after a full acceptance, -1 otherwise
             k = min(k + 2, MAX_K_ENGINE) if full and len(drafted) == k else max(1, k - 1)

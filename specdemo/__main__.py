@@ -1,0 +1,93 @@
+"""Command line: `python -m specdemo generate|bench|distill ...`. Environment and argv are read here only."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from .config import BUNDLED_ID, MAX_K_ENGINE, GenerationConfig, SamplingConfig
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="autoregressive then speculative decoding on one prompt")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--target", default=BUNDLED_ID, help="hub id, local folder, or the bundled 'smollm2-135m'")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--draft", help="draft model id or folder (same tokenizer as the target)")
+    group.add_argument("--drafter", choices=["model", "ngram"], help="'ngram' is prompt lookup (no draft model)")
+    p.add_argument("--k", type=int, default=4, help=f"draft tokens per step (1..{MAX_K_ENGINE})")
+    p.add_argument("--dynamic-k", action="store_true", help="adapt k per step (+2 after a full acceptance, else -1)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="auto (default), cpu, cuda, cuda:1, mps")
+    p.add_argument("--draft-device", default=None)
+    p.add_argument("--dtype", default=None, help="fp32, bf16, fp16 (default: bf16/fp16 on GPU, fp32 on CPU)")
+    p.add_argument("--no-chat-template", action="store_true")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--json", action="store_true", help="end with one JSON object")
+
+
+def run_generate(args) -> int:
+    from .compare import compare, load_pair
+
+    kind = "model" if args.draft else (args.drafter or "model")
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens, num_draft_tokens=args.k, dynamic_k=args.dynamic_k,
+        sampling=SamplingConfig(args.temperature, args.top_k, args.top_p), stop_strings=tuple(args.stop),
+        seed=args.seed, use_chat_template=not args.no_chat_template,
+    )
+    config.validate()
+    if not args.prompt.strip():
+        raise ValueError("the prompt is empty; type something for the model to continue")
+    pair = load_pair(args.target, kind, args.draft, args.device, args.dtype, args.draft_device, args.trust_remote_code)
+    result = compare(pair, args.prompt, config)
+    if args.json:
+        print(json.dumps(result, ensure_ascii=False))
+        return 0
+    ar, sd = result["ar"], result["sd"]
+    print(f"target {result['target']}  drafter {result['drafter']} ({result['draft'] or 'prompt lookup'})  "
+          f"k={result['k']}  device {result['device']}")
+    print(f"\n--- autoregressive: {ar['tokens']} tokens, {ar['tokens_per_s']:.1f} tok/s\n{ar['text']}")
+    print(f"\n--- speculative: {sd['tokens']} tokens, {sd['tokens_per_s']:.1f} tok/s, "
+          f"acceptance {sd['acceptance_rate']:.2f}, mean accepted {sd['mean_accepted']:.2f} tokens/pass\n{sd['text']}")
+    print(f"\nspeedup {result['speedup']:.2f}x  identical tokens: {result['identical']}")
+    if result.get("mismatch"):
+        print(f"first difference: {result['mismatch']}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "distill":
+        from .distill import main as distill_main
+
+        return distill_main(argv[1:])
+    if argv and argv[0] == "bench":
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="python -m specdemo", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    sub.add_parser("bench", help="benchmark against transformers' generate (see `bench --help`)")
+    sub.add_parser("distill", help="train a draft for a target (see `distill --help`)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from .engine import GenerationError
+    from .loading import ModelLoadError, TokenizerMismatchError
+
+    try:
+        return run_generate(args)
+    except (ModelLoadError, TokenizerMismatchError, GenerationError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Run autoregressive then speculative decoding on the same prompt and settings, and report both.
+
+The two runs never overlap: each one's clock counts only its own compute (see engine.StepEvent.elapsed).
+This is the one place that builds drafters from user-facing names; the CLI, the app and the benchmark use it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import BUNDLED_HUB_ID, BUNDLED_ID, TRAINED_DRAFT_ID, GenerationConfig
+from .drafters import Drafter, ModelDrafter, NgramDrafter
+from .engine import StepEvent, autoregressive, encode_prompt, generated_ids, speculative
+from .loading import BUNDLED_ALIASES, LoadedModel, ModelLoadError, check_tokenizers, load_model
+from .metrics import RunStats, run_stats, speedup
+
+log = logging.getLogger(__name__)
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+DRAFTER_KINDS = ("model", "ngram")
+
+
+@dataclass
+class Pair:
+    """A loaded target and a drafter for it."""
+
+    target: LoadedModel
+    drafter: Drafter
+    drafter_kind: str  # "model" or "ngram"
+    draft_name: str | None  # None for prompt lookup
+
+
+def trained_draft_path(target_name: str) -> Path | None:
+    """The shipped distilled draft for a target, if there is one."""
+    if target_name.lower() in BUNDLED_ALIASES | {BUNDLED_HUB_ID.lower()}:
+        path = ASSETS / TRAINED_DRAFT_ID
+        return path if (path / "config.json").exists() else None
+    return None
+
+
+def default_draft(target_name: str) -> str | None:
+    """The draft used when --drafter model is given without --draft."""
+    return TRAINED_DRAFT_ID if trained_draft_path(target_name) else None
+
+
+def make_drafter(target: LoadedModel, kind: str, draft: str | None, device=None, dtype=None,
+                 trust_remote_code: bool = False) -> tuple[Drafter, str | None]:
+    """Build a drafter by name: prompt lookup, the shipped trained draft, or any causal LM sharing the tokenizer."""
+    if kind == "ngram":
+        return NgramDrafter(), None
+    if kind != "model":
+        raise ValueError(f"unknown drafter '{kind}'; choose one of {DRAFTER_KINDS}")
+    draft = draft or default_draft(target.name)
+    if draft is None:
+        raise ModelLoadError(
+            f"no draft model given for target '{target.name}': pass a draft id (same tokenizer) or use prompt lookup"
+        )
+    if draft == TRAINED_DRAFT_ID or (Path(draft) / "eagle.json").exists():
+        from .eagle import load_trained_draft
+
+        path = ASSETS / TRAINED_DRAFT_ID if draft == TRAINED_DRAFT_ID else Path(draft)
+        if not (path / "config.json").exists() and not (path / "eagle.json").exists():
+            raise ModelLoadError(f"the trained draft '{draft}' is not in {path}; train it with `python -m specdemo distill`")
+        return load_trained_draft(path, target), draft
+    loaded = load_model(draft, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+    check_tokenizers(target, loaded.name, loaded.tokenizer)
+    return ModelDrafter(loaded.model, target.device), draft
+
+
+def load_pair(target: str, kind: str = "model", draft: str | None = None, device=None, dtype=None,
+              draft_device=None, trust_remote_code: bool = False) -> Pair:
+    """Load a target and its drafter (models are cached between calls)."""
+    loaded = load_model(target or BUNDLED_ID, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+    drafter, draft_name = make_drafter(loaded, kind, draft, draft_device or device, dtype, trust_remote_code)
+    return Pair(loaded, drafter, kind, draft_name)
+
+
+def warmup(pair: Pair, prompt_ids: list[int], config: GenerationConfig) -> None:
+    """A few untimed steps of both decoders, so one-off allocation costs do not land on either clock."""
+    short = GenerationConfig(max_new_tokens=4, num_draft_tokens=config.num_draft_tokens, sampling=config.sampling)
+    for _ in autoregressive(pair.target.model, pair.target.tokenizer, prompt_ids, short):
+        pass
+    for _ in speculative(pair.target.model, pair.target.tokenizer, pair.drafter, prompt_ids, short):
+        pass
+
+
+def stream_pair(pair: Pair, prompt_ids: list[int], config: GenerationConfig) -> Iterator[tuple[str, StepEvent]]:
+    """("ar", event)s until the autoregressive run ends, then ("sd", event)s: sequential, never competing."""
+    tok = pair.target.tokenizer
+    for event in autoregressive(pair.target.model, tok, prompt_ids, config):
+        yield "ar", event
+    for event in speculative(pair.target.model, tok, pair.drafter, prompt_ids, config):
+        yield "sd", event
+
+
+def first_mismatch(target: LoadedModel, prompt_ids: list[int], a: list[int], b: list[int]) -> dict | None:
+    """Where two greedy outputs first differ, the target's top-2 logit gap there (a near-tie means numerics)."""
+    i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if i is None:
+        return None
+    with torch.inference_mode():
+        x = torch.tensor([prompt_ids + a[:i]], device=target.device)
+        logits = target.model(input_ids=x, logits_to_keep=1).logits[0, -1].float()
+    top = torch.topk(logits, 2)
+    return {"index": i, "ar_token": a[i], "sd_token": b[i], "top2_logit_gap": float(top.values[0] - top.values[1]),
+            "top2_tokens": [int(t) for t in top.indices]}
+
+
+def result_dict(pair: Pair, config: GenerationConfig, ar_events: list[StepEvent], sd_events: list[StepEvent],
+                prompt_ids: list[int] | None = None) -> dict:
+    """The CLI's `generate --json` object (the app's API returns the same keys)."""
+    ar, sd = run_stats(ar_events), run_stats(sd_events)
+    ar_ids, sd_ids = generated_ids(ar_events), generated_ids(sd_events)
+    out = {
+        "target": pair.target.name,
+        "draft": pair.draft_name,
+        "drafter": pair.drafter_kind,
+        "k": config.num_draft_tokens,
+        "dynamic_k": config.dynamic_k,
+        "temperature": config.sampling.temperature,
+        "top_p": config.sampling.top_p,
+        "max_new_tokens": config.max_new_tokens,
+        "device": str(pair.target.device),
+        "dtype": str(pair.target.dtype).replace("torch.", ""),
+        "ar": _run_json(ar_events, ar),
+        "sd": {**_run_json(sd_events, sd), "acceptance_rate": sd.acceptance_rate, "mean_accepted": sd.mean_accepted,
+               "steps": sd.steps, "drafted": sd.drafted, "accepted": sd.accepted,
+               "per_position_acceptance": sd.per_position_acceptance, "accepted_histogram": sd.accepted_histogram,
+               "draft_seconds": sd.draft_seconds, "verify_seconds": sd.verify_seconds},
+        "speedup": speedup(ar, sd),
+        "identical": ar_ids == sd_ids,
+    }
+    if config.sampling.greedy and ar_ids != sd_ids and prompt_ids is not None:
+        out["mismatch"] = first_mismatch(pair.target, prompt_ids, ar_ids, sd_ids)
+    return out
+
+
+def _run_json(events: list[StepEvent], stats: RunStats) -> dict:
+    return {"text": "".join(e.text for e in events), "tokens": stats.tokens, "seconds": stats.seconds,
+            "tokens_per_s": stats.tokens_per_s}
+
+
+def compare(pair: Pair, prompt: str, config: GenerationConfig, do_warmup: bool = True,
+            on_event: Callable[[str, StepEvent], None] | None = None) -> dict:
+    """Both runs on one prompt, one after the other; returns result_dict."""
+    prompt_ids = encode_prompt(pair.target.tokenizer, prompt, config.use_chat_template)
+    config.validate()
+    if do_warmup:
+        warmup(pair, prompt_ids, config)
+    runs: dict[str, list[StepEvent]] = {"ar": [], "sd": []}
+    for which, event in stream_pair(pair, prompt_ids, config):
+        runs[which].append(event)
+        if on_event:
+            on_event(which, event)
+    return result_dict(pair, config, runs["ar"], runs["sd"], prompt_ids)

@@ -1,0 +1,497 @@
+"""Distil an EAGLE-style draft head (specdemo.eagle) from a target model, using only the target's own answers.
+
+Stages, each cached in the work folder so a rerun skips what is done: (1) the target answers instructions written
+here programmatically (never the evaluation prompts), (2) its final hidden states and greedy tokens are recorded,
+(3) the head is trained and the asset written to --out. Usage: python -m specdemo.distill --target ID --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------------------------------------------
+# Instructions (our own; the evaluation prompts in shared/prompts are never read here)
+
+TOPICS = [
+    "honeybees", "volcanoes", "the history of the bicycle", "coral reefs", "solar panels", "the Roman Empire",
+    "black holes", "sourdough bread", "electric cars", "the water cycle", "chess openings", "the human heart",
+    "public libraries", "climate change", "the invention of the printing press", "octopuses", "jazz music",
+    "remote work", "recycling plastic", "the Great Wall of China", "vaccines", "deep sea exploration",
+    "the stock market", "photosynthesis", "urban gardening", "the Olympic Games", "machine learning",
+    "ancient Egypt", "coffee farming", "earthquakes", "the internet", "penguins", "wind turbines",
+    "the French Revolution", "meditation", "rainforests", "space tourism", "the immune system", "board games",
+    "renewable energy", "the moon landing", "migratory birds", "3D printing", "tea ceremonies", "glaciers",
+    "the Silk Road", "smartphones", "sleep and memory", "desert plants", "video game design", "tides",
+    "the periodic table", "lighthouses", "marathon training", "ocean plastic", "the Renaissance", "bats",
+    "volunteering", "cloud computing", "hot air balloons", "fermentation", "the Amazon river",
+]
+
+CODE_TASKS = [
+    "reverses a string", "checks whether a number is prime", "returns the n-th Fibonacci number",
+    "counts the words in a sentence", "merges two sorted lists", "removes duplicates from a list while keeping order",
+    "computes the factorial of n", "finds the largest element in a list", "checks whether a string is a palindrome",
+    "converts Celsius to Fahrenheit", "flattens a nested list", "returns the average of a list of numbers",
+    "counts vowels in a string", "sorts a list of dictionaries by a key", "reads a text file and returns its lines",
+    "computes the greatest common divisor of two numbers", "capitalizes the first letter of every word",
+    "returns the second largest number in a list", "checks whether two strings are anagrams",
+    "implements binary search", "computes the sum of the digits of an integer", "transposes a matrix",
+    "groups words by their first letter", "validates an email address with a regular expression",
+]
+CODE_LANGS = ["Python", "Python", "Python", "JavaScript", "C", "Rust", "Java", "Go"]
+SNIPPETS = [
+    "def f(xs):\n    return [x * x for x in xs if x % 2 == 0]",
+    "for i in range(1, 16):\n    print('FizzBuzz' if i % 15 == 0 else 'Fizz' if i % 3 == 0 else 'Buzz' if i % 5 == 0 else i)",
+    "def g(d):\n    return {v: k for k, v in d.items()}",
+    "total = 0\nfor line in open('data.txt'):\n    total += int(line)\nprint(total)",
+    "def mean(xs):\n    return sum(xs) / len(xs)",
+    "const add = (a, b) => a + b;\nconsole.log([1, 2, 3].reduce(add, 0));",
+    "SELECT name, COUNT(*) FROM orders GROUP BY name ORDER BY COUNT(*) DESC;",
+    "def fact(n):\n    return 1 if n <= 1 else n * fact(n - 1)",
+]
+
+ENTITIES = [
+    ("a book", "title, author, year, genres"), ("a person", "name, age, email, city"),
+    ("a movie", "title, director, year, rating"), ("a recipe", "name, ingredients, steps, time_minutes"),
+    ("a product", "name, price, in_stock, tags"), ("a city", "name, country, population, landmarks"),
+    ("a car", "make, model, year, color"), ("a song", "title, artist, album, duration_seconds"),
+    ("an employee", "id, name, department, salary"), ("a planet", "name, diameter_km, moons, has_rings"),
+    ("a student", "name, grade, subjects, average"), ("a flight", "number, origin, destination, departure_time"),
+]
+
+SENTENCES = [
+    "The weather is beautiful today.", "Where is the nearest train station?", "I would like a cup of coffee, please.",
+    "My brother works in a hospital.", "We are going to the beach this weekend.", "This book is very interesting.",
+    "Can you help me find my keys?", "The museum opens at nine in the morning.", "I have been learning to cook.",
+    "Thank you for your help yesterday.", "The children are playing in the garden.", "How much does this cost?",
+]
+LANGS = ["French", "Spanish", "German", "Italian", "Portuguese"]
+
+NAMES = ["Tom", "Maria", "Ali", "Sara", "Ken", "Lena", "Omar", "Julia"]
+ITEMS = ["apples", "pencils", "tickets", "books", "cookies", "stamps"]
+
+
+def _reasoning(rng: random.Random) -> str:
+    a, b, c = rng.randint(3, 19), rng.randint(2, 12), rng.randint(20, 100)
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    forms = [
+        f"{name} buys {a} {item} that cost ${b} each and pays with ${a * b + c}. How much change does {name} get? "
+        "Explain step by step.",
+        f"A train travels {a * 10} km in {b} hours. What is its average speed? Show your reasoning.",
+        f"{name} has {c} {item} and gives away {a} to each of {b % 5 + 2} friends. How many are left?",
+        f"If a rectangle is {a} cm long and {b} cm wide, what are its area and perimeter?",
+        f"What is {a * b} divided by {b}, plus {c}? Think step by step.",
+        f"A class has {c} students and {a}% of them wear glasses. About how many wear glasses?",
+        f"Is {a * 7 + 1} a prime number? Explain how you know.",
+        f"{name} reads {a} pages a day. How many days does it take to finish a book of {a * b + a} pages?",
+    ]
+    return rng.choice(forms)
+
+
+def _simple_prompts(rng: random.Random, n_each: dict[str, int]) -> list[tuple[str, list[dict]]]:
+    """(category, messages) for instructions that need no earlier answer."""
+    out = []
+    t = lambda: rng.choice(TOPICS)  # noqa: E731
+    chat = [
+        "What is {x}?", "Explain {x} in simple terms.", "Give me three interesting facts about {x}.",
+        "What are the pros and cons of {x}?", "Why is {x} important?", "How would you explain {x} to a child?",
+        "What are common misconceptions about {x}?", "I want to learn about {x}. Where should I start?",
+    ]
+    creative = [
+        "Write a short poem about {x}.", "Write a haiku about {x}.", "Write a short story involving {x}.",
+        "Write a limerick about {x}.", "Write a motivational speech that mentions {x}.",
+        "Describe {x} as if you were a pirate.", "Write a short dialogue between two friends about {x}.",
+        "Write a product advertisement inspired by {x}.",
+    ]
+    for _ in range(n_each["chat"]):
+        out.append(("chat", [{"role": "user", "content": rng.choice(chat).format(x=t())}]))
+    for _ in range(n_each["creative"]):
+        out.append(("creative", [{"role": "user", "content": rng.choice(creative).format(x=t())}]))
+    for _ in range(n_each["code"]):
+        form = rng.randrange(3)
+        if form == 0:
+            msg = f"Write a {rng.choice(CODE_LANGS)} function that {rng.choice(CODE_TASKS)}."
+        elif form == 1:
+            msg = f"Explain what this code does:\n\n{rng.choice(SNIPPETS)}"
+        else:
+            msg = f"Write a {rng.choice(CODE_LANGS)} program that {rng.choice(CODE_TASKS)}, with comments."
+        out.append(("code", [{"role": "user", "content": msg}]))
+    for _ in range(n_each["structured"]):
+        what, fields = rng.choice(ENTITIES)
+        form = rng.randrange(4)
+        if form == 0:
+            msg = f"Return a JSON object describing {what} with the fields {fields}."
+        elif form == 1:
+            msg = f"Create a JSON array of three examples of {what}, each with {fields}."
+        elif form == 2:
+            msg = f"Make a markdown table of four examples of {what} with columns {fields}."
+        else:
+            msg = f"List five facts about {t()} as a numbered list."
+        out.append(("structured", [{"role": "user", "content": msg}]))
+    for _ in range(n_each["reasoning"]):
+        out.append(("reasoning", [{"role": "user", "content": _reasoning(rng)}]))
+    for _ in range(n_each["translation"]):
+        s, lang = rng.choice(SENTENCES), rng.choice(LANGS)
+        form = rng.choice([f"Translate to {lang}: {s}", f"Translate the following sentence into {lang}.\n\n{s}",
+                           f"How do you say \"{s}\" in {lang}?"])
+        out.append(("translation", [{"role": "user", "content": form}]))
+    return out
+
+
+def _text_prompts(rng: random.Random, paragraphs: list[str], n_extract: int, n_turns: int):
+    """(category, messages) built on paragraphs the target wrote first: summaries, rewrites, follow-up turns."""
+    extract = [
+        "Summarize the following text in two sentences.\n\n{p}", "Summarize the following text in one sentence.\n\n{p}",
+        "Rewrite the following paragraph in a formal tone.\n\n{p}", "List the key points of this text as bullets.\n\n{p}",
+        "Give this text a title and a one-line summary.\n\n{p}", "Rewrite this for a ten-year-old.\n\n{p}",
+        "Extract three keywords from the text below.\n\n{p}", "{p}\n\nWhat is the main idea of the text above?",
+        "Shorten the following paragraph to about half its length.\n\n{p}",
+    ]
+    follow = ["Can you make that shorter?", "Give me an example.", "Explain that to a child.",
+              "Now summarize it in one sentence.", "Can you turn that into a list?", "Tell me more about it."]
+    out = []
+    for _ in range(n_extract):
+        out.append(("extractive", [{"role": "user", "content": rng.choice(extract).format(p=rng.choice(paragraphs))}]))
+    for _ in range(n_turns):
+        i = rng.randrange(len(paragraphs))
+        out.append(("multi_turn", [
+            {"role": "user", "content": f"Tell me about {TOPICS[i % len(TOPICS)]}."},
+            {"role": "assistant", "content": paragraphs[i]},
+            {"role": "user", "content": rng.choice(follow)},
+        ]))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stage 1: the target's answers
+
+
+def _generate(target, tokenizer, convs, max_new_tokens: int, batch_size: int, sample_temp: float = 0.0,
+              seed: int = 0) -> list[dict]:
+    """Batched generation with left padding; returns {ids, prompt_len} per conversation, in order."""
+    tokenizer.padding_side = "left"
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in convs]
+    results = []
+    for start in range(0, len(prompts), batch_size):
+        enc = tokenizer(prompts[start : start + batch_size], return_tensors="pt", padding=True,
+                        add_special_tokens=False).to(target.device)
+        kw = dict(do_sample=True, temperature=sample_temp, top_k=0, top_p=1.0) if sample_temp > 0 else dict(do_sample=False)
+        torch.manual_seed(seed + start)
+        with torch.inference_mode():
+            out = target.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=pad, **kw)
+        width = enc["input_ids"].shape[1]
+        for row, mask in zip(out.tolist(), enc["attention_mask"].tolist()):
+            prompt = [t for t, m in zip(row[:width], mask) if m]
+            answer = row[width:]
+            eos = tokenizer.eos_token_id
+            if eos in answer:  # keep the EOS itself: the draft should learn when answers end
+                answer = answer[: answer.index(eos) + 1]
+            results.append({"ids": prompt + answer, "prompt_len": len(prompt)})
+    return results
+
+
+def _jsonl_load(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.open()] if path.exists() else []
+
+
+PARAGRAPHS = 64  # first-stage paragraphs, material for the extractive and multi-turn instructions
+PARAGRAPH_TOKENS = 160
+
+
+def build_data(target, tokenizer, work: Path, seed: int, scale: float, max_new_tokens: int, batch_size: int,
+               log_fn) -> list[dict]:
+    """All training sequences (prompt + target answer), generated once and cached batch by batch in work/samples.jsonl."""
+    path = work / "samples.jsonl"
+    samples = _jsonl_load(path)
+    rng = random.Random(seed)
+    n = lambda x: round(x * scale)  # noqa: E731
+    para = [[{"role": "user", "content": f"Write a paragraph of about 100 words about {TOPICS[i % len(TOPICS)]}."}]
+            for i in range(PARAGRAPHS)]
+    simple = _simple_prompts(rng, {"chat": n(40), "creative": n(32), "code": n(48), "structured": n(40),
+                                   "reasoning": n(32), "translation": n(24)})
+    sampled = _simple_prompts(random.Random(seed + 1), {"chat": n(12), "creative": n(12), "code": n(4),
+                                                        "structured": n(4), "reasoning": 0, "translation": 0})
+    gen = lambda stage, convs, tokens, temp: _run_stage(  # noqa: E731
+        stage, convs, target, tokenizer, tokens, batch_size, temp, seed, path, samples, log_fn)
+    gen("paragraph", para, PARAGRAPH_TOKENS, 0.0)
+    paragraphs = [tokenizer.decode(s["ids"][s["prompt_len"]:], skip_special_tokens=True).strip()
+                  for s in samples if s["stage"] == "paragraph"]
+    gen("text", [m for _, m in _text_prompts(rng, paragraphs, n(64), n(32))], max_new_tokens, 0.0)
+    gen("simple", [m for _, m in simple], max_new_tokens, 0.0)
+    gen("sampled", [m for _, m in sampled], max_new_tokens, 0.8)
+    return samples
+
+
+def _run_stage(name, convs, target, tokenizer, max_new_tokens, batch_size, temp, seed, path, samples, log_fn):
+    """Generate answers for the conversations of a stage that are not cached yet, saving after each batch."""
+    have = sum(s["stage"] == name for s in samples)
+    for start in range(have, len(convs), batch_size):
+        t0 = time.perf_counter()
+        new = _generate(target, tokenizer, convs[start : start + batch_size], max_new_tokens, batch_size, temp,
+                        seed + start)
+        with path.open("a") as f:
+            for s in new:
+                s["stage"] = name
+                f.write(json.dumps(s) + "\n")
+        samples.extend(new)
+        log_fn({"event": "generated", "stage": name, "sequences": start + len(new), "of": len(convs),
+                "seconds": round(time.perf_counter() - t0, 1),
+                "answer_tokens": sum(len(s["ids"]) - s["prompt_len"] for s in new)})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stage 2: the target's features and greedy tokens at every position
+
+
+@torch.inference_mode()
+def build_features(target, samples: list[dict], work: Path, batch_size: int = 8) -> dict:
+    """Final hidden states (fp16) and the target's greedy next token at every position; cached in work/features.pt."""
+    path = work / "features.pt"
+    if path.exists():
+        return torch.load(path)
+    head = target.get_output_embeddings().weight
+    feats, top1 = [], []
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i]["ids"]))
+    out: dict[int, tuple] = {}
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        width = max(len(samples[i]["ids"]) for i in idx)
+        x = torch.zeros(len(idx), width, dtype=torch.long)
+        mask = torch.zeros(len(idx), width, dtype=torch.long)
+        for r, i in enumerate(idx):  # right padding: real positions keep their own indices
+            ids = samples[i]["ids"]
+            x[r, : len(ids)], mask[r, : len(ids)] = torch.tensor(ids), 1
+        h = target.model(input_ids=x.to(target.device), attention_mask=mask.to(target.device)).last_hidden_state
+        for r, i in enumerate(idx):
+            n = len(samples[i]["ids"])
+            out[i] = (h[r, :n].half().cpu(), (h[r, :n] @ head.T).argmax(-1).int().cpu())
+    for i in range(len(samples)):
+        feats.append(out[i][0])
+        top1.append(out[i][1])
+    data = {"features": feats, "top1": top1}
+    torch.save(data, path)
+    return data
+
+
+def choose_subset(samples: list[dict], top1: list[torch.Tensor], size: int, vocab: int, always: list[int]) -> torch.Tensor:
+    """The `size` most frequent target tokens (greedy labels and answer tokens); low ids (early BPE merges) fill the rest."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for s, t in zip(samples, top1):
+        counts += torch.bincount(t.long(), minlength=vocab)
+        counts += torch.bincount(torch.tensor(s["ids"][s["prompt_len"]:], dtype=torch.long), minlength=vocab)
+    counts[always] = counts.max() + 1
+    ranked = torch.argsort(-(counts.double() + 1.0 / (2.0 + torch.arange(vocab, dtype=torch.double))))
+    return ranked[:size].sort().values
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stage 3: training (regression to the next feature + cross-entropy to the target's token, unrolled `depth` steps)
+
+
+def _batch(samples, data, idx, max_len, skip, depth, sub_index, device):
+    """Padded tensors for sequences `idx`: features (B, T, H), tokens (B, T + depth), labels/targets per depth."""
+    lens = [min(len(samples[i]["ids"]), max_len) for i in idx]
+    t = max(lens)
+    b, h = len(idx), data["features"][0].shape[-1]
+    feats = torch.zeros(b, t + depth, h)
+    tokens = torch.zeros(b, t + depth, dtype=torch.long)
+    labels = torch.full((b, t + depth), -100, dtype=torch.long)
+    for r, (i, n) in enumerate(zip(idx, lens)):
+        feats[r, :n] = data["features"][i][:n].float()
+        tokens[r, :n] = torch.tensor(samples[i]["ids"][:n])
+        lab = sub_index[data["top1"][i][:n].long()]
+        lab[:skip] = -100  # the shared system prompt teaches nothing new
+        labels[r, :n] = lab
+    valid = labels != -100
+    return feats.to(device), tokens.to(device), labels.to(device), valid.to(device), t
+
+
+def _losses(head, feats, tokens, labels, valid, t, depth, noise, feat_weight, gen=None):
+    """Per-depth (ce, feature loss, correct mask); row i of depth d predicts position i + d."""
+    inp = feats[:, :t]
+    if noise > 0:
+        inp = inp + (torch.rand(inp.shape, generator=gen, device=inp.device) - 0.5) * 2 * noise
+    outs = head.unrolled(inp, tokens, depth)
+    res = []
+    for d, g in enumerate(outs, start=1):
+        lab, ok = labels[:, d : d + t], valid[:, d : d + t]
+        logits = head.logits(g[ok])  # (N, S)
+        ce = F.cross_entropy(logits.float(), lab[ok])
+        fl = F.smooth_l1_loss(g[ok].float(), feats[:, d : d + t][ok])
+        res.append((ce, fl * feat_weight, logits.argmax(-1) == lab[ok], ok))
+    return res
+
+
+@torch.no_grad()
+def evaluate(head, samples, data, idx, args, sub_index, device) -> dict:
+    """Held-out top-1 agreement with the target at draft steps 1..depth, and the chain rate (all steps right)."""
+    head.eval()
+    right = torch.zeros(args.depth)
+    chain = torch.zeros(args.depth)
+    total = 0
+    for s in range(0, len(idx), args.batch_size):
+        feats, tokens, labels, valid, t = _batch(samples, data, idx[s : s + args.batch_size], args.max_len,
+                                                 args.skip, args.depth, sub_index, device)
+        outs = head.unrolled(feats[:, :t], tokens, args.depth)
+        ok_all = valid[:, args.depth : args.depth + t]  # rows with a label at every depth
+        alive = torch.ones_like(ok_all)
+        for d, g in enumerate(outs, start=1):
+            hit = head.logits(g).argmax(-1) == labels[:, d : d + t]
+            right[d - 1] += float((hit & ok_all).sum())
+            alive = alive & hit
+            chain[d - 1] += float((alive & ok_all).sum())
+        total += float(ok_all.sum())
+    head.train()
+    acc = (right / max(total, 1)).tolist()
+    chain_rate = (chain / max(total, 1)).tolist()
+    return {"top1_step": [round(a, 4) for a in acc], "chain": [round(c, 4) for c in chain_rate],
+            "est_mean_accepted": round(1 + sum(chain_rate), 3)}  # per target pass at k = depth, bonus included
+
+
+def train(head, samples, data, args, device, log_fn) -> dict:
+    """AdamW with warmup and cosine decay over args.steps steps; returns the last held-out metrics."""
+    rng = random.Random(args.seed)
+    order = list(range(len(samples)))
+    rng.shuffle(order)
+    n_eval = max(4, len(order) // 20)
+    held, train_idx = order[:n_eval], order[n_eval:]
+    sub_index = torch.full((head.c.vocab_size,), -100, dtype=torch.long)
+    sub_index[head.subset.cpu()] = torch.arange(len(head.subset))
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    warm = max(1, args.steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))))
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    head.train()
+    t0, cursor = time.perf_counter(), len(train_idx)
+    metrics = evaluate(head, samples, data, held, args, sub_index, device)
+    log_fn({"event": "eval", "step": 0, **metrics})
+    for step in range(1, args.steps + 1):
+        if cursor + args.batch_size > len(train_idx):
+            rng.shuffle(train_idx)
+            cursor = 0
+        idx = train_idx[cursor : cursor + args.batch_size]
+        cursor += args.batch_size
+        feats, tokens, labels, valid, t = _batch(samples, data, idx, args.max_len, args.skip, args.depth,
+                                                 sub_index, device)
+        res = _losses(head, feats, tokens, labels, valid, t, args.depth, args.noise, args.feat_weight, gen)
+        loss = sum((args.decay ** d) * (ce + fl) for d, (ce, fl, _, _) in enumerate(res))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        if step % args.log_every == 0 or step == args.steps:
+            log_fn({"event": "train", "step": step, "loss": round(loss.item(), 4),
+                    "ce": [round(r[0].item(), 3) for r in res], "feat": [round(r[1].item(), 4) for r in res],
+                    "acc": [round(float(r[2].float().mean()), 3) for r in res],
+                    "lr": round(sched.get_last_lr()[0], 6), "seconds": round(time.perf_counter() - t0, 1)})
+        if step % args.eval_every == 0 or step == args.steps:
+            metrics = evaluate(head, samples, data, held, args, sub_index, device)
+            log_fn({"event": "eval", "step": step, **metrics, "seconds": round(time.perf_counter() - t0, 1)})
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m specdemo distill", description=__doc__.splitlines()[0])
+    p.add_argument("--target", required=True, help="target model id or folder (e.g. smollm2-135m)")
+    p.add_argument("--out", required=True, help="asset folder to write (weights, config, train_log.jsonl)")
+    p.add_argument("--work", default=None, help="cache folder for generated data (default: OUT/cache)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scale", type=float, default=1.0, help="multiplies the number of generated answers")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--gen-batch-size", type=int, default=32)
+    p.add_argument("--subset-size", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-len", type=int, default=448)
+    p.add_argument("--depth", type=int, default=3, help="draft steps unrolled in training (training-time test)")
+    p.add_argument("--decay", type=float, default=0.8, help="loss weight ratio between successive depths")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--noise", type=float, default=0.05, help="uniform noise on input features")
+    p.add_argument("--feat-weight", type=float, default=0.5, help="weight of the smooth L1 feature loss")
+    p.add_argument("--skip", type=int, default=0, help="leading positions without loss (default: shared prefix)")
+    p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--data-only", action="store_true", help="stop after generating data and features")
+    return p.parse_args(argv)
+
+
+def _common_prefix(samples: list[dict]) -> int:
+    first = samples[0]["ids"]
+    n = min(len(s["ids"]) for s in samples)
+    for i in range(n):
+        if any(s["ids"][i] != first[i] for s in samples):
+            return i
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Generate data with the target, record its features, train the head and write the asset."""
+    from .eagle import build_head, save_draft
+    from .loading import load_model
+
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    out = Path(args.out)
+    work = Path(args.work) if args.work else out / "cache"
+    work.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    log_path = out / "train_log.jsonl"
+    t_start = time.perf_counter()
+
+    def log_fn(record: dict) -> None:
+        record = {"time": round(time.perf_counter() - t_start, 1), **record}
+        log.info(json.dumps(record))
+        with log_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    log_fn({"event": "start", "args": vars(args)})
+    loaded = load_model(args.target, device=args.device, dtype="fp32")
+    target, tokenizer = loaded.model, loaded.tokenizer
+    for p in target.parameters():
+        p.requires_grad_(False)
+    samples = build_data(target, tokenizer, work, args.seed, args.scale, args.max_new_tokens, args.gen_batch_size,
+                         log_fn)
+    t = time.perf_counter()
+    data = build_features(target, samples, work)
+    log_fn({"event": "features", "positions": sum(len(f) for f in data["features"]),
+            "seconds": round(time.perf_counter() - t, 1)})
+    if args.data_only:
+        return 0
+    eos = sorted(set([tokenizer.eos_token_id] + list(_eos_list(target))))
+    subset = choose_subset(samples, data["top1"], args.subset_size, target.config.vocab_size, eos)
+    args.skip = args.skip or _common_prefix(samples)
+    head = build_head(target, subset)
+    metrics = train(head, samples, data, args, loaded.device, log_fn)
+    save_draft(head, out, {"target": args.target, "metrics": metrics, "train_seconds": round(time.perf_counter() - t_start)})
+    log_fn({"event": "done", "total_seconds": round(time.perf_counter() - t_start, 1), **metrics})
+    return 0
+
+
+def _eos_list(model) -> list[int]:
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    return [ids] if isinstance(ids, int) else list(ids or [])
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

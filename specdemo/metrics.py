@@ -1,0 +1,107 @@
+"""Numbers from step events, and the theory of Leviathan et al. 2023 (expected tokens per pass, speedup, best k).
+
+"Mean accepted length" here is tokens committed per speculative target pass, bonus/correction token included;
+the first token (from the prefill pass) is counted in tokens/s but not in per-step figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .engine import StepEvent
+
+
+@dataclass
+class RunStats:
+    """What one decoder run achieved."""
+
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    steps: int = 0  # speculative target passes (verify steps), prefill excluded
+    drafted: int = 0
+    accepted: int = 0
+    acceptance_rate: float = 0.0  # accepted drafts / drafted tokens
+    mean_accepted: float = 0.0  # tokens per verify pass, bonus/correction included
+    per_position_acceptance: list[float] = field(default_factory=list)  # P(draft i accepted), over steps that drafted i
+    accepted_histogram: list[int] = field(default_factory=list)  # steps with 0, 1, ..., k accepted drafts
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def run_stats(events: list[StepEvent]) -> RunStats:
+    """Summarize a finished (or stopped) run."""
+    if not events:
+        return RunStats(0, 0.0, 0.0)
+    tokens = events[-1].num_generated
+    seconds = events[-1].elapsed
+    spec = [e for e in events if e.kind == "spec"]
+    drafted = sum(len(e.drafted) for e in spec)
+    accepted = sum(e.num_accepted for e in spec)
+    width = max((len(e.drafted) for e in spec), default=0)
+    proposed_at = [sum(1 for e in spec if len(e.drafted) > i) for i in range(width)]
+    accepted_at = [sum(1 for e in spec if e.num_accepted > i) for i in range(width)]
+    histogram = [0] * (width + 1)
+    for e in spec:
+        histogram[e.num_accepted] += 1
+    return RunStats(
+        tokens=tokens,
+        seconds=seconds,
+        tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
+        steps=len(spec),
+        drafted=drafted,
+        accepted=accepted,
+        acceptance_rate=accepted / drafted if drafted else 0.0,
+        mean_accepted=sum(len(e.tokens) for e in spec) / len(spec) if spec else 0.0,
+        per_position_acceptance=[a / p if p else 0.0 for a, p in zip(accepted_at, proposed_at)],
+        accepted_histogram=histogram if spec else [],
+        draft_seconds=sum(e.draft_seconds for e in spec),
+        verify_seconds=sum(e.verify_seconds for e in spec),
+    )
+
+
+def speedup(ar: RunStats, sd: RunStats) -> float:
+    """Speculative tokens/s over autoregressive tokens/s."""
+    return sd.tokens_per_s / ar.tokens_per_s if ar.tokens_per_s > 0 else 0.0
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E[tokens per target pass] = (1 - alpha^(k+1)) / (1 - alpha)  (Leviathan et al., eq. 1)."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def expected_speedup(alpha: float, c: float, k: int, verify_cost: float = 1.0) -> float:
+    """Expected walltime improvement E[tokens] / (k*c + verify_cost)  (Leviathan et al., Thm 3.8).
+
+    c is the draft's cost per token relative to one target pass; verify_cost is the cost of a (k+1)-token
+    target pass relative to a 1-token pass (1 on a GPU per the paper; measurably more on a CPU).
+    """
+    return expected_tokens(alpha, k) / (k * c + verify_cost)
+
+
+def best_k(alpha: float, c: float, k_max: int = 16, verify_costs: dict[int, float] | None = None) -> int:
+    """The k in 1..k_max that maximizes expected_speedup."""
+    costs = verify_costs or {}
+    return max(range(1, k_max + 1), key=lambda k: expected_speedup(alpha, c, k, costs.get(k, 1.0)))
+
+
+def alpha_from_mean_accepted(mean_accepted: float, k: int) -> float:
+    """Invert expected_tokens for alpha, given a measured mean accepted length (bonus included) at fixed k."""
+    target = min(max(mean_accepted, 1.0), k + 1.0)
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # bisection; expected_tokens is increasing in alpha
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens(mid, k) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
+def cost_ratio(sd: RunStats, ar: RunStats) -> float:
+    """c: the drafter's seconds per drafted token over the target's seconds per autoregressive token."""
+    if not sd.drafted or ar.tokens_per_s <= 0:
+        return 0.0
+    return (sd.draft_seconds / sd.drafted) * ar.tokens_per_s

