@@ -1,0 +1,181 @@
+"""The app's pieces without a server: rendering, replay pacing, request checks, charts, and the handlers on the
+real bundled model (slow)."""
+
+from __future__ import annotations
+
+import html
+import re
+
+import pytest
+
+from specdemo import charts
+from specdemo.engine import StepEvent
+from specdemo.metrics import RunStats
+from specdemo.render import COMMITTED, KINDS, Segment, event_segments, segments_html, split_text
+from specdemo.ui import (EXAMPLES, AppLimits, Handlers, UserError, make_request, preset_fields, replay_frames,
+                         sweep_theory)
+
+REWRITE = next(p for c, p in EXAMPLES if c == "rewrite")
+COMMITTED_CLASSES = tuple(KINDS[k][0] for k in COMMITTED)
+SPAN = re.compile(r'<span class="(tok-[a-z]+)">(.*?)</span>', re.S)
+
+
+def spans(panel: str) -> list[tuple[str, str]]:
+    """(class, unescaped text) of every token span in a panel."""
+    return [(cls, html.unescape(text)) for cls, text in SPAN.findall(panel)]
+
+
+def committed_text(panel: str) -> str:
+    return "".join(text for cls, text in spans(panel) if cls in COMMITTED_CLASSES)
+
+
+class WordTokenizer:
+    """decode() of one id is its word; enough for event_segments."""
+
+    def __init__(self, words):
+        self.words = words
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(self.words[i] for i in ids)
+
+
+def test_split_text_always_joins_to_the_event_text():
+    """Pieces that match are kept; special tokens and split characters get "" and the rest goes last."""
+    assert split_text([" a", " b"], " a b") == [" a", " b"]
+    assert split_text(["\ufffd", "\ufffd"], "é") == ["", "é"]
+    assert split_text([" end", "<|im_end|>"], " end") == [" end", ""]
+
+
+def test_event_segments_place_rejected_drafts_before_the_correction():
+    """accepted, then the struck-through rejected drafts, then the target's correction; bonus after a full accept."""
+    tok = WordTokenizer([" w0", " w1", " w2", " w3", " w4", " w5"])
+    step = StepEvent("spec", [1, 2, 5], " w1 w2 w5", 0.1, 4, drafted=[1, 2, 3, 4], num_accepted=2, correction=5)
+    kinds = [(s.kind, s.text) for s in event_segments(step, tok, speculative=True)]
+    assert kinds == [("accepted", " w1"), ("accepted", " w2"), ("rejected", " w3"), ("rejected", " w4"),
+                     ("correction", " w5")]
+    full = StepEvent("spec", [1, 2, 3], " w1 w2 w3", 0.1, 3, drafted=[1, 2], num_accepted=2, bonus=3)
+    assert [s.kind for s in event_segments(full, tok, True)] == ["accepted", "accepted", "bonus"]
+    nothing = StepEvent("spec", [4], " w4", 0.1, 1, drafted=[], num_accepted=0)
+    assert [s.kind for s in event_segments(nothing, tok, True)] == ["target"]
+    assert [s.kind for s in event_segments(full, tok, False)] == ["plain"] * 3
+
+
+def test_segments_html_escapes_and_can_hide_rejected():
+    """Token text is html-escaped; hiding rejected drafts is a class on the panel."""
+    out = segments_html([Segment("accepted", "<b>&"), Segment("rejected", "x")], hide_rejected=True)
+    assert "&lt;b&gt;&amp;" in out and "<b>" not in out
+    assert 'class="tok-panel hide-rejected"' in out
+
+
+def test_replay_reveals_events_at_their_measured_times():
+    """Frames follow a fake clock: an event shows once its own elapsed time has passed; the last frame shows all."""
+    now = [0.0]
+    seen = []
+    for frame in replay_frames([0.05, 0.3, 0.9], [0.05, 0.2], clock=lambda: now[0],
+                               sleep=lambda s: now.__setitem__(0, now[0] + s)):
+        seen.append((now[0], frame))
+    assert seen[0] == (0.0, (0, 0, True))
+    assert seen[-1][1] == (3, 2, True) and seen[-1][0] == pytest.approx(0.9)
+    for t, (n_ar, n_sd, _) in seen:  # exactly the events whose own elapsed time has passed are shown
+        assert n_ar == sum(e <= t + 1e-9 for e in [0.05, 0.3, 0.9])
+        assert n_sd == sum(e <= t + 1e-9 for e in [0.05, 0.2])
+    plot_times = [t for t, f in seen if f[2]]
+    assert all(b - a >= 0.5 - 1e-9 for a, b in zip(plot_times[:-1], plot_times[1:-1]))  # plots are throttled
+    assert list(replay_frames([0.5], [0.2], pace=False)) == [(1, 1, True)]
+
+
+def test_running_speedup_ends_at_the_tokens_per_second_ratio():
+    """The last running-speedup value equals (sd tokens/s) / (ar tokens/s) of the whole runs."""
+    ar = [(0.0, 0), (1.0, 10), (2.0, 20)]
+    sd = [(0.0, 0), (0.5, 8), (1.0, 20)]
+    points = charts.running_speedup_points(ar, sd)
+    assert points[-1] == (2.0, pytest.approx((20 / 1.0) / (20 / 2.0)))
+    for fig in (charts.tokens_vs_time(ar, sd), charts.running_speedup(ar, sd), charts.accepted_histogram([1, 2])):
+        assert fig.data
+
+
+def test_make_request_refuses_bad_input_with_a_message():
+    """Empty prompt, absurd k, a token count over the cap and a model off the allowlist are refused up front."""
+    limits = AppLimits(max_new_tokens=64, allowlist=("org/allowed",))
+    ok = dict(prompt="hi", target="smollm2-135m", drafter="ngram", draft="", k=4, dynamic_k=False, temperature=0.0,
+              top_p=1.0, max_new_tokens=16)
+    assert make_request(**ok, limits=limits).draft is None
+    for bad, match in ((dict(prompt="  "), "empty"), (dict(k=999), "k must be"), (dict(k=0), "k must be"),
+                       (dict(max_new_tokens=65), "max new tokens"), (dict(target="org/other"), "not allowed"),
+                       (dict(drafter="model", draft="org/other"), "not allowed"), (dict(top_p=0.0), "top_p"),
+                       (dict(drafter="magic"), "Unknown drafter")):
+        with pytest.raises(UserError, match=match):
+            make_request(**{**ok, **bad}, limits=limits)
+
+
+def test_presets_fill_the_fields():
+    """A prompt-lookup preset selects the ngram drafter and clears the draft id."""
+    target, drafter, draft = preset_fields("Bundled SmolLM2-135M + prompt lookup (offline)")
+    assert (target, drafter, draft) == ("smollm2-135m", "ngram", "")
+
+
+def test_sweep_theory_finds_best_k_from_alpha_and_c():
+    """With a cheap, good drafter the expected speedup rises with k and best_k is large; alpha comes out in (0, 1)."""
+    ar = RunStats(tokens=20, seconds=1.0, tokens_per_s=20.0)
+    runs = {k: RunStats(20, 0.5, 40.0, steps=5, drafted=5 * k, mean_accepted=min(1 + 0.8 * k, k + 1),
+                        draft_seconds=0.001 * k, verify_seconds=5 * 0.05) for k in (1, 2, 3)}
+    theory = sweep_theory(ar, runs, k_max=8)
+    assert 0.0 < theory["alpha"] < 1.0 and theory["c"] < 0.1
+    assert len(theory["curve"]) == 8 and theory["best_k"] >= 3
+    fig = charts.k_sweep([{"k": k, "speedup": 1.0 + k / 10, "acceptance_rate": 0.5} for k in (1, 2, 3)],
+                         theory["curve"], 3, theory["best_k"])
+    assert len(fig.data) == 3
+
+
+# ---- the handlers on the real bundled model ----
+
+@pytest.fixture(scope="module")
+def handlers():
+    import torch
+
+    torch.set_num_threads(1)  # the CPU is shared; one thread is both faster and steadier here
+    return Handlers(AppLimits(max_new_tokens=64))
+
+
+@pytest.mark.slow
+def test_compare_handler_colors_every_committed_token(handlers):
+    """Greedy prompt lookup: one committed span per generated token, SD text == AR text, and the JSON agrees."""
+    outs = list(handlers.run_compare(REWRITE, "smollm2-135m", "ngram", "", 4, False, 0.0, 1.0, 24, False, True))
+    ar_html, sd_html, *_, stats, status, result, segments = outs[-1]
+    assert status.startswith("Done"), status
+    assert result["identical"] is True and result["ar"]["tokens"] == result["sd"]["tokens"] > 0
+    sd_spans = [s for s in spans(sd_html) if s[0] in COMMITTED_CLASSES]
+    assert len(sd_spans) == result["sd"]["tokens"]
+    assert len(spans(ar_html)) == result["ar"]["tokens"]
+    assert committed_text(sd_html) == committed_text(ar_html) == result["sd"]["text"] == result["ar"]["text"]
+    assert sum(1 for cls, _ in spans(sd_html) if cls == "tok-rejected") == result["sd"]["drafted"] - result["sd"]["accepted"]
+    assert sum(1 for cls, _ in spans(sd_html) if cls == "tok-accepted") == result["sd"]["accepted"]
+    assert "Speedup" in stats and "mean accepted length" in stats
+    # partial frames come before the final one, and the streamed panels only grow
+    panels = [o[1] for o in outs if isinstance(o[1], str)]
+    assert len(panels) >= 2
+    hidden = handlers.rerender(segments, True, sd_html)
+    assert "hide-rejected" in hidden and committed_text(hidden) == committed_text(sd_html)
+
+
+@pytest.mark.slow
+def test_errors_show_in_the_status_and_the_app_keeps_serving(handlers):
+    """An unknown model, an empty prompt and a hub-only preset offline give a clear status, not a traceback."""
+    for args, match in (((REWRITE, "no/such-model-xyz", "ngram", "", 4, False, 0.0, 1.0, 8), "Could not load"),
+                        (("", "smollm2-135m", "ngram", "", 4, False, 0.0, 1.0, 8), "prompt is empty"),
+                        ((REWRITE, "smollm2-135m", "ngram", "", 40, False, 0.0, 1.0, 8), "k must be")):
+        outs = list(handlers.run_compare(*args, False, False))
+        status, result = outs[-1][6], outs[-1][7]
+        assert status.startswith("**Error:**") and match in status, status
+        assert "error" in result
+    assert not handlers.hardware.locked()
+
+
+@pytest.mark.slow
+def test_sweep_handler_plots_measured_and_theory(handlers):
+    """A short sweep k = 1..2 yields a figure with the theory curve and a best k for the apply button."""
+    outs = list(handlers.run_sweep(REWRITE, "smollm2-135m", "ngram", "", 2, 0.0, 1.0, 8))
+    figs = [o[0] for o in outs if hasattr(o[0], "data")]
+    assert figs and {t.name for t in figs[-1].data} >= {"measured speedup", "acceptance rate"}
+    assert outs[-1][1].startswith("Done") and outs[-1][2] in (1, 2)
+    assert not handlers.hardware.locked()
