@@ -1,0 +1,133 @@
+"""The app as users' programs see it: `python app.py` on 127.0.0.1, driven by gradio_client (slow)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from specdemo.ui import EXAMPLES
+
+ROOT = Path(__file__).resolve().parent.parent
+REWRITE = next(p for c, p in EXAMPLES if c == "rewrite")
+CHAT = next(p for c, p in EXAMPLES if c == "open chat")
+RESULT_KEYS = {"target", "draft", "drafter", "k", "dynamic_k", "temperature", "top_p", "max_new_tokens", "device",
+               "dtype", "ar", "sd", "speedup", "identical"}
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(port: int, **env) -> subprocess.Popen:
+    """Start app.py on a port; one torch thread, since the CPU is shared."""
+    env = {**os.environ, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port), "OMP_NUM_THREADS": "1",
+           "GRADIO_ANALYTICS_ENABLED": "False", "SPECDEMO_MAX_NEW_TOKENS": "512", **env}
+    return subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"app.py exited:\n{proc.stdout.read()}")
+        try:
+            with urllib.request.urlopen(url + "/config", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"app.py did not answer on {url}")
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    proc = launch(port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from gradio_client import Client
+
+    return Client(server, verbose=False)
+
+
+def args(prompt: str, max_new_tokens: int, replay: bool = True, k: int = 4) -> tuple:
+    """/compare inputs: prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max new tokens,
+    hide rejected, replay."""
+    return (prompt, "smollm2-135m", "ngram", "", k, False, 0.0, 1.0, max_new_tokens, False, replay)
+
+
+_first: dict = {}
+
+
+def test_compare_endpoint_streams_and_returns_the_cli_json(client):
+    """Partial outputs arrive before the end; the final JSON has generate --json's keys and identical == True."""
+    job = client.submit(*args(REWRITE, 24), api_name="/compare")
+    updates = list(job)
+    result = job.outputs()[-1][7]
+    assert len(updates) >= 3, updates
+    assert RESULT_KEYS <= set(result), result
+    assert result["identical"] is True and result["sd"]["tokens"] == 24
+    assert result["ar"]["text"] == result["sd"]["text"]
+    _first["rewrite"] = result
+
+
+def test_stop_cancels_a_long_run_promptly_and_the_app_keeps_serving(client):
+    """job.cancel() during a long run returns within seconds, and the next request is served right away."""
+    job = client.submit(*args(REWRITE, 512), api_name="/compare")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # wait until the engine is timing tokens
+        outs = job.outputs()
+        if outs and isinstance(outs[-1][6], str) and "Timing" in outs[-1][6]:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"the long run never started: {job.outputs()[-1:]}")
+    t0 = time.monotonic()
+    job.cancel()
+    assert time.monotonic() - t0 < 5
+    t0 = time.monotonic()
+    result = client.predict(*args(CHAT, 6, replay=False), api_name="/compare")[7]
+    # the cancelled 512-token run would take far longer than this if its engine loop were still going
+    assert result["identical"] is True and result["sd"]["tokens"] == 6
+    assert time.monotonic() - t0 < 60
+
+
+def test_two_concurrent_clients_each_get_their_own_output(server):
+    """Two clients at once: both finish, each with the text of its own prompt."""
+    from gradio_client import Client
+
+    def one(prompt):
+        return Client(server, verbose=False).predict(*args(prompt, 16, replay=False), api_name="/compare")[7]
+
+    with ThreadPoolExecutor(2) as pool:
+        rewrite, chat = pool.map(one, [REWRITE, CHAT])
+    for result in (rewrite, chat):
+        assert result["identical"] is True and result["sd"]["tokens"] == 16
+    assert rewrite["ar"]["text"] != chat["ar"]["text"]
+    if "rewrite" in _first:  # greedy: the same prompt gives the same text as when it ran alone
+        assert _first["rewrite"]["ar"]["text"].startswith(rewrite["ar"]["text"])
