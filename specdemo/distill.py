@@ -210,7 +210,7 @@ PARAGRAPH_TOKENS = 160
 
 
 def build_data(target, tokenizer, work: Path, seed: int, scale: float, max_new_tokens: int, batch_size: int,
-               log_fn) -> list[dict]:
+               log_fn, max_sequences: int = 0) -> list[dict]:
     """All training sequences (prompt + target answer), generated once and cached batch by batch in work/samples.jsonl."""
     path = work / "samples.jsonl"
     samples = _jsonl_load(path)
@@ -223,7 +223,7 @@ def build_data(target, tokenizer, work: Path, seed: int, scale: float, max_new_t
     sampled = _simple_prompts(random.Random(seed + 1), {"chat": n(12), "creative": n(12), "code": n(4),
                                                         "structured": n(4), "reasoning": 0, "translation": 0})
     gen = lambda stage, convs, tokens, temp: _run_stage(  # noqa: E731
-        stage, convs, target, tokenizer, tokens, batch_size, temp, seed, path, samples, log_fn)
+        stage, convs, target, tokenizer, tokens, batch_size, temp, seed, path, samples, log_fn, max_sequences)
     gen("paragraph", para, PARAGRAPH_TOKENS, 0.0)
     paragraphs = [tokenizer.decode(s["ids"][s["prompt_len"]:], skip_special_tokens=True).strip()
                   for s in samples if s["stage"] == "paragraph"]
@@ -233,10 +233,13 @@ def build_data(target, tokenizer, work: Path, seed: int, scale: float, max_new_t
     return samples
 
 
-def _run_stage(name, convs, target, tokenizer, max_new_tokens, batch_size, temp, seed, path, samples, log_fn):
+def _run_stage(name, convs, target, tokenizer, max_new_tokens, batch_size, temp, seed, path, samples, log_fn,
+               max_sequences=0):
     """Generate answers for the conversations of a stage that are not cached yet, saving after each batch."""
     have = sum(s["stage"] == name for s in samples)
     for start in range(have, len(convs), batch_size):
+        if max_sequences and len(samples) >= max_sequences:  # a time budget: stop at a batch boundary
+            return
         t0 = time.perf_counter()
         new = _generate(target, tokenizer, convs[start : start + batch_size], max_new_tokens, batch_size, temp,
                         seed + start)
@@ -258,11 +261,13 @@ def _run_stage(name, convs, target, tokenizer, max_new_tokens, batch_size, temp,
 def build_features(target, samples: list[dict], work: Path, batch_size: int = 8) -> dict:
     """Final hidden states (fp16) and the target's greedy next token at every position; cached in work/features.pt."""
     path = work / "features.pt"
-    if path.exists():
-        return torch.load(path)
+    cached = torch.load(path) if path.exists() else {"features": [], "top1": []}
+    have = len(cached["features"])  # samples only grow at the end, so a cached prefix stays valid
+    if have >= len(samples):
+        return {k: v[: len(samples)] for k, v in cached.items()}
     head = target.get_output_embeddings().weight
-    feats, top1 = [], []
-    order = sorted(range(len(samples)), key=lambda i: len(samples[i]["ids"]))
+    feats, top1 = cached["features"], cached["top1"]
+    order = sorted(range(have, len(samples)), key=lambda i: len(samples[i]["ids"]))
     out: dict[int, tuple] = {}
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
@@ -276,7 +281,7 @@ def build_features(target, samples: list[dict], work: Path, batch_size: int = 8)
         for r, i in enumerate(idx):
             n = len(samples[i]["ids"])
             out[i] = (h[r, :n].half().cpu(), (h[r, :n] @ head.T).argmax(-1).int().cpu())
-    for i in range(len(samples)):
+    for i in range(have, len(samples)):
         feats.append(out[i][0])
         top1.append(out[i][1])
     data = {"features": feats, "top1": top1}
@@ -415,21 +420,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--work", default=None, help="cache folder for generated data (default: OUT/cache)")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--scale", type=float, default=1.0, help="multiplies the number of generated answers")
+    p.add_argument("--scale", type=float, default=0.25, help="multiplies the number of generated answers")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gen-batch-size", type=int, default=32)
+    p.add_argument("--max-sequences", type=int, default=120, help="stop generating at this many sequences (0: all)")
     p.add_argument("--subset-size", type=int, default=8192)
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-len", type=int, default=448)
-    p.add_argument("--depth", type=int, default=3, help="draft steps unrolled in training (training-time test)")
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--max-len", type=int, default=320)
+    p.add_argument("--depth", type=int, default=2, help="draft steps unrolled in training (training-time test)")
     p.add_argument("--decay", type=float, default=0.8, help="loss weight ratio between successive depths")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--noise", type=float, default=0.05, help="uniform noise on input features")
     p.add_argument("--feat-weight", type=float, default=0.5, help="weight of the smooth L1 feature loss")
     p.add_argument("--skip", type=int, default=0, help="leading positions without loss (default: shared prefix)")
-    p.add_argument("--log-every", type=int, default=20)
-    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--eval-every", type=int, default=40)
     p.add_argument("--data-only", action="store_true", help="stop after generating data and features")
     return p.parse_args(argv)
 
@@ -469,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in target.parameters():
         p.requires_grad_(False)
     samples = build_data(target, tokenizer, work, args.seed, args.scale, args.max_new_tokens, args.gen_batch_size,
-                         log_fn)
+                         log_fn, args.max_sequences)
     t = time.perf_counter()
     data = build_features(target, samples, work)
     log_fn({"event": "features", "positions": sum(len(f) for f in data["features"]),
