@@ -91,10 +91,15 @@ def event_segments(event: StepEvent, tokenizer, speculative: bool) -> list[Segme
 
 def segments_html(segments: list[Segment], hide_rejected: bool = False, stats: str = "") -> str:
     """A panel: an optional stats line, then one span per segment."""
-    spans = "".join(f'<span class="{KINDS[s.kind][0]}">{html.escape(s.text)}</span>' for s in segments)
+    spans = "".join(f'<span class="{KINDS[s.kind][0]}">{html.escape(_shown(s))}</span>' for s in segments)
     panel_class = "tok-panel hide-rejected" if hide_rejected else "tok-panel"
     head = f'<div class="panel-stats">{html.escape(stats)}</div>' if stats else ""
     return f'{head}<div class="{panel_class}">{spans}</div>'
+
+
+def _shown(segment: Segment) -> str:
+    """Rejected drafts never reach the text, so their line breaks are drawn as a symbol rather than taken."""
+    return segment.text.replace("\n", "\u21b5") if segment.kind == "rejected" else segment.text
 
 
 def panel_stats(tokens: int, seconds: float) -> str:

@@ -65,6 +65,22 @@ def test_segments_html_escapes_and_can_hide_rejected():
     out = segments_html([Segment("accepted", "<b>&"), Segment("rejected", "x")], hide_rejected=True)
     assert "&lt;b&gt;&amp;" in out and "<b>" not in out
     assert 'class="tok-panel hide-rejected"' in out
+    assert "\u21b5" in segments_html([Segment("rejected", "\n")]) and "\n" in segments_html([Segment("correction", "\n")])
+
+
+def test_an_out_of_memory_error_is_a_status_message_and_releases_the_hardware():
+    """torch's OutOfMemoryError from the compute step becomes a readable status; the next run can take the lock."""
+    import torch
+
+    def oom(request, limits):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        yield
+
+    handlers = Handlers(AppLimits(), gpu=lambda fn: oom)
+    with pytest.warns(UserWarning, match="Out of memory"):
+        outs = list(handlers.run_compare("hi", "smollm2-135m", "ngram", "", 4, False, 0.0, 1.0, 8, False, False))
+    assert outs[-1][6].startswith("**Error:** Out of memory") and outs[-1][7]["error"]
+    assert not handlers.hardware.locked()
 
 
 def test_replay_reveals_events_at_their_measured_times():
@@ -161,7 +177,10 @@ def test_compare_handler_colors_every_committed_token(handlers):
 @pytest.mark.slow
 def test_errors_show_in_the_status_and_the_app_keeps_serving(handlers):
     """An unknown model, an empty prompt and a hub-only preset offline give a clear status, not a traceback."""
+    hub_only = "HuggingFaceTB/SmolLM2-1.7B-Instruct"  # a hub preset: refused quickly and clearly when offline
     for args, match in (((REWRITE, "no/such-model-xyz", "ngram", "", 4, False, 0.0, 1.0, 8), "Could not load"),
+                        ((REWRITE, hub_only, "model", "HuggingFaceTB/SmolLM2-135M-Instruct", 4, False, 0.0, 1.0, 8),
+                         "Could not load"),
                         (("", "smollm2-135m", "ngram", "", 4, False, 0.0, 1.0, 8), "prompt is empty"),
                         ((REWRITE, "smollm2-135m", "ngram", "", 40, False, 0.0, 1.0, 8), "k must be")):
         outs = list(handlers.run_compare(*args, False, False))
