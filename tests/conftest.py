@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# scripts/gpu_check.sh sets this to run the tiny-model engine tests on CUDA
+TEST_DEVICE = torch.device(os.environ.get("SPECDEMO_TEST_DEVICE", "cpu"))
 
 
 def tiny_tokenizer(words: list[str]):
@@ -31,7 +36,7 @@ def tiny_llama(vocab_size: int, seed: int, sharpness: float = 1.0, layers: int =
         model.lm_head.weight.mul_(sharpness)
         model.lm_head.weight[0] = 0.0  # EOS gets logit 0: rare under greedy, so runs reach their length
     model.generation_config.eos_token_id = 0
-    return model
+    return model.to(TEST_DEVICE)
 
 
 WORDS = [f"w{i}" for i in range(1, 16)]

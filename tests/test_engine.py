@@ -51,7 +51,8 @@ def test_kv_caches_hold_exactly_the_accepted_prefix(tiny_target, tiny_draft, tin
             assert drafter.num_cached == drafter.cache.get_seq_length() <= len(ids) - 1
             fresh = DynamicCache(config=tiny_draft.config)
             with torch.inference_mode():
-                tiny_draft(input_ids=torch.tensor([ids[: drafter.num_cached]]), cache=fresh, use_cache=True)
+                tiny_draft(input_ids=torch.tensor([ids[: drafter.num_cached]], device=tiny_draft.device), cache=fresh,
+                           use_cache=True)
             for layer, ref in zip(drafter.cache.layers, fresh.layers):
                 assert torch.allclose(layer.keys, ref.keys, atol=1e-5)
                 assert torch.allclose(layer.values, ref.values, atol=1e-5)
@@ -97,10 +98,10 @@ def test_same_seed_same_sample_other_seed_differs(tiny_target, tiny_draft, tiny_
 def _second_token_distribution(model, prompt, eos=0):
     """Exact P(second new token | first is not EOS), marginalizing the first, from one model alone."""
     with torch.inference_mode():
-        p1 = torch.softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1], -1)
+        p1 = torch.softmax(model(input_ids=torch.tensor([prompt], device=model.device)).logits[0, -1], -1).cpu()
         vocab = p1.shape[0]
-        seqs = torch.tensor([prompt + [t] for t in range(vocab)])
-        p2 = torch.softmax(model(input_ids=seqs).logits[:, -1], -1)  # (V, V)
+        seqs = torch.tensor([prompt + [t] for t in range(vocab)], device=model.device)
+        p2 = torch.softmax(model(input_ids=seqs).logits[:, -1], -1).cpu()  # (V, V)
     p1 = p1.clone()
     p1[eos] = 0.0
     return (p1[:, None] * p2).sum(0) / p1.sum()

