@@ -49,7 +49,7 @@ def running_speedup(ar: Points, sd: Points) -> go.Figure:
     fig = go.Figure(go.Scatter(x=[t for t, _ in points], y=[s for _, s in points], name="speedup",
                                mode="lines", line=dict(color=SD_COLOR, shape="hv")))
     fig.add_hline(y=1.0, line=dict(color=AR_COLOR, dash="dot"))
-    return _layout(fig, "Running speedup (speculative / autoregressive tokens/s)", "seconds", "speedup ×")
+    return _layout(fig, "Running speedup (tokens/s ratio)", "seconds", "speedup ×")
 
 
 def accepted_histogram(histogram: list[int]) -> go.Figure:

@@ -35,7 +35,8 @@ CSS = """
 .tok-correction { background: rgba(249, 115, 22, 0.45); }
 .tok-bonus { background: rgba(59, 130, 246, 0.40); }
 .hide-rejected .tok-rejected { display: none; }
-.tok-legend span { padding: 1px 6px; margin-right: 8px; white-space: nowrap; }
+.tok-legend { display: flex; flex-wrap: wrap; gap: 6px 10px; }
+.tok-legend span { padding: 1px 6px; white-space: nowrap; }
 .panel-stats { font-size: 13px; margin-bottom: 4px; opacity: 0.85; }
 """
 

@@ -48,9 +48,8 @@ EXAMPLES = [  # (category, prompt): prompts written for this app
      "chart on page 4 has the wrong labels on the axes. fix it."),
     ("code", "Write a Python function `chunk(items, size)` that splits a list into consecutive chunks of the given "
      "size. Include a docstring and two doctest examples."),
-    ("structured output", "Return a JSON list of objects with the fields title, year and genres for these films: "
-     "The Matrix (1999; science fiction, action), Amelie (2001; comedy, romance), Spirited Away (2001; animation, "
-     "fantasy)."),
+    ("structured output", 'Convert this list into a JSON array of objects with the keys "name", "city" and "age":\n\n'
+     "Alice, Paris, 31\nBob, Berlin, 45\nChen, Shanghai, 28\nDana, Toronto, 39\nEmeka, Lagos, 52"),
     ("open chat", "What are some good habits for staying focused while working from home?"),
     ("creative", "Write a short poem about a lighthouse keeper who befriends a seagull."),
 ]
