@@ -52,8 +52,9 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None
     raise TimeoutError(f"app.py did not answer on {url}")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server():
+    """One app.py for the client and browser tests."""
     port = free_port()
     proc = launch(port)
     url = f"http://127.0.0.1:{port}"
