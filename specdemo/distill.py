@@ -364,7 +364,7 @@ def evaluate(head, samples, data, idx, args, sub_index, device) -> dict:
             "est_mean_accepted": round(1 + sum(chain_rate), 3)}  # per target pass at k = depth, bonus included
 
 
-def train(head, samples, data, args, device, log_fn) -> dict:
+def train(head, samples, data, args, device, log_fn, checkpoint=None) -> dict:
     """AdamW with warmup and cosine decay over args.steps steps; returns the last held-out metrics."""
     rng = random.Random(args.seed)
     order = list(range(len(samples)))
@@ -406,6 +406,8 @@ def train(head, samples, data, args, device, log_fn) -> dict:
         if step % args.eval_every == 0 or step == args.steps:
             metrics = evaluate(head, samples, data, held, args, sub_index, device)
             log_fn({"event": "eval", "step": step, **metrics, "seconds": round(time.perf_counter() - t0, 1)})
+            if checkpoint is not None:  # a usable asset at every evaluation, in case the run is cut short
+                checkpoint(step, metrics)
     return metrics
 
 
@@ -486,8 +488,10 @@ def main(argv: list[str] | None = None) -> int:
     subset = choose_subset(samples, data["top1"], args.subset_size, target.config.vocab_size, eos)
     args.skip = args.skip or _common_prefix(samples)
     head = build_head(target, subset)
-    metrics = train(head, samples, data, args, loaded.device, log_fn)
-    save_draft(head, out, {"target": args.target, "metrics": metrics, "train_seconds": round(time.perf_counter() - t_start)})
+    meta = lambda step, m: {"target": args.target, "step": step, "metrics": m,  # noqa: E731
+                            "seconds": round(time.perf_counter() - t_start)}
+    metrics = train(head, samples, data, args, loaded.device, log_fn,
+                    lambda step, m: save_draft(head, out, meta(step, m)))
     log_fn({"event": "done", "total_seconds": round(time.perf_counter() - t_start, 1), **metrics})
     return 0
 
