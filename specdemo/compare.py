@@ -39,8 +39,14 @@ def trained_draft_path(target_name: str) -> Path | None:
     """The shipped distilled draft for a target, if there is one."""
     if target_name.lower() in BUNDLED_ALIASES | {BUNDLED_HUB_ID.lower()}:
         path = ASSETS / TRAINED_DRAFT_ID
-        return path if (path / "config.json").exists() else None
+        return path if _is_trained_draft(path) else None
     return None
+
+
+def _is_trained_draft(path: Path) -> bool:
+    from .eagle import CONFIG_FILE
+
+    return (path / CONFIG_FILE).exists()
 
 
 def default_draft(target_name: str) -> str | None:
@@ -60,11 +66,11 @@ def make_drafter(target: LoadedModel, kind: str, draft: str | None, device=None,
         raise ModelLoadError(
             f"no draft model given for target '{target.name}': pass a draft id (same tokenizer) or use prompt lookup"
         )
-    if draft == TRAINED_DRAFT_ID or (Path(draft) / "eagle.json").exists():
+    if draft == TRAINED_DRAFT_ID or _is_trained_draft(Path(draft)):
         from .eagle import load_trained_draft
 
         path = ASSETS / TRAINED_DRAFT_ID if draft == TRAINED_DRAFT_ID else Path(draft)
-        if not (path / "config.json").exists() and not (path / "eagle.json").exists():
+        if not _is_trained_draft(path):
             raise ModelLoadError(f"the trained draft '{draft}' is not in {path}; train it with `python -m specdemo distill`")
         return load_trained_draft(path, target), draft
     loaded = load_model(draft, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
