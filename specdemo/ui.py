@@ -10,7 +10,7 @@ import time
 from bisect import bisect_right
 from collections.abc import Callable, Iterator
 from contextlib import closing
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 import gradio as gr
 import torch
@@ -18,10 +18,11 @@ import torch
 from . import charts
 from .compare import DRAFTER_KINDS, load_pair, result_dict, stream_pair, trained_draft_path, warmup
 from .config import BUNDLED_ID, MAX_K, MIN_K, PRESETS, TRAINED_DRAFT_ID, GenerationConfig, SamplingConfig
-from .engine import GenerationError, StepEvent, autoregressive, encode_prompt, speculative
+from .engine import GenerationError, StepEvent, encode_prompt
 from .loading import BUNDLED_ALIASES, ModelLoadError, TokenizerMismatchError
-from .metrics import RunStats, alpha_from_mean_accepted, best_k, cost_ratio, expected_speedup, run_stats, speedup
+from .metrics import run_stats
 from .render import CSS, Segment, event_segments, legend_html, panel_stats, segments_html
+from .sweep import Sweep, SweepPoint, iter_sweep, summarize
 
 log = logging.getLogger(__name__)
 
@@ -239,46 +240,29 @@ def _hold(lock: threading.Lock) -> Iterator[str]:
         yield "Waiting for another run to finish: timed runs never share the hardware…"
 
 
-# ---- k sweep (to merge with the benchmark's sweep once specdemo/sweep.py exists) ----
+# ---- k sweep: specdemo.sweep, shared with `python -m specdemo bench` ----
 
-def sweep_k(pair, prompt_ids: list[int], config: GenerationConfig, ks: list[int]) -> Iterator[tuple[int, RunStats, RunStats]]:
-    """One autoregressive baseline, then a speculative run at each fixed k on the same prompt: (k, ar, sd)."""
-    warmup(pair, prompt_ids, config)
-    tok = pair.target.tokenizer
-    ar = run_stats(list(autoregressive(pair.target.model, tok, prompt_ids, config)))
-    for k in ks:
-        cfg = replace(config, num_draft_tokens=k, dynamic_k=False)
-        yield k, ar, run_stats(list(speculative(pair.target.model, tok, pair.drafter, prompt_ids, cfg)))
-
-
-def sweep_theory(ar: RunStats, runs: dict[int, RunStats], k_max: int) -> dict:
-    """Alpha and c from the measured runs (medians over k), verify cost per k, and the expected-speedup curve."""
-    measured = {k: sd for k, sd in runs.items() if sd.steps}
-    if not measured or ar.tokens_per_s <= 0:
-        return {"alpha": None, "c": None, "curve": [], "best_k": None}
-    alpha = _median([alpha_from_mean_accepted(sd.mean_accepted, k) for k, sd in measured.items()])
-    c = _median([cost_ratio(sd, ar) for sd in measured.values()])
-    # a (k+1)-token target pass costs more than a 1-token pass on a CPU; use the measured ratio
-    verify = {k: (sd.verify_seconds / sd.steps) * ar.tokens_per_s for k, sd in measured.items()}
-    curve = [(k, expected_speedup(alpha, c, k, verify.get(k, 1.0))) for k in range(1, k_max + 1)]
-    return {"alpha": alpha, "c": c, "verify_costs": verify, "curve": curve,
-            "best_k": best_k(alpha, c, k_max, verify)}
+def sweep_k(request: RunRequest, limits: AppLimits, k_max: int) -> Iterator[str | Sweep]:
+    """specdemo.sweep on the current prompt, k = 1..k_max: a status line, then the Sweep so far after each k."""
+    yield f"Loading {request.target}…"
+    pair = load_pair(request.target, request.drafter, request.draft, device=limits.device)
+    config = request.config()
+    prompt_ids = encode_prompt(pair.target.tokenizer, request.prompt, config.use_chat_template)
+    yield "Timing the autoregressive baseline, then one speculative run per k…"
+    points: list[SweepPoint] = []
+    for point in iter_sweep(pair, [prompt_ids], range(MIN_K, k_max + 1), config):
+        points.append(point)
+        # each k's verify cost as measured in its own runs (no extra micro-benchmark)
+        yield summarize(points, {p.k: p.verify_cost for p in points}, k_max)
 
 
-def _median(values: list[float]) -> float:
-    values = sorted(values)
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
-
-
-def sweep_table(rows: list[dict], theory: dict) -> str:
-    """Markdown: one line per k, then the fitted alpha and c."""
-    lines = ["| k | speedup | acceptance | mean accepted | tokens/s |", "|---|---|---|---|---|"]
-    lines += [f"| {r['k']} | {r['speedup']:.2f}× | {r['acceptance_rate']:.0%} | {r['mean_accepted']:.2f} | "
-              f"{r['tokens_per_s']:.1f} |" for r in rows]
-    if theory.get("alpha") is not None:
-        lines.append(f"\nFitted α = {theory['alpha']:.2f} (from mean accepted length), c = {theory['c']:.3f} "
-                     f"(draft cost per token / target cost per token); theory's best k = {theory['best_k']}.")
+def sweep_table(result: Sweep) -> str:
+    """Markdown: one line per measured k, then the fitted alpha and c and the theory's best k."""
+    lines = ["| k | speedup | acceptance | mean accepted | theory |", "|---|---|---|---|---|"]
+    lines += [f"| {p.k} | {p.speedup:.2f}× | {p.acceptance_rate:.0%} | {p.mean_accepted:.2f} | "
+              f"{result.theory.get(p.k, 0.0):.2f}× |" for p in result.points]
+    lines.append(f"\nFitted α = {result.alpha:.2f} (from mean accepted length), c = {result.c:.3f} (draft cost per "
+                 f"token / target cost per token), verify cost per k as measured; theory's best k = {result.best_k}.")
     return "\n".join(lines)
 
 
@@ -315,6 +299,7 @@ class Handlers:
         self.hardware = threading.Lock()
         # spaces.GPU (ZeroGPU) wraps only the compute step; the replay runs without holding a GPU
         self.compute_step = gpu(compute) if gpu else compute
+        self.sweep_step = gpu(sweep_k) if gpu else sweep_k
 
     def run_compare(self, prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max_new_tokens,
                     hide_rejected, replay=True):
@@ -385,21 +370,20 @@ class Handlers:
         for s in _hold(self.hardware):
             yield gr.skip(), s, gr.skip(), gr.skip()
         try:
-            yield gr.skip(), f"Loading {request.target}…", gr.skip(), gr.skip()
-            pair = load_pair(request.target, request.drafter, request.draft, device=self.limits.device)
-            config = request.config()
-            prompt_ids = encode_prompt(pair.target.tokenizer, request.prompt, config.use_chat_template)
-            rows, runs = [], {}
-            for k, ar, sd in sweep_k(pair, prompt_ids, config, list(range(MIN_K, k_max + 1))):
-                runs[k] = sd
-                rows.append({"k": k, "speedup": speedup(ar, sd), "acceptance_rate": sd.acceptance_rate,
-                             "mean_accepted": sd.mean_accepted, "tokens_per_s": sd.tokens_per_s})
-                theory = sweep_theory(ar, runs, k_max)
-                best = max(rows, key=lambda r: r["speedup"])["k"]
-                fig = charts.k_sweep(rows, theory["curve"], best, theory["best_k"])
-                yield (fig, f"Measured k = {k} of {k_max}…\n\n" + sweep_table(rows, theory), best,
-                       gr.update(value=f"Use k = {best}", interactive=True))
-            yield gr.skip(), f"Done: best measured k = {best}.\n\n" + sweep_table(rows, theory), best, gr.skip()
+            result = None
+            with closing(self.sweep_step(request, self.limits, k_max)) as steps:
+                for item in steps:
+                    if isinstance(item, str):
+                        yield gr.skip(), item, gr.skip(), gr.skip()
+                        continue
+                    result = item
+                    fig = charts.k_sweep([asdict(p) for p in result.points], sorted(result.theory.items()),
+                                         result.best_measured_k, result.best_k)
+                    best = result.best_measured_k
+                    yield (fig, f"Measured k = {result.points[-1].k} of {k_max}…\n\n" + sweep_table(result), best,
+                           gr.update(value=f"Use k = {best}", interactive=True))
+            yield (gr.skip(), f"Done: best measured k = {result.best_measured_k}.\n\n" + sweep_table(result),
+                   result.best_measured_k, gr.skip())
         except KNOWN_ERRORS as exc:
             gr.Warning(friendly_error(exc))
             yield gr.skip(), f"**Error:** {friendly_error(exc)}", gr.skip(), gr.skip()

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import html
 import re
+from dataclasses import asdict
 
 import pytest
 
 from specdemo import charts
 from specdemo.engine import StepEvent
-from specdemo.metrics import RunStats
+from specdemo.sweep import SweepPoint, summarize
 from specdemo.render import COMMITTED, KINDS, Segment, event_segments, segments_html, split_text
 from specdemo.ui import (EXAMPLES, AppLimits, Handlers, UserError, make_request, preset_fields, replay_frames,
-                         sweep_theory)
+                         sweep_table)
 
 REWRITE = next(p for c, p in EXAMPLES if c == "rewrite")
 COMMITTED_CLASSES = tuple(KINDS[k][0] for k in COMMITTED)
@@ -65,7 +66,8 @@ def test_segments_html_escapes_and_can_hide_rejected():
     out = segments_html([Segment("accepted", "<b>&"), Segment("rejected", "x")], hide_rejected=True)
     assert "&lt;b&gt;&amp;" in out and "<b>" not in out
     assert 'class="tok-panel hide-rejected"' in out
-    assert "\u21b5" in segments_html([Segment("rejected", "\n")]) and "\n" in segments_html([Segment("correction", "\n")])
+    assert "\u21b5" in segments_html([Segment("rejected", "\n")])
+    assert "\n" in segments_html([Segment("correction", "\n")])
 
 
 def test_an_out_of_memory_error_is_a_status_message_and_releases_the_hardware():
@@ -130,17 +132,18 @@ def test_presets_fill_the_fields():
     assert (target, drafter, draft) == ("smollm2-135m", "ngram", "")
 
 
-def test_sweep_theory_finds_best_k_from_alpha_and_c():
-    """With a cheap, good drafter the expected speedup rises with k and best_k is large; alpha comes out in (0, 1)."""
-    ar = RunStats(tokens=20, seconds=1.0, tokens_per_s=20.0)
-    runs = {k: RunStats(20, 0.5, 40.0, steps=5, drafted=5 * k, mean_accepted=min(1 + 0.8 * k, k + 1),
-                        draft_seconds=0.001 * k, verify_seconds=5 * 0.05) for k in (1, 2, 3)}
-    theory = sweep_theory(ar, runs, k_max=8)
-    assert 0.0 < theory["alpha"] < 1.0 and theory["c"] < 0.1
-    assert len(theory["curve"]) == 8 and theory["best_k"] >= 3
-    fig = charts.k_sweep([{"k": k, "speedup": 1.0 + k / 10, "acceptance_rate": 0.5} for k in (1, 2, 3)],
-                         theory["curve"], 3, theory["best_k"])
-    assert len(fig.data) == 3
+def test_sweep_table_and_chart_show_measured_points_beside_theory():
+    """A Sweep from specdemo.sweep becomes a table line per k and a figure with measured, theory and acceptance."""
+    points = [SweepPoint(k=k, ar_seconds=1.0, sd_seconds=1.0 / (1 + k / 10), ar_tokens=20, sd_tokens=20,
+                         speedup=1 + k / 10, acceptance_rate=0.5, mean_accepted=1.5, mean_drafted=k, alpha=0.5,
+                         c=0.01, verify_cost=1.0, expected_speedup=1.2, identical=True) for k in (1, 2, 3)]
+    result = summarize(points, {p.k: p.verify_cost for p in points}, k_max=6)
+    table = sweep_table(result)
+    assert table.count("\n| ") == 3 and f"best k = {result.best_k}" in table
+    fig = charts.k_sweep([asdict(p) for p in points], sorted(result.theory.items()), result.best_measured_k,
+                         result.best_k)
+    assert {t.name for t in fig.data} == {"measured speedup", "theory (α, c)", "acceptance rate"}
+    assert result.best_measured_k == 3
 
 
 # ---- the handlers on the real bundled model ----
@@ -164,7 +167,8 @@ def test_compare_handler_colors_every_committed_token(handlers):
     assert len(sd_spans) == result["sd"]["tokens"]
     assert len(spans(ar_html)) == result["ar"]["tokens"]
     assert committed_text(sd_html) == committed_text(ar_html) == result["sd"]["text"] == result["ar"]["text"]
-    assert sum(1 for cls, _ in spans(sd_html) if cls == "tok-rejected") == result["sd"]["drafted"] - result["sd"]["accepted"]
+    rejected = sum(1 for cls, _ in spans(sd_html) if cls == "tok-rejected")
+    assert rejected == result["sd"]["drafted"] - result["sd"]["accepted"]
     assert sum(1 for cls, _ in spans(sd_html) if cls == "tok-accepted") == result["sd"]["accepted"]
     assert "Speedup" in stats and "mean accepted length" in stats
     # partial frames come before the final one, and the streamed panels only grow
