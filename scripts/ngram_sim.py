@@ -49,6 +49,38 @@ class HFPromptLookup(Drafter):
         return Proposal([])
 
 
+class LongestMatch(Drafter):
+    """Candidate policy: the longest earlier match of the suffix (up to max_ngram, latest on ties), and at most
+    caps[L] tokens for a match of length L (k once L >= len(caps)); propose nothing when caps[L] == 0."""
+
+    def __init__(self, max_ngram: int = 8, caps: tuple[int, ...] = (), latest: bool = True):
+        self.max_ngram, self.caps, self.latest = max_ngram, caps, latest
+
+    def begin(self, prompt_ids, target_hidden=None):
+        pass
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        ids, n = request.ids, len(request.ids)
+        last = ids[-1]
+        best_len, best_pos = 0, -1
+        for p in range(n - 2, -1, -1) if self.latest else range(0, n - 1):
+            if ids[p] != last:
+                continue
+            length = 1
+            while length < self.max_ngram and p - length >= 0 and ids[p - length] == ids[n - 1 - length]:
+                length += 1
+            if length > best_len:
+                best_len, best_pos = length, p
+        if best_len == 0:
+            return Proposal([])
+        cap = self.caps[best_len] if best_len < len(self.caps) else request.k
+        follow = ids[best_pos + 1: best_pos + 1 + min(cap, request.k)]
+        for i, t in enumerate(follow):
+            if t in request.eos_token_ids:
+                return Proposal(follow[: i + 1])
+        return Proposal(follow)
+
+
 def generate_outputs(path: Path, prompts: str | None, max_new_tokens: int, limit: int | None) -> dict:
     """Greedy autoregressive outputs of the bundled target for each prompt (cached in `path`)."""
     from specdemo.compare import load_pair
@@ -58,14 +90,17 @@ def generate_outputs(path: Path, prompts: str | None, max_new_tokens: int, limit
     pair = load_pair("smollm2-135m", "ngram")
     model, tok = pair.target.model, pair.target.tokenizer
     config = GenerationConfig(max_new_tokens=max_new_tokens)
-    out = {"eos": sorted(eos_ids(model, tok)), "items": []}
+    out = json.loads(path.read_text()) if path.exists() else {"eos": sorted(eos_ids(model, tok)), "items": []}
+    done = {it["id"] for it in out["items"]}
+    path.parent.mkdir(parents=True, exist_ok=True)
     for it in read_prompts(prompts or DEFAULT_PROMPTS, limit):
+        if it.id in done:
+            continue
         ids = encode_prompt(tok, it.prompt)
         gen = generated_ids(list(autoregressive(model, tok, ids, config)))
         out["items"].append({"id": it.id, "category": it.category, "prompt_ids": ids, "out_ids": gen})
+        path.write_text(json.dumps(out))  # after each prompt, so an interrupted run resumes
         print(it.id, len(gen), file=sys.stderr)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out))
     return out
 
 
@@ -102,16 +137,26 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--costs", default=None, help="JSON {width: cost} (a (w)-token pass over a 1-token pass)")
     ap.add_argument("--k", default="2,3,4,6,8")
+    ap.add_argument("--generate", action="store_true", help="generate (or resume) the cached outputs first")
     args = ap.parse_args()
     path = Path(args.outputs)
-    data = json.loads(path.read_text()) if path.exists() else generate_outputs(path, args.prompts,
-                                                                                args.max_new_tokens, args.limit)
+    data = generate_outputs(path, args.prompts, args.max_new_tokens, args.limit) if args.generate else \
+        json.loads(path.read_text())
     # default: the brief's timings (1 token 50 ms, 4 tokens 75 ms, 8 tokens 90 ms), interpolated
     cost = {1: 1.0, 2: 1.17, 3: 1.33, 4: 1.5, 5: 1.58, 6: 1.65, 7: 1.72, 8: 1.8, 9: 1.85}
     if args.costs:
         cost = {int(w): v for w, v in json.loads(Path(args.costs).read_text()).items()}
     eos = frozenset(data["eos"])
-    drafters = {"hf_pld": HFPromptLookup, "ours": NgramDrafter}
+    drafters = {"hf_pld": HFPromptLookup, "ours": NgramDrafter,
+                "0,2,k": lambda: LongestMatch(8, (0, 0, 2)),
+                "1,2,k": lambda: LongestMatch(8, (0, 1, 2)),
+                "E 0,2,k": lambda: LongestMatch(8, (0, 0, 2), latest=False),
+                "E 1,2,k": lambda: LongestMatch(8, (0, 1, 2), latest=False),
+                "E 0,1,k": lambda: LongestMatch(8, (0, 0, 1), latest=False),
+                "E 0,2,3,k": lambda: LongestMatch(8, (0, 0, 2, 3), latest=False),
+                "E16 0,2,k": lambda: LongestMatch(16, (0, 0, 2), latest=False),
+                "E4 0,2,k": lambda: LongestMatch(4, (0, 0, 2), latest=False),
+                }
     for k in [int(x) for x in args.k.split(",")]:
         for name, make in drafters.items():
             tot = defaultdict(lambda: defaultdict(float))

@@ -121,28 +121,43 @@ class ModelDrafter(Drafter):
 
 
 class NgramDrafter(Drafter):
-    """Prompt lookup: copy what followed the latest earlier occurrence of the context's last n-gram. No model."""
+    """Prompt lookup: find the longest earlier match of the context's suffix and copy what followed it. No model.
+
+    A longer match is stronger evidence: one of length L < `full_ngram` proposes at most L tokens, a longer one k,
+    because on a CPU a wide verify pass that fails costs more than a 1-token pass. Ties go to the earliest match,
+    which for extractive prompts is usually the source text itself. (Tuned with scripts/ngram_sim.py.)
+    """
 
     name = "ngram"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 8, min_ngram: int = 1, full_ngram: int = 3):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.full_ngram = full_ngram
 
     def begin(self, prompt_ids: list[int], target_hidden: torch.Tensor | None = None) -> None:
         pass
 
+    def match(self, ids: list[int]) -> tuple[int, int]:
+        """(length, end) of the longest earlier match of ids' suffix: ids[end-length+1 : end+1] == ids[-length:]."""
+        n, last = len(ids), ids[-1] if ids else None
+        best_len, best_end = 0, -1
+        for end in range(n - 1):  # end < n - 1: something follows the match
+            if ids[end] != last:
+                continue
+            length = 1
+            while length < self.max_ngram and end - length >= 0 and ids[end - length] == ids[n - 1 - length]:
+                length += 1
+            if length > best_len:  # strictly longer: ties keep the earliest
+                best_len, best_end = length, end
+        return best_len, best_end
+
     def propose(self, request: DraftRequest) -> Proposal:
-        ids = request.ids
-        for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
-            tail = ids[-n:]
-            # latest match first: recent text predicts the continuation best
-            for start in range(len(ids) - n - 1, -1, -1):
-                if ids[start : start + n] == tail:
-                    follow = ids[start + n : start + n + request.k]
-                    if follow:
-                        return Proposal(_cut_at_eos(follow, request.eos_token_ids))
-        return Proposal([])
+        length, end = self.match(request.ids)
+        if length < self.min_ngram or request.k <= 0:
+            return Proposal([])
+        count = request.k if length >= self.full_ngram else min(request.k, length)
+        return Proposal(_cut_at_eos(request.ids[end + 1 : end + 1 + count], request.eos_token_ids))
 
 
 def crop_cache(cache, length: int) -> None:

@@ -182,10 +182,21 @@ def summarize(points: Sequence[SweepPoint], verify_costs: dict[int, float], k_ma
     )
 
 
-def verify_costs_for(model, prompt_ids: list[int], k_max: int = MAX_K, repeats: int = 3) -> dict[int, float]:
-    """{k: cost of a (k+1)-token pass / a 1-token pass} for k = 1..k_max (a micro-benchmark, see forward_costs)."""
-    ratios = forward_costs(model, prompt_ids, range(2, k_max + 2), repeats)
-    return {k: ratios[k + 1] for k in range(1, k_max + 1)}
+def verify_costs_for(model, prompt_ids: list[int], k_max: int = MAX_K, repeats: int = 2) -> dict[int, float]:
+    """{k: cost of a (k+1)-token pass / a 1-token pass} for k = 1..k_max (a micro-benchmark, see forward_costs).
+
+    Widths 2..5 are measured, wider ones at roughly doubling steps and interpolated linearly between them.
+    """
+    widths = sorted({w for w in (2, 3, 4, 5, 7, 9, 13, 17, 25, 33, 49, 65) if w <= k_max + 1} | {k_max + 1})
+    ratios = forward_costs(model, prompt_ids, widths, repeats)
+    known = sorted(ratios.items())
+    out = {}
+    for k in range(1, k_max + 1):
+        w = k + 1
+        lo = max((x for x in known if x[0] <= w), key=lambda x: x[0])
+        hi = min((x for x in known if x[0] >= w), key=lambda x: x[0])
+        out[k] = lo[1] if hi[0] == lo[0] else lo[1] + (hi[1] - lo[1]) * (w - lo[0]) / (hi[0] - lo[0])
+    return out
 
 
 def encode_all(pair: Pair, prompts: str | Sequence[str] | Sequence[list[int]], config: GenerationConfig) -> list[list[int]]:
