@@ -33,13 +33,13 @@ SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, n
                     rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
 
 
-def build(dtype, device, folder: str | None):
+def build(dtype, device, folder: str | None, layers: int):
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     if folder:
         return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).to(dtype)
+    model = LlamaForCausalLM(LlamaConfig(**{**SMOLLM2_135M, "num_hidden_layers": layers})).to(dtype)
     return model.to(device).eval()
 
 
@@ -53,11 +53,16 @@ class _IdTokenizer:
         return " ".join(str(i) for i in ids)
 
 
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn):
-    torch.cuda.synchronize()
+    _sync()
     t = time.perf_counter()
     out = fn()
-    torch.cuda.synchronize()
+    _sync()
     return out, time.perf_counter() - t
 
 
@@ -65,10 +70,14 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="a local model folder with real weights (optional)")
     ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--device", default="cuda", help="cuda (the point of this check); cpu only for a dry run")
+    ap.add_argument("--layers", type=int, default=30, help="fewer layers for a quick dry run")
     args = ap.parse_args()
-    assert torch.cuda.is_available(), "no CUDA device"
-    dev, dtype = torch.device("cuda"), torch.bfloat16
-    target = build(dtype, dev, args.model)
+    dev = torch.device(args.device)
+    if dev.type == "cuda":
+        assert torch.cuda.is_available(), "no CUDA device"
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    target = build(dtype, dev, args.model, args.layers)
     tok = _IdTokenizer()
     if args.model:
         from transformers import AutoTokenizer
@@ -82,7 +91,7 @@ def main() -> int:
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (16, 64, 200)]
     prompts.append(prompts[0] * 4)  # repetitive: prompt lookup gets matches
-    report = {"device": torch.cuda.get_device_name(), "dtype": str(dtype), "torch": torch.__version__,
+    report = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else str(dev), "dtype": str(dtype), "torch": torch.__version__,
               "weights": args.model or "random (SmolLM2-135M shapes)", "lossless": [], "timing": {}}
     cfg = GenerationConfig(max_new_tokens=args.new, num_draft_tokens=4)
     for i, ids in enumerate(prompts):
