@@ -97,12 +97,14 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return names[dtype]
 
 
+def _bundled_available() -> bool:
+    """The bundled model can load offline: its package is installed or its conversion is cached."""
+    return bundled_gguf_path() is not None or (cache_root() / BUNDLED_ID / "config.json").exists()
+
+
 def offline_choices() -> list[str]:
     """Model ids that load without the hub on this machine."""
-    choices = []
-    if bundled_gguf_path() is not None or (cache_root() / BUNDLED_ID / "config.json").exists():
-        choices.append(BUNDLED_ID)
-    return choices
+    return [BUNDLED_ID] if _bundled_available() else []
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
@@ -148,11 +150,10 @@ def _bundled_folder() -> Path:
     return folder
 
 
-def _locate(spec: str, trust_remote_code: bool) -> tuple[str, str]:
+def _locate(spec: str) -> tuple[str, str]:
     """Map a model spec to (path or hub id, source). Raises ModelLoadError with offline choices when hopeless."""
     if spec.lower() in BUNDLED_ALIASES:
-        gguf_or_cache = bundled_gguf_path() is not None or (cache_root() / BUNDLED_ID / "config.json").exists()
-        if gguf_or_cache:
+        if _bundled_available():
             return str(_bundled_folder()), "bundled"
         if hub_reachable():
             return BUNDLED_HUB_ID, "hub"
@@ -202,7 +203,7 @@ def load_model(
         if key in _cache:
             return _cache[key]
         start = time.perf_counter()
-        path, source = _locate(spec, trust_remote_code)
+        path, source = _locate(spec)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         try:
