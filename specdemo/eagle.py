@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .drafters import Drafter, DraftRequest, Proposal, Verdict
 from .verify import logits_to_probs
 
@@ -137,7 +138,7 @@ class EagleHead(nn.Module):
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (..., S) logits over the subset."""
-        return features @ self.head_weight.T
+        return kernels.linear(features, self.head_weight)
 
     def unrolled(self, features: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
         """Training-time test: `depth` draft steps from every position at once, exactly as propose() runs them.
@@ -192,6 +193,8 @@ def load_trained_draft(path: str | Path, target_loaded) -> EagleDrafter:
         raise ValueError(f"the draft in {path} was trained for a different target (config {meta['config']})")
     head = build_head(model, tensors["subset"].long())
     head.load_state_dict({k: v for k, v in tensors.items()})
+    if kernels.enabled_for(head.subset.device, head.head_weight.dtype):
+        kernels.patch_linears(head)
     return EagleDrafter(head.eval())
 
 

@@ -18,6 +18,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from . import kernels
 from .config import BUNDLED_HUB_ID, BUNDLED_ID
 
 log = logging.getLogger(__name__)
@@ -214,6 +215,8 @@ def load_model(
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"cannot load '{spec}': {exc}") from exc
         model.to(dev).eval()
+        if kernels.enabled_for(dev, dt):
+            kernels.patch_linears(model)
         loaded = LoadedModel(spec, model, tokenizer, dev, dt, source, time.perf_counter() - start)
         _cache[key] = loaded
         log.info("loaded %s from %s on %s (%s) in %.1fs", spec, source, dev, dt, loaded.load_seconds)

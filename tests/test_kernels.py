@@ -1,0 +1,61 @@
+"""The few-row CPU product equals F.linear up to rounding, and leaves training untouched."""
+
+import pytest
+import torch
+from torch import nn
+
+from specdemo import kernels
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 9])
+def test_few_row_linear_matches_f_linear(rows):
+    torch.manual_seed(rows)
+    layer = nn.Linear(64, 300, bias=True)
+    x = torch.randn(1, rows, 64)
+    want = nn.functional.linear(x, layer.weight, layer.bias)
+    with torch.inference_mode():
+        got = kernels.linear(x, layer.weight, layer.bias)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_patch_covers_every_linear_and_keeps_gradients():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4, bias=False))
+    x = torch.randn(2, 8)
+    before = model(x)
+    assert kernels.patch_linears(model) == 2
+    assert kernels.patch_linears(model) == 0  # idempotent
+    after = model(x)  # gradients enabled: the stock kernel, bit for bit
+    assert torch.equal(before, after)
+    after.sum().backward()
+    assert model[0].weight.grad is not None
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x[:1]), before[:1], rtol=1e-5, atol=1e-6)
+
+
+def test_enabled_only_for_cpu_float32(monkeypatch):
+    assert kernels.enabled_for(torch.device("cpu"), torch.float32)
+    assert not kernels.enabled_for(torch.device("cpu"), torch.bfloat16)
+    assert not kernels.enabled_for(torch.device("cuda"), torch.float32)
+    monkeypatch.setenv("SPECDEMO_FAST_LINEAR", "0")
+    assert not kernels.enabled_for(torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("k", [1, 3, 4])
+def test_patched_models_decode_losslessly(tiny_tok, k):
+    """With the few-row product in both models, greedy speculative output is still the target's greedy output."""
+    from conftest import tiny_llama
+    from specdemo.config import GenerationConfig
+    from specdemo.drafters import ModelDrafter
+    from specdemo.engine import autoregressive, generated_ids, speculative
+
+    target, draft = tiny_llama(16, seed=11, sharpness=4.0), tiny_llama(16, seed=12, sharpness=4.0, layers=1)
+    config = GenerationConfig(max_new_tokens=30, num_draft_tokens=k)
+    prompt = [3, 5, 7, 3, 5, 9, 2]
+    stock = generated_ids(list(autoregressive(target, tiny_tok, prompt, config)))
+    kernels.patch_linears(target)
+    kernels.patch_linears(draft)
+    ar = generated_ids(list(autoregressive(target, tiny_tok, prompt, config)))
+    sd = generated_ids(list(speculative(target, tiny_tok, ModelDrafter(draft), prompt, config)))
+    assert ar == stock and sd == ar
