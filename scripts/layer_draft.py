@@ -35,9 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         model.config.layer_types = model.config.layer_types[: args.layers]
     out = Path(args.out)
     model.save_pretrained(out)
-    loaded.tokenizer.save_pretrained(out)
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(out)
+    loaded.tokenizer.save_pretrained(out)  # save_pretrained above wrote the config and generation_config
     print(f"wrote {out}: {args.layers} of {n} layers, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
     return 0
 

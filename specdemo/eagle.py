@@ -138,7 +138,9 @@ class EagleHead(nn.Module):
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (..., S) logits over the subset."""
-        return kernels.linear(features, self.head_weight)
+        if kernels.enabled_for(features.device, features.dtype):
+            return kernels.linear(features, self.head_weight)
+        return features @ self.head_weight.T
 
     def unrolled(self, features: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
         """Training-time test: `depth` draft steps from every position at once, exactly as propose() runs them.

@@ -3,8 +3,8 @@
 Measured on this project's 2-core AMD EPYC with torch 2.13 (MKL), for the 49,152 x 576 output head:
 `F.linear` on 1 row takes 9.7 ms (a single-threaded matrix-vector path), on 2 rows 21 ms and on 3 rows 32 ms (the
 small-M matrix kernel is slower than one row at a time), on 5-8 rows 16 ms. The same product written as
-`W @ x.T` takes 3.9 ms for 2-4 rows. On SmolLM2-135M the whole forward pass drops from 54 to 34 ms for one token and
-from 106 to 57 ms for three. Both decoders and transformers' `generate` run the same patched model object, so every
+`W @ x.T` takes 3.9 ms for 2-4 rows. On SmolLM2-135M the whole forward pass drops from 54 to 33 ms for one token and
+from 106 to 53 ms for three. Both decoders and transformers' `generate` run the same patched model object, so every
 timed comparison stays like for like; the result differs from `F.linear` only by float rounding (about 1e-4 on the
 logits).
 """
@@ -21,9 +21,12 @@ MAX_ROWS = 5  # above this, F.linear's own kernel is as fast or faster (measured
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), computed as (weight @ x.T).T when x has at most MAX_ROWS rows and no gradient."""
+    """F.linear(x, weight, bias), computed as (weight @ x.T).T for at most MAX_ROWS float32 CPU rows without gradient.
+
+    Whether to use it at all (enabled_for) is decided by the callers, once: at load time, or per draft token.
+    """
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if not 0 < rows <= MAX_ROWS or torch.is_grad_enabled() or x.device.type != "cpu":  # training: stock kernel
+    if not 0 < rows <= MAX_ROWS or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32:
         return nn.functional.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
     if rows == 1:  # two identical rows: the matrix-matrix kernel, much faster than the matrix-vector one here

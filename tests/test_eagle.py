@@ -148,4 +148,4 @@ def test_shipped_draft_is_lossless_and_accepts(bundled):
         spec = [e for e in events if e.kind == "spec"]
         committed += sum(len(e.tokens) for e in spec)
         steps += len(spec)
-    assert committed / steps > 1.5  # mean accepted length per target pass, bonus included (measured 1.87)
+    assert committed / steps > 1.8  # mean accepted length per target pass, bonus included (measured 1.87)
