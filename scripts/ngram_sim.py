@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specdemo.config import GenerationConfig, SamplingConfig  # noqa: E402
-from specdemo.drafters import Drafter, DraftRequest, NgramDrafter, Proposal, Verdict  # noqa: E402
+from specdemo.drafters import Drafter, DraftRequest, NgramDrafter, Proposal, Verdict, cut_at_eos  # noqa: E402
 
 
 class HFPromptLookup(Drafter):
@@ -49,36 +49,20 @@ class HFPromptLookup(Drafter):
         return Proposal([])
 
 
-class LongestMatch(Drafter):
-    """Candidate policy: the longest earlier match of the suffix (up to max_ngram, latest on ties), and at most
-    caps[L] tokens for a match of length L (k once L >= len(caps)); propose nothing when caps[L] == 0."""
+class LongestMatch(NgramDrafter):
+    """Candidate policy: the longest earlier match of the suffix (up to max_ngram, latest on ties unless told), and
+    at most caps[L] tokens for a match of length L (k once L >= len(caps)); propose nothing when caps[L] == 0."""
 
     def __init__(self, max_ngram: int = 8, caps: tuple[int, ...] = (), latest: bool = True):
-        self.max_ngram, self.caps, self.latest = max_ngram, caps, latest
-
-    def begin(self, prompt_ids, target_hidden=None):
-        pass
+        super().__init__(max_ngram=max_ngram, latest=latest)
+        self.caps = caps
 
     def propose(self, request: DraftRequest) -> Proposal:
-        ids, n = request.ids, len(request.ids)
-        last = ids[-1]
-        best_len, best_pos = 0, -1
-        for p in range(n - 2, -1, -1) if self.latest else range(0, n - 1):
-            if ids[p] != last:
-                continue
-            length = 1
-            while length < self.max_ngram and p - length >= 0 and ids[p - length] == ids[n - 1 - length]:
-                length += 1
-            if length > best_len:
-                best_len, best_pos = length, p
-        if best_len == 0:
+        length, end = self.match(request.ids)
+        if length == 0:
             return Proposal([])
-        cap = self.caps[best_len] if best_len < len(self.caps) else request.k
-        follow = ids[best_pos + 1: best_pos + 1 + min(cap, request.k)]
-        for i, t in enumerate(follow):
-            if t in request.eos_token_ids:
-                return Proposal(follow[: i + 1])
-        return Proposal(follow)
+        cap = self.caps[length] if length < len(self.caps) else request.k
+        return Proposal(cut_at_eos(request.ids[end + 1 : end + 1 + min(cap, request.k)], request.eos_token_ids))
 
 
 def generate_outputs(path: Path, prompts: str | None, max_new_tokens: int, limit: int | None) -> dict:

@@ -14,9 +14,10 @@ def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="autoregressive then speculative decoding on one prompt")
     p.add_argument("--prompt", required=True)
     p.add_argument("--target", default=BUNDLED_ID, help="hub id, local folder, or the bundled 'smollm2-135m'")
-    group = p.add_mutually_exclusive_group()
-    group.add_argument("--draft", help="draft model id or folder (same tokenizer as the target)")
-    group.add_argument("--drafter", choices=["model", "ngram"], help="'ngram' is prompt lookup (no draft model)")
+    p.add_argument("--draft", help="draft model id or folder (same tokenizer as the target)")
+    p.add_argument("--drafter", choices=["model", "ngram", "hybrid"],
+                   help="'model' (default) uses --draft or the target's trained draft; 'ngram' is prompt lookup (no "
+                        "draft model); 'hybrid' is the draft model with prompt lookup where the context repeats")
     p.add_argument("--k", type=int, default=4, help=f"draft tokens per step (1..{MAX_K_ENGINE})")
     p.add_argument("--dynamic-k", action="store_true", help="adapt k per step (+2 after a full acceptance, else -1)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -36,7 +37,10 @@ def _generate_parser(sub) -> None:
 def run_generate(args) -> int:
     from .compare import compare, load_pair
 
-    kind = "model" if args.draft else (args.drafter or "model")
+    kind = args.drafter or "model"
+    if kind == "ngram" and args.draft:
+        print("error: --draft names a draft model, but --drafter ngram (prompt lookup) uses none", file=sys.stderr)
+        return 2
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, num_draft_tokens=args.k, dynamic_k=args.dynamic_k,
         sampling=SamplingConfig(args.temperature, args.top_k, args.top_p), stop_strings=tuple(args.stop),

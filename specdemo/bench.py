@@ -450,7 +450,9 @@ def run_bench(args) -> dict:
     if not items:
         raise ValueError(f"no prompts in {path}")
     ks = parse_ks(args.k)
-    kind = "model" if args.draft else args.drafter
+    kind = args.drafter or ("model" if args.draft else "ngram")
+    if kind == "ngram" and args.draft:
+        raise ValueError("--draft names a draft model, but --drafter ngram (prompt lookup) uses none")
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=SamplingConfig(args.temperature),
                               seed=args.seed, use_chat_template=not args.no_chat_template)
     config.validate()
@@ -661,10 +663,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", default=None, help=f"JSONL prompt file (default {DEFAULT_PROMPTS})")
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
     p.add_argument("--target", default=BUNDLED_ID)
-    group = p.add_mutually_exclusive_group()
-    group.add_argument("--draft", help="draft model id or folder (implies --drafter model)")
-    group.add_argument("--drafter", choices=["ngram", "model"], default="ngram",
-                       help="'ngram' is prompt lookup (default); 'model' uses --draft or the shipped trained draft")
+    p.add_argument("--draft", help="draft model id or folder (implies --drafter model unless hybrid is asked for)")
+    p.add_argument("--drafter", choices=["ngram", "model", "hybrid"], default=None,
+                   help="'ngram' is prompt lookup (the default without --draft); 'model' uses --draft or the shipped "
+                        "trained draft; 'hybrid' is that draft with prompt lookup where the context repeats")
     p.add_argument("--k", default="4", help="draft tokens per step: N, a list like 1,2,4,8, or 'auto'")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--max-new-tokens", type=int, default=128)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from .config import BUNDLED_HUB_ID, BUNDLED_ID, TRAINED_DRAFT_ID, GenerationConfig
-from .drafters import Drafter, ModelDrafter, NgramDrafter
+from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
 from .engine import StepEvent, autoregressive, encode_prompt, generated_ids, speculative
 from .loading import BUNDLED_ALIASES, LoadedModel, ModelLoadError, check_tokenizers, load_model
 from .metrics import RunStats, run_stats, speedup
@@ -22,7 +22,7 @@ from .metrics import RunStats, run_stats, speedup
 log = logging.getLogger(__name__)
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
-DRAFTER_KINDS = ("model", "ngram")
+DRAFTER_KINDS = ("model", "ngram", "hybrid")
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Pair:
 
     target: LoadedModel
     drafter: Drafter
-    drafter_kind: str  # "model" or "ngram"
+    drafter_kind: str  # "model", "ngram" or "hybrid" (prompt lookup where the context repeats, else the model)
     draft_name: str | None  # None for prompt lookup
 
 
@@ -56,9 +56,13 @@ def default_draft(target_name: str) -> str | None:
 
 def make_drafter(target: LoadedModel, kind: str, draft: str | None, device=None, dtype=None,
                  trust_remote_code: bool = False) -> tuple[Drafter, str | None]:
-    """Build a drafter by name: prompt lookup, the shipped trained draft, or any causal LM sharing the tokenizer."""
+    """Build a drafter by name: prompt lookup, the shipped trained draft, any causal LM sharing the tokenizer, or
+    "hybrid": one of those drafts with prompt lookup taking over where the context repeats."""
     if kind == "ngram":
         return NgramDrafter(), None
+    if kind == "hybrid":
+        model, name = make_drafter(target, "model", draft, device, dtype, trust_remote_code)
+        return HybridDrafter(model), name
     if kind != "model":
         raise ValueError(f"unknown drafter '{kind}'; choose one of {DRAFTER_KINDS}")
     draft = draft or default_draft(target.name)

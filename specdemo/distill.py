@@ -205,12 +205,52 @@ def _jsonl_load(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.open()] if path.exists() else []
 
 
+def self_instructions(target, tokenizer, n: int, batch_size: int, seed: int, path: Path, log_fn,
+                      temperature: float = 1.0, top_p: float = 0.95, max_tokens: int = 64) -> list[str]:
+    """Instructions the target writes itself (Magpie, Xu et al. 2024): sample the user turn from the chat template's
+    pre-query prefix. They follow the target's own idea of what users ask, so they are far more varied than templates.
+    Kept: at least 12 characters (an unfinished one up to its last sentence end), not seen before. Cached batch by
+    batch in `path`."""
+    marker = "\u0001INSTRUCTION\u0001"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    prefix = tokenizer(text[: text.index(marker)], add_special_tokens=False, return_tensors="pt").input_ids
+    eos = tokenizer.eos_token_id
+    rows = _jsonl_load(path)
+    seen = {r["instruction"] for r in rows}
+    batch = max((r["batch"] for r in rows), default=-1) + 1
+    while len(rows) < n:
+        t0 = time.perf_counter()
+        torch.manual_seed(seed + 7919 * batch)  # batch-indexed, so a resumed run draws what a full run would
+        with torch.inference_mode():
+            x = prefix.repeat(batch_size, 1).to(target.device)
+            out = target.generate(x, attention_mask=torch.ones_like(x), do_sample=True,
+                                  temperature=temperature, top_p=top_p, top_k=0, max_new_tokens=max_tokens,
+                                  pad_token_id=eos)
+        new = []
+        for row in out[:, prefix.shape[1]:].tolist():
+            instruction = tokenizer.decode(row[: row.index(eos)] if eos in row else row, skip_special_tokens=True)
+            if eos not in row:  # cut at max_tokens: keep it up to its last finished sentence
+                instruction = instruction[: max(instruction.rfind(c) for c in ".?!") + 1]
+            instruction = instruction.strip()
+            if len(instruction) >= 12 and instruction not in seen:
+                seen.add(instruction)
+                new.append({"instruction": instruction, "batch": batch})
+        with path.open("a") as f:
+            for r in new[: n - len(rows)]:
+                f.write(json.dumps(r) + "\n")
+        rows.extend(new[: n - len(rows)])
+        log_fn({"event": "instructions", "batch": batch, "kept": len(new), "total": len(rows), "of": n,
+                "seconds": round(time.perf_counter() - t0, 1)})
+        batch += 1
+    return [r["instruction"] for r in rows[:n]]
+
+
 PARAGRAPHS = 64  # first-stage paragraphs, material for the extractive and multi-turn instructions
 PARAGRAPH_TOKENS = 160
 
 
 def build_data(target, tokenizer, work: Path, seed: int, scale: float, max_new_tokens: int, batch_size: int,
-               log_fn, max_sequences: int = 0) -> list[dict]:
+               log_fn, max_sequences: int = 0, n_self: int = 0) -> list[dict]:
     """All training sequences (prompt + target answer), generated once and cached batch by batch in work/samples.jsonl."""
     path = work / "samples.jsonl"
     samples = _jsonl_load(path)
@@ -230,6 +270,9 @@ def build_data(target, tokenizer, work: Path, seed: int, scale: float, max_new_t
     gen("text", [m for _, m in _text_prompts(rng, paragraphs, n(64), n(32))], max_new_tokens, 0.0)
     gen("simple", [m for _, m in simple], max_new_tokens, 0.0)
     gen("sampled", [m for _, m in sampled], max_new_tokens, 0.8)
+    if n_self and not (max_sequences and len(samples) >= max_sequences):
+        own = self_instructions(target, tokenizer, n_self, batch_size, seed, work / "instructions.jsonl", log_fn)
+        gen("self", [[{"role": "user", "content": x}] for x in own], max_new_tokens, 0.0)
     return samples
 
 
@@ -435,6 +478,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gen-batch-size", type=int, default=64)
     p.add_argument("--max-sequences", type=int, default=0, help="stop generating at this many sequences (0: all)")
+    p.add_argument("--self-instruct", type=int, default=0,
+                   help="also answer this many instructions the target writes itself (Magpie-style)")
     p.add_argument("--subset-size", type=int, default=8192)
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--train-minutes", type=float, default=0,
@@ -489,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in target.parameters():
         p.requires_grad_(False)
     samples = build_data(target, tokenizer, work, args.seed, args.scale, args.max_new_tokens, args.gen_batch_size,
-                         log_fn, args.max_sequences)
+                         log_fn, args.max_sequences, args.self_instruct)
     t = time.perf_counter()
     data = build_features(target, samples, work)
     log_fn({"event": "features", "positions": sum(len(f) for f in data["features"]),

@@ -125,15 +125,17 @@ class NgramDrafter(Drafter):
 
     A longer match is stronger evidence: one of length L < `full_ngram` proposes at most L tokens, a longer one k,
     because on a CPU a wide verify pass that fails costs more than a 1-token pass. Ties go to the earliest match,
-    which for extractive prompts is usually the source text itself. (Tuned with scripts/ngram_sim.py.)
+    which for extractive prompts is usually the source text itself (`latest=True` prefers the most recent one, as
+    transformers' prompt lookup does). (Tuned with scripts/ngram_sim.py.)
     """
 
     name = "ngram"
 
-    def __init__(self, max_ngram: int = 8, min_ngram: int = 1, full_ngram: int = 3):
+    def __init__(self, max_ngram: int = 8, min_ngram: int = 1, full_ngram: int = 3, latest: bool = False):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.full_ngram = full_ngram
+        self.latest = latest
 
     def begin(self, prompt_ids: list[int], target_hidden: torch.Tensor | None = None) -> None:
         pass
@@ -142,13 +144,14 @@ class NgramDrafter(Drafter):
         """(length, end) of the longest earlier match of ids' suffix: ids[end-length+1 : end+1] == ids[-length:]."""
         n, last = len(ids), ids[-1] if ids else None
         best_len, best_end = 0, -1
-        for end in range(n - 1):  # end < n - 1: something follows the match
+        ends = range(n - 2, -1, -1) if self.latest else range(n - 1)  # end < n - 1: something follows the match
+        for end in ends:
             if ids[end] != last:
                 continue
             length = 1
             while length < self.max_ngram and end - length >= 0 and ids[end - length] == ids[n - 1 - length]:
                 length += 1
-            if length > best_len:  # strictly longer: ties keep the earliest
+            if length > best_len:  # strictly longer: ties keep the first one visited
                 best_len, best_end = length, end
         return best_len, best_end
 
@@ -157,7 +160,43 @@ class NgramDrafter(Drafter):
         if length < self.min_ngram or request.k <= 0:
             return Proposal([])
         count = request.k if length >= self.full_ngram else min(request.k, length)
-        return Proposal(_cut_at_eos(request.ids[end + 1 : end + 1 + count], request.eos_token_ids))
+        return Proposal(cut_at_eos(request.ids[end + 1 : end + 1 + count], request.eos_token_ids))
+
+
+class HybridDrafter(Drafter):
+    """Prompt lookup where the context repeats itself, the draft model everywhere else.
+
+    A suffix match of at least `min_match` tokens is strong evidence (copying from the prompt, a list, code); there
+    the lookup's copy costs nothing to draft. Elsewhere the model drafts. The choice depends only on the committed
+    context, so each step still has one well-defined proposal distribution and rejection sampling stays exact. The
+    model drafter must follow along when skipped: ModelDrafter catches up from `ids`, EagleDrafter keeps the
+    target features of skipped passes pending.
+    """
+
+    name = "hybrid"
+
+    def __init__(self, model: Drafter, lookup: NgramDrafter | None = None, min_match: int = 3):
+        self.model = model
+        self.lookup = lookup or NgramDrafter()
+        self.min_match = min_match
+        self.needs_target_hidden = model.needs_target_hidden
+        self.last_source: str | None = None  # "lookup" or "model": who drafted the last proposal
+
+    def begin(self, prompt_ids: list[int], target_hidden: torch.Tensor | None = None) -> None:
+        self.model.begin(prompt_ids, target_hidden)
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        length, end = self.lookup.match(request.ids)
+        if length >= self.min_match and request.k > 0:
+            tokens = cut_at_eos(request.ids[end + 1 : end + 1 + request.k], request.eos_token_ids)
+            if tokens:
+                self.last_source = "lookup"
+                return Proposal(tokens)
+        self.last_source = "model"
+        return self.model.propose(request)
+
+    def update(self, verdict: Verdict) -> None:
+        self.model.update(verdict)
 
 
 def crop_cache(cache, length: int) -> None:
@@ -167,7 +206,7 @@ def crop_cache(cache, length: int) -> None:
         cache.crop(-extra)
 
 
-def _cut_at_eos(tokens: list[int], eos: frozenset[int]) -> list[int]:
+def cut_at_eos(tokens: list[int], eos: frozenset[int]) -> list[int]:
     for i, t in enumerate(tokens):
         if t in eos:
             return tokens[: i + 1]

@@ -277,4 +277,7 @@ class EagleDrafter(Drafter):
         if verdict.target_hidden is None:
             raise ValueError("EagleDrafter needs the target's hidden states in the verdict")
         self._crop(self.num_true)  # drop entries computed from drafted features
-        self.pending = verdict.target_hidden
+        if self.pending is not None:  # no proposal since the last verdict (another drafter proposed): keep both
+            self.pending = torch.cat([self.pending, verdict.target_hidden.to(self.pending.dtype)])
+        else:
+            self.pending = verdict.target_hidden

@@ -75,7 +75,7 @@ class RunRequest:
 
     prompt: str
     target: str
-    drafter: str  # "model" or "ngram"
+    drafter: str  # "model", "ngram" or "hybrid"
     draft: str | None
     k: int
     dynamic_k: bool
@@ -116,7 +116,7 @@ def make_request(prompt, target, drafter, draft, k, dynamic_k, temperature, top_
     if not 1 <= max_new_tokens <= limits.max_new_tokens:
         raise UserError(f"max new tokens must be between 1 and {limits.max_new_tokens} here, got {max_new_tokens}.")
     target = (target or "").strip() or BUNDLED_ID
-    draft = ((draft or "").strip() or None) if drafter == "model" else None
+    draft = ((draft or "").strip() or None) if drafter != "ngram" else None
     for name in (target, draft):
         if name and not allowed(name, limits):
             raise UserError(f"'{name}' is not allowed on this server; allowed: {', '.join(limits.allowlist)} "
@@ -410,7 +410,8 @@ def build_demo(limits: AppLimits = AppLimits(), gpu: Callable | None = None) -> 
                     target = gr.Textbox(first[0], label="Target model id")
                     draft = gr.Textbox(first[2], label="Draft model id (same tokenizer)",
                                        placeholder="empty: the target's trained draft")
-                drafter = gr.Radio([("draft model", "model"), ("prompt lookup", "ngram")], value=first[1],
+                drafter = gr.Radio([("draft model", "model"), ("prompt lookup", "ngram"),
+                                    ("draft + lookup", "hybrid")], value=first[1],
                                    label="Drafter")
                 with gr.Row():
                     k = gr.Slider(MIN_K, MAX_K, value=GenerationConfig.num_draft_tokens, step=1,

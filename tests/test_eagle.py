@@ -149,3 +149,29 @@ def test_shipped_draft_is_lossless_and_accepts(bundled):
         committed += sum(len(e.tokens) for e in spec)
         steps += len(spec)
     assert committed / steps > 1.8  # mean accepted length per target pass, bonus included (measured 1.87)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_hybrid_with_eagle_is_lossless_and_keeps_skipped_features(target100, tok100, k):
+    """Prompt lookup takes some steps and the EAGLE head the others: output stays the target's, and after every
+    verdict the head's next proposal equals a fresh head's on the whole committed sequence (no feature lost)."""
+    from specdemo.drafters import HybridDrafter
+
+    prompt = PROMPT * 3  # repeats, so the lookup finds matches of 3+ tokens
+    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=k)
+    ar = generated_ids(list(autoregressive(target100, tok100, prompt, config)))
+    hybrid = HybridDrafter(make_drafter(target100, seed=4))
+    ids, sources = list(prompt), []
+    for event in speculative(target100, tok100, hybrid, prompt, config):
+        ids += event.tokens
+        if event.kind != "spec" or event.finish_reason:
+            continue
+        sources.append(hybrid.last_source)
+        request = DraftRequest(list(ids), k, SamplingConfig(), None, frozenset([0]))
+        with torch.inference_mode():
+            again = copy.deepcopy(hybrid.model).propose(request).tokens
+            fresh = make_drafter(target100, seed=4)
+            fresh.begin(ids[:-1], hidden(target100, ids[:-1]))
+            assert fresh.propose(request).tokens == again
+    assert ids[len(prompt):] == ar
+    assert {"lookup", "model"} <= set(sources)

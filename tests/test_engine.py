@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specdemo.config import GenerationConfig, SamplingConfig
-from specdemo.drafters import ModelDrafter, NgramDrafter
+from specdemo.drafters import HybridDrafter, ModelDrafter, NgramDrafter
 from specdemo.engine import GenerationError, autoregressive, encode_prompt, generated_ids, speculative
 
 PROMPT = [3, 5, 7, 3, 5, 9, 2]
@@ -14,12 +14,21 @@ def run(gen):
     return list(gen)
 
 
+def make(kind, draft):
+    """A drafter by kind; the hybrid switches to lookup on 2-token matches so both of its sources get used."""
+    if kind == "model":
+        return ModelDrafter(draft)
+    if kind == "ngram":
+        return NgramDrafter()
+    return HybridDrafter(ModelDrafter(draft), min_match=2)
+
+
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-@pytest.mark.parametrize("kind", ["model", "ngram"])
+@pytest.mark.parametrize("kind", ["model", "ngram", "hybrid"])
 def test_greedy_speculative_equals_autoregressive(tiny_target, tiny_draft, tiny_tok, k, kind):
-    """Greedy speculative tokens are the target's own greedy tokens, for both drafters."""
+    """Greedy speculative tokens are the target's own greedy tokens, for every drafter."""
     config = GenerationConfig(max_new_tokens=40, num_draft_tokens=k)
-    drafter = ModelDrafter(tiny_draft) if kind == "model" else NgramDrafter()
+    drafter = make(kind, tiny_draft)
     ar = generated_ids(run(autoregressive(tiny_target, tiny_tok, PROMPT, config)))
     sd_events = run(speculative(tiny_target, tiny_tok, drafter, PROMPT, config))
     assert generated_ids(sd_events) == ar
@@ -107,7 +116,7 @@ def _second_token_distribution(model, prompt, eos=0):
     return (p1[:, None] * p2).sum(0) / p1.sum()
 
 
-@pytest.mark.parametrize("kind", ["model", "ngram"])
+@pytest.mark.parametrize("kind", ["model", "ngram", "hybrid"])
 def test_sampled_distribution_matches_target(tiny_target, tiny_draft, tiny_tok, kind):
     """Speculative sampling draws the second token from the target's distribution, far from the draft's."""
     prompt = list(range(1, 16)) + [3]  # every token occurs in the prompt, so prompt lookup always proposes
@@ -118,7 +127,7 @@ def test_sampled_distribution_matches_target(tiny_target, tiny_draft, tiny_tok, 
     proposals = 0
     for seed in range(trials):
         config = GenerationConfig(max_new_tokens=3, num_draft_tokens=1, sampling=SamplingConfig(1.0), seed=seed)
-        drafter = ModelDrafter(tiny_draft) if kind == "model" else NgramDrafter()
+        drafter = make(kind, tiny_draft)
         events = run(speculative(tiny_target, tiny_tok, drafter, prompt, config))
         ids = generated_ids(events)
         proposals += sum(len(e.drafted) for e in events)
@@ -147,3 +156,18 @@ def test_bad_inputs_are_refused_with_clear_messages(tiny_target, tiny_tok):
         run(autoregressive(tiny_target, tiny_tok, PROMPT, GenerationConfig(max_new_tokens=0)))
     with pytest.raises(GenerationError, match="top_p"):
         run(autoregressive(tiny_target, tiny_tok, PROMPT, GenerationConfig(sampling=SamplingConfig(1.0, top_p=0))))
+
+
+def test_prompt_lookup_match_rules():
+    """Longest suffix match wins; ties go to the earliest (default) or latest occurrence; short matches propose
+    at most their own length, and nothing is proposed past an EOS."""
+    from specdemo.config import SamplingConfig as S
+    from specdemo.drafters import DraftRequest
+
+    ids = [1, 2, 9, 4, 1, 2, 8, 5, 1, 2]
+    assert NgramDrafter().match(ids) == (2, 1)
+    assert NgramDrafter(latest=True).match(ids) == (2, 5)
+    request = lambda seq, k: DraftRequest(seq, k, S(), None, frozenset([0]))  # noqa: E731
+    assert NgramDrafter().propose(request(ids, 4)).tokens == [9, 4]  # a 2-token match proposes at most 2
+    longer = [7, 1, 2, 3, 6, 0, 5, 7, 1, 2, 3]
+    assert NgramDrafter().propose(request(longer, 4)).tokens == [6, 0]  # 3+ match: up to k, cut after EOS
