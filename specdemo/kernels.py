@@ -2,11 +2,12 @@
 
 Measured on this project's 2-core AMD EPYC with torch 2.13 (MKL), for the 49,152 x 576 output head:
 `F.linear` on 1 row takes 9.7 ms (a single-threaded matrix-vector path), on 2 rows 21 ms and on 3 rows 32 ms (the
-small-M matrix kernel is slower than one row at a time), on 5-8 rows 16 ms. The same product written as
-`W @ x.T` takes 3.9 ms for 2-4 rows. On SmolLM2-135M the whole forward pass drops from 54 to 33 ms for one token and
-from 106 to 53 ms for three. Both decoders and transformers' `generate` run the same patched model object, so every
-timed comparison stays like for like; the result differs from `F.linear` only by float rounding (about 1e-4 on the
-logits).
+small-M matrix kernel is slower than one row at a time), on 5-8 rows 16-18 ms. The same product written as
+`W @ x.T` takes 2.8-4.1 ms for 1-4 rows and 6.9 ms for 8. The result is made row-major again: left transposed, it
+sent every later product of the pass down a slow path (the MLP's down projection 550 instead of 112 us for 4 rows).
+On SmolLM2-135M a forward pass of 1 / 2 / 4 / 8 new tokens takes 31 / 34 / 40 / 60 ms instead of 55 / 89 / 85 / 77 ms.
+Both decoders and transformers' `generate` run the same patched model object, so every timed comparison stays like
+for like; the result differs from `F.linear` only by float rounding (about 1e-4 on the logits).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import types
 import torch
 from torch import nn
 
-MAX_ROWS = 5  # above this, F.linear's own kernel is as fast or faster (measured: 9 rows, 82 ms vs 95 ms)
+MAX_ROWS = 8  # above this, F.linear's own kernel is as fast (whole forward, 9 tokens: 84 ms either way)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -31,7 +32,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     flat = x.reshape(rows, x.shape[-1])
     if rows == 1:  # two identical rows: the matrix-matrix kernel, much faster than the matrix-vector one here
         flat = torch.cat([flat, flat])
-    y = (weight @ flat.T).T[:rows]
+    y = (weight @ flat.T).T[:rows].contiguous()  # row-major, as F.linear returns: later kernels want it
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], y.shape[-1])
