@@ -64,11 +64,14 @@ class Preset:
     target: str
     draft: str | None  # None: prompt lookup
     offline: bool = False
+    drafter: str = ""  # "hybrid" for the draft plus prompt lookup; empty: "model", or "ngram" without a draft
 
 
 PRESETS: tuple[Preset, ...] = (
     Preset("Bundled SmolLM2-135M + trained draft (offline)", BUNDLED_ID, TRAINED_DRAFT_ID, offline=True),
     Preset("Bundled SmolLM2-135M + prompt lookup (offline)", BUNDLED_ID, None, offline=True),
+    Preset("Bundled SmolLM2-135M + trained draft + prompt lookup (offline)", BUNDLED_ID, TRAINED_DRAFT_ID, offline=True,
+           drafter="hybrid"),
     Preset("SmolLM2-1.7B-Instruct + SmolLM2-135M-Instruct (hub)", "HuggingFaceTB/SmolLM2-1.7B-Instruct", BUNDLED_HUB_ID),
     Preset("Qwen2.5-1.5B-Instruct + Qwen2.5-0.5B-Instruct (hub)", "Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
     Preset("gpt2-xl + distilgpt2 (hub)", "openai-community/gpt2-xl", "distilbert/distilgpt2"),

@@ -139,7 +139,8 @@ def compute(request: RunRequest, limits: AppLimits) -> Iterator[str | Computed]:
 
     Wrapped in spaces.GPU on ZeroGPU, so everything it yields is plain picklable data.
     """
-    label = request.draft or ("prompt lookup" if request.drafter == "ngram" else "the default draft")
+    label = "prompt lookup" if request.drafter == "ngram" else request.draft or "the default draft"
+    label += " + prompt lookup" if request.drafter == "hybrid" else ""
     yield f"Loading {request.target} with {label} (cached after the first load)…"
     pair = load_pair(request.target, request.drafter, request.draft, device=limits.device)
     config = request.config()
@@ -277,7 +278,7 @@ def preset_choices(limits: AppLimits) -> list[str]:
 def default_preset() -> str:
     """The bundled target with the trained draft when it is shipped, else with prompt lookup."""
     offline = [p for p in PRESETS if p.offline]
-    with_draft = [p for p in offline if p.draft == TRAINED_DRAFT_ID]
+    with_draft = [p for p in offline if p.draft == TRAINED_DRAFT_ID and not p.drafter]
     if with_draft and trained_draft_path(BUNDLED_ID) is not None:
         return with_draft[0].label
     return next(p.label for p in offline if p.draft is None)
@@ -288,7 +289,7 @@ def preset_fields(label: str):
     preset = next((p for p in PRESETS if p.label == label), None)
     if preset is None:
         return gr.skip(), gr.skip(), gr.skip()
-    return preset.target, "ngram" if preset.draft is None else "model", preset.draft or ""
+    return preset.target, preset.drafter or ("ngram" if preset.draft is None else "model"), preset.draft or ""
 
 
 class Handlers:

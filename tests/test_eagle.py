@@ -151,6 +151,29 @@ def test_shipped_draft_is_lossless_and_accepts(bundled):
     assert committed / steps > 1.8  # mean accepted length per target pass, bonus included (measured 1.87)
 
 
+@pytest.mark.slow
+def test_shipped_draft_with_prompt_lookup_is_lossless(bundled):
+    """The hybrid (lookup where the text repeats, the trained draft elsewhere) on the real pair: the target's output."""
+    from pathlib import Path
+
+    from specdemo.drafters import HybridDrafter
+
+    asset = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-draft"
+    hybrid = HybridDrafter(load_trained_draft(asset, bundled))
+    config = GenerationConfig(max_new_tokens=48, num_draft_tokens=3)
+    prompt = ("Summarize in one sentence: The museum opens at nine. The museum closes at five. "
+              "Tickets for the museum cost ten euros, and the museum is closed on Mondays.")
+    ids = encode_prompt(bundled.tokenizer, prompt)
+    ar = generated_ids(list(autoregressive(bundled.model, bundled.tokenizer, ids, config)))
+    sources = []
+    events = []
+    for event in speculative(bundled.model, bundled.tokenizer, hybrid, ids, config):
+        events.append(event)
+        sources.append(hybrid.last_source if event.kind == "spec" else None)
+    assert generated_ids(events) == ar
+    assert {"lookup", "model"} <= set(sources)
+
+
 @pytest.mark.parametrize("k", [2, 4])
 def test_hybrid_with_eagle_is_lossless_and_keeps_skipped_features(target100, tok100, k):
     """Prompt lookup takes some steps and the EAGLE head the others: output stays the target's, and after every

@@ -130,6 +130,11 @@ def test_presets_fill_the_fields():
     """A prompt-lookup preset selects the ngram drafter and clears the draft id."""
     target, drafter, draft = preset_fields("Bundled SmolLM2-135M + prompt lookup (offline)")
     assert (target, drafter, draft) == ("smollm2-135m", "ngram", "")
+    fields = preset_fields("Bundled SmolLM2-135M + trained draft + prompt lookup (offline)")
+    assert fields == ("smollm2-135m", "hybrid", "smollm2-135m-draft")
+    request = make_request("hi", *fields, k=3, dynamic_k=False, temperature=0.0, top_p=1.0, max_new_tokens=8,
+                           limits=AppLimits())
+    assert (request.drafter, request.draft) == ("hybrid", "smollm2-135m-draft")
 
 
 def test_sweep_table_and_chart_show_measured_points_beside_theory():
