@@ -218,7 +218,8 @@ def self_instructions(target, tokenizer, n: int, batch_size: int, seed: int, pat
     rows = _jsonl_load(path)
     seen = {r["instruction"] for r in rows}
     batch = max((r["batch"] for r in rows), default=-1) + 1
-    while len(rows) < n:
+    barren = 0  # batches in a row that kept nothing: a model that never ends a user turn must not loop forever
+    while len(rows) < n and barren < 5:
         t0 = time.perf_counter()
         torch.manual_seed(seed + 7919 * batch)  # batch-indexed, so a resumed run draws what a full run would
         with torch.inference_mode():
@@ -239,9 +240,12 @@ def self_instructions(target, tokenizer, n: int, batch_size: int, seed: int, pat
             for r in new[: n - len(rows)]:
                 f.write(json.dumps(r) + "\n")
         rows.extend(new[: n - len(rows)])
+        barren = 0 if new else barren + 1
         log_fn({"event": "instructions", "batch": batch, "kept": len(new), "total": len(rows), "of": n,
                 "seconds": round(time.perf_counter() - t0, 1)})
         batch += 1
+    if len(rows) < n:
+        log.warning("the target wrote only %d usable instructions of %d", len(rows), n)
     return [r["instruction"] for r in rows[:n]]
 
 

@@ -60,3 +60,25 @@ def test_distill_learns_the_target_and_writes_a_lossless_draft(tmp_path):
     events = list(speculative(target, tok, drafter, prompt, config))
     assert generated_ids(events) == ar
     assert sum(e.num_accepted for e in events if e.kind == "spec") > 0
+
+
+def test_self_instructions_are_sampled_unique_cached_and_resumable(tmp_path):
+    """Magpie-style: the target continues its chat template's user-turn prefix; results are unique, cached per batch,
+    and a rerun reads the cache instead of generating, or extends it."""
+    target = tiny_llama(VOCAB, seed=6, sharpness=1.0)
+    tok = tiny_tokenizer([f"w{i}" for i in range(1, VOCAB)])
+    tok.chat_template = ("{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}"
+                         "{% if add_generation_prompt %}w3 {% endif %}")
+    path, log = tmp_path / "instructions.jsonl", []
+    first = distill.self_instructions(target, tok, 6, 8, 0, path, log.append, max_tokens=16)
+    assert len(first) == len(set(first)) == 6 and all(len(x) >= 12 for x in first)
+    assert len(path.read_text().splitlines()) == 6 and log[0]["event"] == "instructions"
+
+    def refuse(*a, **k):
+        raise AssertionError("generated again instead of reading the cache")
+
+    original, target.generate = target.generate, refuse
+    assert distill.self_instructions(target, tok, 6, 8, 0, path, log.append, max_tokens=16) == first
+    target.generate = original
+    more = distill.self_instructions(target, tok, 10, 8, 0, path, log.append, max_tokens=16)
+    assert more[:6] == first and len(set(more)) == 10
