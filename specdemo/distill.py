@@ -496,6 +496,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--noise", type=float, default=0.05, help="uniform noise on input features")
     p.add_argument("--feat-weight", type=float, default=0.5, help="weight of the smooth L1 feature loss")
     p.add_argument("--skip", type=int, default=0, help="leading positions without loss (default: shared prefix)")
+    p.add_argument("--min-confidence", type=float, default=0.0,
+                   help="confidence gate written into the asset's config (see EagleDrafter; tune with scripts/gate_sim.py)")
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--data-only", action="store_true", help="stop after generating data and features")
@@ -550,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     args.skip = args.skip or _common_prefix(samples)
     head = build_head(target, subset)
     meta = lambda step, m: {"target": args.target, "step": step, "metrics": m,  # noqa: E731
+                            "min_confidence": args.min_confidence,
                             "seconds": round(time.perf_counter() - t_start)}
     metrics = train(head, samples, data, args, loaded.device, log_fn,
                     lambda step, m: save_draft(head, out, meta(step, m)))

@@ -197,17 +197,25 @@ def load_trained_draft(path: str | Path, target_loaded) -> EagleDrafter:
     head.load_state_dict({k: v for k, v in tensors.items()})
     if kernels.enabled_for(head.subset.device, head.head_weight.dtype):
         kernels.patch_linears(head)
-    return EagleDrafter(head.eval())
+    return EagleDrafter(head.eval(), min_confidence=float(meta.get("min_confidence", 0.0)))
 
 
 class EagleDrafter(Drafter):
-    """Drafts with an EagleHead; its KV cache holds entries from true target features only, between proposals."""
+    """Drafts with an EagleHead; its KV cache holds entries from true target features only, between proposals.
+
+    With min_confidence > 0 it stops drafting before a token whose draft probability (the top one under greedy, the
+    sampled one's distribution peak under sampling) falls below it, as transformers' assistant_confidence_threshold
+    does: on a CPU a wider verify pass costs more, and unsure drafts are rarely accepted. The first token is always
+    proposed. The stop depends only on the draft's own state, so rejection sampling stays exact.
+    """
 
     name = "eagle"
     needs_target_hidden = True
 
-    def __init__(self, head: EagleHead):
+    def __init__(self, head: EagleHead, min_confidence: float = 0.0):
         self.head = head
+        self.min_confidence = min_confidence
+        self.confidences: list[float] = []  # the peak draft probability of each token of the last proposal
         self.k = self.v = None
         self.num_true = 0  # cache entries computed from true target features (positions 0 .. num_true - 1)
         self.pending: torch.Tensor | None = None  # true features (m, H) for positions num_true .. num_true + m - 1
@@ -256,13 +264,18 @@ class EagleDrafter(Drafter):
         self.num_true += m
         self.last_true, self.pending = self.pending[-1:], None
         tokens, probs = [], []
+        self.confidences = []
         subset = self.head.subset
         for j in range(request.k):
             logits = self.head.logits(feature)  # (S,)
+            q_sub = torch.softmax(logits.float(), -1) if sampling.greedy else logits_to_probs(logits, sampling)
+            confidence = float(q_sub.max())
+            if j > 0 and confidence < self.min_confidence:
+                break
+            self.confidences.append(confidence)
             if sampling.greedy:
                 token = int(subset[int(torch.argmax(logits))])
             else:
-                q_sub = logits_to_probs(logits, sampling)
                 gen = request.generator if request.generator is not None and request.generator.device == q_sub.device else None
                 token = int(subset[int(torch.multinomial(q_sub, 1, generator=gen))])
                 q = torch.zeros(self.head.c.vocab_size, dtype=q_sub.dtype, device=q_sub.device)

@@ -198,3 +198,26 @@ def test_hybrid_with_eagle_is_lossless_and_keeps_skipped_features(target100, tok
             assert fresh.propose(request).tokens == again
     assert ids[len(prompt):] == ar
     assert {"lookup", "model"} <= set(sources)
+
+
+def test_confidence_gate_shortens_proposals_and_stays_lossless(target100, tok100):
+    """min_confidence stops drafting before unsure tokens (never before the first); outputs stay the target's."""
+    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=4)
+    ar = generated_ids(list(autoregressive(target100, tok100, PROMPT, config)))
+    lengths, seen = {}, []
+    median = None
+    for gate in ("off", "median", "above all"):
+        drafter = make_drafter(target100, seed=5)
+        drafter.min_confidence = {"off": 0.0, "median": median, "above all": 1.01}[gate]
+        events = []
+        for event in speculative(target100, tok100, drafter, PROMPT, config):
+            events.append(event)
+            if event.kind == "spec" and event.drafted:
+                assert len(drafter.confidences) == len(event.drafted)
+                assert all(c >= drafter.min_confidence for c in drafter.confidences[1:])
+                seen += drafter.confidences[1:] if gate == "off" else []
+        assert generated_ids(events) == ar
+        spec = [e for e in events if e.kind == "spec" and e.drafted]
+        lengths[gate] = sum(len(e.drafted) for e in spec) / len(spec)
+        median = median or sorted(seen)[len(seen) // 2]
+    assert lengths["off"] > lengths["median"] > lengths["above all"] == 1.0
