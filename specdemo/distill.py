@@ -1,8 +1,8 @@
 """Distil an EAGLE-style draft head (specdemo.eagle) from a target model, using only the target's own answers.
 
 Stages, each cached in the work folder so a rerun skips what is done: (1) the target answers instructions written
-here programmatically (never the evaluation prompts), (2) its final hidden states and greedy tokens are recorded,
-(3) the head is trained and the asset written to --out. Usage: python -m specdemo.distill --target ID --out DIR
+here programmatically and instructions it writes itself (Magpie-style; never the evaluation prompts), (2) its final
+hidden states and greedy tokens are recorded, (3) the head is trained and the asset written to --out. Usage: python -m specdemo.distill --target ID --out DIR
 """
 
 from __future__ import annotations
@@ -482,8 +482,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gen-batch-size", type=int, default=64)
     p.add_argument("--max-sequences", type=int, default=0, help="stop generating at this many sequences (0: all)")
-    p.add_argument("--self-instruct", type=int, default=0,
-                   help="also answer this many instructions the target writes itself (Magpie-style)")
+    p.add_argument("--self-instruct", type=int, default=1500,
+                   help="also answer this many instructions the target writes itself (Magpie-style; 0: none)")
     p.add_argument("--subset-size", type=int, default=8192)
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--train-minutes", type=float, default=0,
