@@ -2,7 +2,8 @@
 
 Stages, each cached in the work folder so a rerun skips what is done: (1) the target answers instructions written
 here programmatically and instructions it writes itself (Magpie-style; never the evaluation prompts), (2) its final
-hidden states and greedy tokens are recorded, (3) the head is trained and the asset written to --out. Usage: python -m specdemo.distill --target ID --out DIR
+hidden states and greedy tokens are recorded, (3) the head is trained and the asset written to --out.
+Usage: python -m specdemo.distill --target ID --out DIR
 """
 
 from __future__ import annotations

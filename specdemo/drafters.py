@@ -175,10 +175,10 @@ class HybridDrafter(Drafter):
 
     name = "hybrid"
 
-    def __init__(self, model: Drafter, lookup: NgramDrafter | None = None, min_match: int = 3):
+    def __init__(self, model: Drafter, min_match: int = 3):
         self.model = model
-        self.lookup = lookup or NgramDrafter()
-        self.min_match = min_match
+        # a match of min_match tokens or more proposes up to k tokens; a shorter one proposes nothing
+        self.lookup = NgramDrafter(min_ngram=min_match, full_ngram=min_match)
         self.needs_target_hidden = model.needs_target_hidden
         self.last_source: str | None = None  # "lookup" or "model": who drafted the last proposal
 
@@ -186,12 +186,10 @@ class HybridDrafter(Drafter):
         self.model.begin(prompt_ids, target_hidden)
 
     def propose(self, request: DraftRequest) -> Proposal:
-        length, end = self.lookup.match(request.ids)
-        if length >= self.min_match and request.k > 0:
-            tokens = cut_at_eos(request.ids[end + 1 : end + 1 + request.k], request.eos_token_ids)
-            if tokens:
-                self.last_source = "lookup"
-                return Proposal(tokens)
+        proposal = self.lookup.propose(request)
+        if proposal.tokens:
+            self.last_source = "lookup"
+            return proposal
         self.last_source = "model"
         return self.model.propose(request)
 
