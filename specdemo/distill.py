@@ -414,13 +414,23 @@ def evaluate(head, samples, data, idx, args, sub_index, device) -> dict:
             "est_mean_accepted": round(1 + sum(chain_rate), 3)}  # per target pass at k = depth, bonus included
 
 
-def train(head, samples, data, args, device, log_fn, checkpoint=None) -> dict:
-    """AdamW with warmup and cosine decay over args.steps steps; returns the last held-out metrics."""
-    rng = random.Random(args.seed)
+def split_held_out(samples: list[dict], rng: random.Random) -> tuple[list[int], list[int]]:
+    """(held-out, training) sample indices: 1 in 20 held out, from the self-written instructions when there are
+    enough. Templated ones are near-duplicates of training items and overstate agreement on new prompts (draft v3:
+    0.54 top-1 on a mixed split against 0.34 accepted per pass on dev.jsonl)."""
     order = list(range(len(samples)))
     rng.shuffle(order)
     n_eval = max(4, len(order) // 20)
-    held, train_idx = order[:n_eval], order[n_eval:]
+    own = [i for i in order if samples[i].get("stage") == "self"]
+    held = own[:n_eval] if len(own) >= 2 * n_eval else order[:n_eval]
+    held_set = set(held)
+    return held, [i for i in order if i not in held_set]
+
+
+def train(head, samples, data, args, device, log_fn, checkpoint=None) -> dict:
+    """AdamW with warmup and cosine decay over args.steps steps; returns the last held-out metrics."""
+    rng = random.Random(args.seed)
+    held, train_idx = split_held_out(samples, rng)
     sub_index = torch.full((head.c.vocab_size,), -100, dtype=torch.long)
     sub_index[head.subset.cpu()] = torch.arange(len(head.subset))
     params = [p for p in head.parameters() if p.requires_grad]
@@ -483,12 +493,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gen-batch-size", type=int, default=64)
     p.add_argument("--max-sequences", type=int, default=0, help="stop generating at this many sequences (0: all)")
-    p.add_argument("--self-instruct", type=int, default=1500,
+    p.add_argument("--gen-dtype", default="bf16",
+                   help="dtype of the target copy that writes instructions and answers (bf16: 1.7x faster on an "
+                        "AVX512-BF16 CPU); features and labels always come from the fp32 target")
+    p.add_argument("--self-instruct", type=int, default=3000,
                    help="also answer this many instructions the target writes itself (Magpie-style; 0: none)")
     p.add_argument("--subset-size", type=int, default=8192)
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--train-minutes", type=float, default=0,
                    help="time budget for training: fewer steps (same schedule shape) if the pace needs it")
+    p.add_argument("--total-minutes", type=float, default=0,
+                   help="time budget for the whole run: training gets what data and features left (at least 5 min)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-len", type=int, default=320)
     p.add_argument("--depth", type=int, default=2, help="draft steps unrolled in training (training-time test)")
@@ -540,7 +555,8 @@ def main(argv: list[str] | None = None) -> int:
     target, tokenizer = loaded.model, loaded.tokenizer
     for p in target.parameters():
         p.requires_grad_(False)
-    samples = build_data(target, tokenizer, work, args.seed, args.scale, args.max_new_tokens, args.gen_batch_size,
+    writer = target if args.gen_dtype == "fp32" else load_model(args.target, device=args.device, dtype=args.gen_dtype).model
+    samples = build_data(writer, tokenizer, work, args.seed, args.scale, args.max_new_tokens, args.gen_batch_size,
                          log_fn, args.max_sequences, args.self_instruct)
     t = time.perf_counter()
     data = build_features(target, samples, work)
@@ -551,6 +567,9 @@ def main(argv: list[str] | None = None) -> int:
     eos = sorted(set([tokenizer.eos_token_id] + list(_eos_list(target))))
     subset = choose_subset(samples, data["top1"], args.subset_size, target.config.vocab_size, eos)
     args.skip = args.skip or _common_prefix(samples)
+    if args.total_minutes:
+        args.train_minutes = max(5.0, args.total_minutes - (time.perf_counter() - t_start) / 60)
+        log_fn({"event": "train_budget", "minutes": round(args.train_minutes, 1)})
     head = build_head(target, subset)
     meta = lambda step, m: {"target": args.target, "step": step, "metrics": m,  # noqa: E731
                             "min_confidence": args.min_confidence,

@@ -82,3 +82,16 @@ def test_self_instructions_are_sampled_unique_cached_and_resumable(tmp_path):
     target.generate = original
     more = distill.self_instructions(target, tok, 10, 8, 0, path, log.append, max_tokens=16)
     assert more[:6] == first and len(set(more)) == 10
+
+
+def test_held_out_split_prefers_self_written_instructions():
+    import random
+
+    samples = [{"stage": "self" if i % 3 == 0 else "simple"} for i in range(300)]
+    held, train = distill.split_held_out(samples, random.Random(0))
+    assert len(held) == 15 and all(samples[i]["stage"] == "self" for i in held)
+    assert not set(held) & set(train) and len(held) + len(train) == 300
+    assert distill.split_held_out(samples, random.Random(0)) == (held, train)  # reproducible
+    few = [{"stage": "self" if i < 10 else "simple"} for i in range(300)]  # too few of them: a plain random split
+    held, train = distill.split_held_out(few, random.Random(0))
+    assert len(held) == 15 and any(few[i]["stage"] == "simple" for i in held)
