@@ -443,12 +443,13 @@ def train(head, samples, data, args, device, log_fn, checkpoint=None) -> dict:
     head.train()
     t0, cursor = time.perf_counter(), len(train_idx)
     metrics = evaluate(head, samples, data, held, args, sub_index, device)
+    eval_seconds = time.perf_counter() - t0
     log_fn({"event": "eval", "step": 0, **metrics})
     step, t_train = 0, time.perf_counter()
     while step < total[0]:
         step += 1
         if step == 11 and args.train_minutes:
-            pace = (time.perf_counter() - t_train) / 10
+            pace = (time.perf_counter() - t_train) / 10 + eval_seconds / args.eval_every  # evaluations count too
             total[0] = max(step, min(args.steps, int(args.train_minutes * 60 / pace)))
             log_fn({"event": "budget", "seconds_per_step": round(pace, 2), "steps": total[0]})
         if cursor + args.batch_size > len(train_idx):
