@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .engine import target_features
+
 log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -306,13 +308,16 @@ def _run_stage(name, convs, target, tokenizer, max_new_tokens, batch_size, temp,
 
 
 @torch.inference_mode()
-def build_features(target, samples: list[dict], work: Path, batch_size: int = 8) -> dict:
-    """Final hidden states (fp16) and the target's greedy next token at every position; cached in work/features.pt."""
+def build_features(target, samples: list[dict], work: Path, batch_size: int = 8, layers: tuple[int, ...] = ()) -> dict:
+    """Target features (fp16: the final hidden state, then each of `layers`' hidden states) and the target's greedy
+    next token at every position; cached in work/features.pt."""
     path = work / "features.pt"
-    cached = torch.load(path) if path.exists() else {"features": [], "top1": []}
+    cached = torch.load(path) if path.exists() else None
+    if cached is None or tuple(cached.get("layers", ())) != tuple(layers):
+        cached = {"features": [], "top1": [], "layers": tuple(layers)}
     have = len(cached["features"])  # samples only grow at the end, so a cached prefix stays valid
     if have >= len(samples):
-        return {k: v[: len(samples)] for k, v in cached.items()}
+        return {k: (v[: len(samples)] if isinstance(v, list) else v) for k, v in cached.items()}
     head = target.get_output_embeddings().weight
     feats, top1 = cached["features"], cached["top1"]
     order = sorted(range(have, len(samples)), key=lambda i: len(samples[i]["ids"]))
@@ -325,14 +330,14 @@ def build_features(target, samples: list[dict], work: Path, batch_size: int = 8)
         for r, i in enumerate(idx):  # right padding: real positions keep their own indices
             ids = samples[i]["ids"]
             x[r, : len(ids)], mask[r, : len(ids)] = torch.tensor(ids), 1
-        h = target.model(input_ids=x.to(target.device), attention_mask=mask.to(target.device)).last_hidden_state
+        last, h = target_features(target, layers, input_ids=x.to(target.device), attention_mask=mask.to(target.device))
         for r, i in enumerate(idx):
             n = len(samples[i]["ids"])
-            out[i] = (h[r, :n].half().cpu(), (h[r, :n] @ head.T).argmax(-1).int().cpu())
+            out[i] = (h[r, :n].half().cpu(), (last[r, :n] @ head.T).argmax(-1).int().cpu())
     for i in range(have, len(samples)):
         feats.append(out[i][0])
         top1.append(out[i][1])
-    data = {"features": feats, "top1": top1}
+    data = {"features": feats, "top1": top1, "layers": tuple(layers)}
     torch.save(data, path)
     return data
 
@@ -383,7 +388,7 @@ def _losses(head, feats, tokens, labels, valid, t, depth, noise, feat_weight, ge
         lab, ok = labels[:, d : d + t], valid[:, d : d + t]
         logits = head.logits(g[ok])  # (N, S)
         ce = F.cross_entropy(logits.float(), lab[ok])
-        fl = F.smooth_l1_loss(g[ok].float(), feats[:, d : d + t][ok])
+        fl = F.smooth_l1_loss(g[ok].float(), feats[:, d : d + t, : g.shape[-1]][ok])  # the final hidden state
         res.append((ce, fl * feat_weight, logits.argmax(-1) == lab[ok], ok))
     return res
 
@@ -459,7 +464,8 @@ def train(head, samples, data, args, device, log_fn, checkpoint=None) -> dict:
         cursor += args.batch_size
         feats, tokens, labels, valid, t = _batch(samples, data, idx, args.max_len, args.skip, args.depth,
                                                  sub_index, device)
-        res = _losses(head, feats, tokens, labels, valid, t, args.depth, args.noise, args.feat_weight, gen)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.train_dtype == "bf16"):
+            res = _losses(head, feats, tokens, labels, valid, t, args.depth, args.noise, args.feat_weight, gen)
         loss = sum((args.decay ** d) * (ce + fl) for d, (ce, fl, _, _) in enumerate(res))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -507,6 +513,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="time budget for the whole run: training gets what data and features left (at least 5 min)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-len", type=int, default=320)
+    p.add_argument("--fuse-layers", default="",
+                   help="comma-separated target layers whose hidden states the head also reads (EAGLE-3 fusion)")
+    p.add_argument("--train-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="bf16: autocast the head's forward and backward (weights and optimiser stay fp32)")
     p.add_argument("--depth", type=int, default=2, help="draft steps unrolled in training (training-time test)")
     p.add_argument("--decay", type=float, default=0.8, help="loss weight ratio between successive depths")
     p.add_argument("--lr", type=float, default=2e-3)
@@ -560,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
     samples = build_data(writer, tokenizer, work, args.seed, args.scale, args.max_new_tokens, args.gen_batch_size,
                          log_fn, args.max_sequences, args.self_instruct)
     t = time.perf_counter()
-    data = build_features(target, samples, work)
+    layers = tuple(int(x) for x in args.fuse_layers.split(",") if x.strip())
+    data = build_features(target, samples, work, layers=layers)
     log_fn({"event": "features", "positions": sum(len(f) for f in data["features"]),
             "seconds": round(time.perf_counter() - t, 1)})
     if args.data_only:
@@ -571,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.total_minutes:
         args.train_minutes = max(5.0, args.total_minutes - (time.perf_counter() - t_start) / 60)
         log_fn({"event": "train_budget", "minutes": round(args.train_minutes, 1)})
-    head = build_head(target, subset)
+    head = build_head(target, subset, layers)
     meta = lambda step, m: {"target": args.target, "step": step, "metrics": m,  # noqa: E731
                             "min_confidence": args.min_confidence,
                             "seconds": round(time.perf_counter() - t_start)}

@@ -39,7 +39,7 @@ class Verdict:
 
     num_accepted: int
     ids: list[int]  # committed sequence, ending with the target's correction or bonus token
-    target_hidden: torch.Tensor | None = None  # (num_accepted + 1, H) target features, for drafters that read them
+    target_hidden: torch.Tensor | None = None  # (num_accepted + 1, W) target features, for drafters that read them
 
 
 class Drafter(ABC):
@@ -47,6 +47,7 @@ class Drafter(ABC):
 
     name: str = "drafter"
     needs_target_hidden: bool = False  # if True, the engine passes the target's last hidden states
+    target_layers: tuple[int, ...] = ()  # and, after them, these decoder layers' hidden states
 
     @abstractmethod
     def begin(self, prompt_ids: list[int], target_hidden: torch.Tensor | None = None) -> None:
@@ -180,6 +181,7 @@ class HybridDrafter(Drafter):
         # a match of min_match tokens or more proposes up to k tokens; a shorter one proposes nothing
         self.lookup = NgramDrafter(min_ngram=min_match, full_ngram=min_match)
         self.needs_target_hidden = model.needs_target_hidden
+        self.target_layers = model.target_layers
         self.last_source: str | None = None  # "lookup" or "model": who drafted the last proposal
 
     def begin(self, prompt_ids: list[int], target_hidden: torch.Tensor | None = None) -> None:

@@ -37,15 +37,24 @@ class EagleConfig:
     rms_norm_eps: float
     vocab_size: int
     subset_size: int
+    fuse_layers: tuple[int, ...] = ()  # extra target layers read beside the final features (EAGLE-3 fusion)
+
+    def __post_init__(self):
+        object.__setattr__(self, "fuse_layers", tuple(int(i) for i in self.fuse_layers))
+
+    @property
+    def feature_width(self) -> int:
+        """Width of the target features the head reads: the final hidden state, then each fused layer's."""
+        return self.hidden_size * (1 + len(self.fuse_layers))
 
     @classmethod
-    def from_target(cls, config, subset_size: int) -> EagleConfig:
+    def from_target(cls, config, subset_size: int, fuse_layers: tuple[int, ...] = ()) -> EagleConfig:
         rope = getattr(config, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(config.hidden_size, config.intermediate_size, config.num_attention_heads,
                    config.num_key_value_heads, head_dim, float(theta), float(config.rms_norm_eps),
-                   config.vocab_size, subset_size)
+                   config.vocab_size, subset_size, tuple(fuse_layers))
 
 
 class RMSNorm(nn.Module):
@@ -109,12 +118,22 @@ class EagleHead(nn.Module):
     """feature_t ++ embed(token_{t+1}) -> Linear(2H, H) -> decoder layer -> norm = predicted feature_{t+1}.
 
     `embed` (V, H) and `head` (V, H) are the target's frozen matrices (not saved); `subset` (S,) holds target ids.
+    With `fuse_layers` (EAGLE-3), a true target feature is the final hidden state followed by those layers' hidden
+    states, and `prepare` mixes them into H with a Linear that starts as "take the final one"; the head's own
+    predictions (drafting steps after the first) are already H wide.
     """
 
     def __init__(self, c: EagleConfig, embed: torch.Tensor, head: torch.Tensor, subset: torch.Tensor):
         super().__init__()
         self.c = c
         self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
+        self.fuse = None
+        if c.fuse_layers:  # inner layers' residual streams are unnormalised (SmolLM2: up to 2e4), so each gets a norm
+            self.fuse_norms = nn.ModuleList(RMSNorm(c.hidden_size, c.rms_norm_eps) for _ in c.fuse_layers)
+            self.fuse = nn.Linear(c.feature_width, c.hidden_size, bias=False)
+            with torch.no_grad():
+                self.fuse.weight.zero_()
+                self.fuse.weight[:, : c.hidden_size].copy_(torch.eye(c.hidden_size))
         self.layer = DecoderLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.register_buffer("subset", subset.long(), persistent=True)
@@ -128,6 +147,13 @@ class EagleHead(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def prepare(self, features: torch.Tensor) -> torch.Tensor:
+        """True target features (..., feature_width) -> head input (..., H)."""
+        if self.fuse is None:
+            return features
+        final, *inner = features.split(self.c.hidden_size, dim=-1)
+        return self.fuse(torch.cat([final] + [norm(x) for norm, x in zip(self.fuse_norms, inner)], dim=-1))
 
     def forward(self, features, tokens, positions, past_k=None, past_v=None, mask=None):
         """features (B, T, H), tokens (B, T) = the token after each feature's position -> (feature (B, T, H), k, v)."""
@@ -145,7 +171,7 @@ class EagleHead(nn.Module):
     def unrolled(self, features: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
         """Training-time test: `depth` draft steps from every position at once, exactly as propose() runs them.
 
-        features (B, T, H) true target features, tokens (B, T + depth) with tokens[:, i + 1] following position i.
+        features (B, T, W) true target features, tokens (B, T + depth) with tokens[:, i + 1] following position i.
         Row i of step d is the chain that started from the true feature at i; it sits at position i + d - 1, sees the
         true entries at positions <= i and its own chain's earlier steps. Returns d predicted features (B, T, H).
         """
@@ -153,7 +179,7 @@ class EagleHead(nn.Module):
         pos = torch.arange(t, device=features.device)
         causal = torch.ones(t, t, dtype=torch.bool, device=features.device).tril()
         eye = torch.eye(t, dtype=torch.bool, device=features.device)
-        outs, past_k, past_v, feat = [], None, None, features
+        outs, past_k, past_v, feat = [], None, None, self.prepare(features)
         for d in range(1, depth + 1):
             mask = causal if d == 1 else torch.cat([causal] + [eye] * (d - 1), dim=1)
             feat, k, v = self(feat, tokens[:, d : d + t], pos + d - 1, past_k, past_v, mask)
@@ -175,9 +201,9 @@ def save_draft(head: EagleHead, path: str | Path, meta: dict | None = None) -> N
     (path / CONFIG_FILE).write_text(json.dumps({"config": asdict(head.c), **(meta or {})}, indent=2) + "\n")
 
 
-def build_head(target_model: nn.Module, subset: torch.Tensor) -> EagleHead:
+def build_head(target_model: nn.Module, subset: torch.Tensor, fuse_layers: tuple[int, ...] = ()) -> EagleHead:
     """A fresh head on the target's device and dtype, borrowing its frozen embeddings and output head."""
-    c = EagleConfig.from_target(target_model.config, len(subset))
+    c = EagleConfig.from_target(target_model.config, len(subset), fuse_layers)
     embed = target_model.get_input_embeddings().weight
     head = target_model.get_output_embeddings().weight
     return EagleHead(c, embed, head, subset).to(device=embed.device, dtype=embed.dtype)
@@ -193,7 +219,7 @@ def load_trained_draft(path: str | Path, target_loaded) -> EagleDrafter:
     model = target_loaded.model
     if meta["config"]["vocab_size"] != model.config.vocab_size or meta["config"]["hidden_size"] != model.config.hidden_size:
         raise ValueError(f"the draft in {path} was trained for a different target (config {meta['config']})")
-    head = build_head(model, tensors["subset"].long())
+    head = build_head(model, tensors["subset"].long(), tuple(meta["config"].get("fuse_layers", ())))
     head.load_state_dict({k: v for k, v in tensors.items()})
     if kernels.enabled_for(head.subset.device, head.head_weight.dtype):
         kernels.patch_linears(head)
@@ -214,6 +240,7 @@ class EagleDrafter(Drafter):
 
     def __init__(self, head: EagleHead, min_confidence: float = 0.0):
         self.head = head
+        self.target_layers = head.c.fuse_layers  # the engine passes these layers' hidden states too
         self.min_confidence = min_confidence
         self.confidences: list[float] = []  # the peak draft probability of each token of the last proposal
         self.k = self.v = None
@@ -260,7 +287,8 @@ class EagleDrafter(Drafter):
         m = len(self.pending)
         if self.num_true + m != len(ids) - 1:
             raise ValueError(f"draft state covers {self.num_true + m} positions but the request has {len(ids) - 1}")
-        feature = self._step(self.pending, ids[self.num_true + 1 :], self.num_true)
+        feature = self._step(self.head.prepare(self.pending.to(self.head.head_weight.dtype)), ids[self.num_true + 1 :],
+                             self.num_true)
         self.num_true += m
         self.last_true, self.pending = self.pending[-1:], None
         tokens, probs = [], []

@@ -141,12 +141,22 @@ def _generator(device: torch.device, seed: int) -> torch.Generator:
     return gen
 
 
-def _target_pass(target, ids: list[int], cache, keep: int, want_hidden: bool):
-    """Run the target on `ids` after its cache; return logits (keep, V) and, if asked, hidden states (len, H)."""
+def target_features(model, layers: tuple[int, ...] = (), **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(last_hidden_state (B, T, H), features (B, T, W)): the final hidden state, then the hidden state after each
+    decoder layer in `layers` (EAGLE-3 style fusion; W = H * (1 + len(layers)))."""
+    out = model.model(**inputs, output_hidden_states=bool(layers))
+    last = out.last_hidden_state
+    if not layers:
+        return last, last
+    return last, torch.cat([last] + [out.hidden_states[i] for i in layers], dim=-1)
+
+
+def _target_pass(target, ids: list[int], cache, keep: int, layers: tuple[int, ...] | None):
+    """Run the target on `ids` after its cache; return logits (keep, V) and, unless layers is None, features (len, W)."""
     x = torch.tensor([ids], device=target.device)
-    if want_hidden:
-        hidden = target.model(input_ids=x, cache=cache, use_cache=True).last_hidden_state  # (1, T, H)
-        return target.lm_head(hidden[:, -keep:])[0], hidden[0]
+    if layers is not None:
+        last, features = target_features(target, layers, input_ids=x, cache=cache, use_cache=True)  # (1, T, .)
+        return target.lm_head(last[:, -keep:])[0], features[0]
     return target(input_ids=x, cache=cache, use_cache=True, logits_to_keep=keep).logits[0], None
 
 
@@ -167,7 +177,7 @@ def autoregressive(target, tokenizer, prompt_ids: list[int], config: GenerationC
     feed, kind = prompt_ids, "prefill"
     while out.finish_reason is None:
         clock.start()
-        logits, _ = _target_pass(target, feed, cache, 1, False)
+        logits, _ = _target_pass(target, feed, cache, 1, None)
         token = choose(logits[-1], config.sampling, gen)
         kept, text = out.commit([token])
         dt = clock.stop()
@@ -187,7 +197,7 @@ def speculative(
     eos = eos_ids(target, tokenizer)
     out = _Committer(tokenizer, prompt_ids, config, eos)
     cache = _new_cache(target)
-    want_hidden = drafter.needs_target_hidden
+    want_hidden = tuple(drafter.target_layers) if drafter.needs_target_hidden else None
     sampling = config.sampling
 
     clock.start()  # prefill: the target's first token, exactly as in autoregressive()

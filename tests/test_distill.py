@@ -95,3 +95,33 @@ def test_held_out_split_prefers_self_written_instructions():
     few = [{"stage": "self" if i < 10 else "simple"} for i in range(300)]  # too few of them: a plain random split
     held, train = distill.split_held_out(few, random.Random(0))
     assert len(held) == 15 and any(few[i]["stage"] == "simple" for i in held)
+
+
+def test_fused_features_cache_and_training(tmp_path):
+    """With fused layers the cache holds wider features (final state first, same labels), is rebuilt when the layers
+    change, and a fused head trains on them under bf16 autocast: held-out agreement rises, the fusion moves off the
+    identity it starts as, and the weights stay fp32."""
+    target = tiny_llama(VOCAB, seed=5, sharpness=6.0)
+    samples = greedy_samples(target, n=24, length=12)
+    plain = distill.build_features(target, samples, tmp_path)
+    fused = distill.build_features(target, samples, tmp_path, layers=(1,))
+    assert fused["layers"] == (1,) and plain["layers"] == ()
+    h = plain["features"][0].shape[-1]
+    assert fused["features"][0].shape[-1] == 2 * h
+    assert torch.equal(fused["features"][0][:, :h], plain["features"][0])
+    assert all(torch.equal(a, b) for a, b in zip(fused["top1"], plain["top1"]))
+    assert not torch.equal(fused["features"][0][:, h:], plain["features"][0])  # a different layer's state
+
+    subset = distill.choose_subset(samples, fused["top1"], 24, VOCAB, [0])
+    args = distill.parse_args(["--target", "x", "--out", str(tmp_path), "--steps", "60", "--batch-size", "8",
+                               "--eval-every", "60", "--log-every", "60", "--lr", "3e-3", "--train-dtype", "bf16"])
+    args.skip = 0
+    torch.manual_seed(0)
+    head = build_head(target, subset, (1,))
+    start = head.fuse.weight.detach().clone()
+    records = []
+    final = distill.train(head, samples, fused, args, torch.device("cpu"), records.append)
+    first = [r for r in records if r["event"] == "eval"][0]
+    assert final["top1_step"][0] > first["top1_step"][0]
+    assert float((head.fuse.weight.detach() - start)[:, h:].abs().max()) > 0
+    assert all(p.dtype == torch.float32 for p in head.parameters())

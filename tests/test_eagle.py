@@ -8,7 +8,7 @@ import torch
 from specdemo.config import GenerationConfig, SamplingConfig
 from specdemo.drafters import DraftRequest
 from specdemo.eagle import EagleDrafter, build_head, load_trained_draft, save_draft
-from specdemo.engine import autoregressive, encode_prompt, generated_ids, speculative
+from specdemo.engine import autoregressive, encode_prompt, generated_ids, speculative, target_features
 
 from conftest import tiny_llama, tiny_tokenizer
 
@@ -26,38 +26,44 @@ def target100():
     return tiny_llama(VOCAB, seed=3, sharpness=8.0)
 
 
-def make_drafter(target, seed: int = 0, subset_size: int = 60) -> EagleDrafter:
+FUSED = (1,)  # with the tiny target's first decoder layer fused in (EAGLE-3 style)
+
+
+def make_drafter(target, seed: int = 0, subset_size: int = 60, fuse: tuple[int, ...] = ()) -> EagleDrafter:
     """A random head over a subset that holds EOS (id 0) and a shuffled half of the rest."""
     torch.manual_seed(seed)
     subset = torch.cat([torch.tensor([0]), 1 + torch.randperm(VOCAB - 1)[: subset_size - 1]])
-    head = build_head(target, subset)
+    head = build_head(target, subset, fuse)
     with torch.no_grad():  # larger weights than the default init, so drafts vary with their input
+        if head.fuse is not None:  # and a fusion that reads every layer, not the identity it starts as
+            head.fuse.weight.normal_(0.0, head.fuse.weight.shape[1] ** -0.5)
         for p in head.parameters():
             if p.dim() == 2:
                 p.mul_(4.0)
     return EagleDrafter(head.eval())
 
 
-def hidden(target, ids):
+def hidden(target, ids, fuse: tuple[int, ...] = ()):
     with torch.inference_mode():
-        return target.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+        return target_features(target, fuse, input_ids=torch.tensor([ids]))[1][0]
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])
-def test_greedy_speculative_equals_autoregressive(target100, tok100, k):
+@pytest.mark.parametrize("k,fuse", [(1, ()), (3, ()), (5, ()), (3, FUSED)])
+def test_greedy_speculative_equals_autoregressive(target100, tok100, k, fuse):
     """Greedy speculative output with the EAGLE drafter is the target's own greedy output."""
     config = GenerationConfig(max_new_tokens=40, num_draft_tokens=k)
     ar = generated_ids(list(autoregressive(target100, tok100, PROMPT, config)))
-    events = list(speculative(target100, tok100, make_drafter(target100), PROMPT, config))
+    events = list(speculative(target100, tok100, make_drafter(target100, fuse=fuse), PROMPT, config))
     assert generated_ids(events) == ar
     assert any(e.kind == "spec" and e.drafted for e in events)
 
 
-def test_rollback_keeps_only_true_feature_entries(target100, tok100):
+@pytest.mark.parametrize("fuse", [(), FUSED])
+def test_rollback_keeps_only_true_feature_entries(target100, tok100, fuse):
     """After each verdict the draft cache holds exactly the entries from true features, and the next proposal equals
-    that of a fresh drafter begun on the whole committed sequence."""
+    that of a fresh drafter begun on the whole committed sequence (so fused features travel with the verdicts)."""
     config = GenerationConfig(max_new_tokens=30, num_draft_tokens=4)
-    drafter = make_drafter(target100, seed=1)
+    drafter = make_drafter(target100, seed=1, fuse=fuse)
     ids, rejections = list(PROMPT), 0
     for event in speculative(target100, tok100, drafter, PROMPT, config):
         ids += event.tokens
@@ -69,24 +75,25 @@ def test_rollback_keeps_only_true_feature_entries(target100, tok100):
         request = DraftRequest(list(ids), 4, SamplingConfig(), None, frozenset([0]))
         with torch.inference_mode():
             again = copy.deepcopy(drafter).propose(request).tokens
-            fresh = make_drafter(target100, seed=1)
-            fresh.begin(ids[:-1], hidden(target100, ids[:-1]))
+            fresh = make_drafter(target100, seed=1, fuse=fuse)
+            fresh.begin(ids[:-1], hidden(target100, ids[:-1], fuse))
             assert fresh.propose(request).tokens == again
     assert rejections > 0
 
 
-def test_unrolled_training_matches_drafting(target100):
+@pytest.mark.parametrize("fuse", [(), FUSED])
+def test_unrolled_training_matches_drafting(target100, fuse):
     """The training-time unroll (all chains at once, masked) computes the same features as step-by-step drafting."""
-    drafter = make_drafter(target100, seed=2)
+    drafter = make_drafter(target100, seed=2, fuse=fuse)
     head = drafter.head
     ids = PROMPT + [12, 13, 14, 15]
-    feats = hidden(target100, ids)  # (T, H)
+    feats = hidden(target100, ids, fuse)  # (T, W)
     depth, t = 3, len(ids) - 3
     tokens = torch.tensor([ids + [0] * (depth + 3)])
     with torch.inference_mode():
         outs = head.unrolled(feats[None, :t], tokens[:, : t + depth], depth)
         for start in (0, 2, t - 1):  # a chain whose last true feature is at `start`
-            f, k, v = head(feats[None, : start + 1], tokens[:, 1 : start + 2], torch.arange(start + 1))
+            f, k, v = head(head.prepare(feats[None, : start + 1]), tokens[:, 1 : start + 2], torch.arange(start + 1))
             f = f[:, -1:]
             assert torch.allclose(f[0, 0], outs[0][0, start], atol=1e-5)
             for d in range(2, depth + 1):
@@ -110,9 +117,10 @@ def test_sampled_proposal_is_a_distribution_on_the_subset(target100):
     assert all(float(proposal.probs[i, t]) > 0 for i, t in enumerate(proposal.tokens))
 
 
-def test_save_and_load_round_trip(target100, tmp_path):
+@pytest.mark.parametrize("fuse", [(), FUSED])
+def test_save_and_load_round_trip(target100, tmp_path, fuse):
     """A saved head loads back bound to the same target and drafts the same tokens."""
-    drafter = make_drafter(target100, seed=5)
+    drafter = make_drafter(target100, seed=5, fuse=fuse)
     save_draft(drafter.head, tmp_path)
 
     class Loaded:
@@ -122,7 +130,8 @@ def test_save_and_load_round_trip(target100, tmp_path):
     request = DraftRequest(PROMPT, 4, SamplingConfig(), None, frozenset())
     for d in (drafter, loaded):
         d.head.float()
-        d.begin(PROMPT[:-1], hidden(target100, PROMPT[:-1]))
+        d.begin(PROMPT[:-1], hidden(target100, PROMPT[:-1], fuse))
+    assert loaded.target_layers == fuse
     with torch.no_grad():  # fp16 storage: compare with the original rounded the same way
         for p in drafter.head.parameters():
             p.copy_(p.half().float())
@@ -176,8 +185,8 @@ def test_shipped_draft_with_prompt_lookup_is_lossless(bundled):
     assert {"lookup", "model"} <= set(sources)
 
 
-@pytest.mark.parametrize("k", [2, 4])
-def test_hybrid_with_eagle_is_lossless_and_keeps_skipped_features(target100, tok100, k):
+@pytest.mark.parametrize("k,fuse", [(2, ()), (4, ()), (4, FUSED)])
+def test_hybrid_with_eagle_is_lossless_and_keeps_skipped_features(target100, tok100, k, fuse):
     """Prompt lookup takes some steps and the EAGLE head the others: output stays the target's, and after every
     verdict the head's next proposal equals a fresh head's on the whole committed sequence (no feature lost)."""
     from specdemo.drafters import HybridDrafter
@@ -185,7 +194,7 @@ def test_hybrid_with_eagle_is_lossless_and_keeps_skipped_features(target100, tok
     prompt = PROMPT * 3  # repeats, so the lookup finds matches of 3+ tokens
     config = GenerationConfig(max_new_tokens=40, num_draft_tokens=k)
     ar = generated_ids(list(autoregressive(target100, tok100, prompt, config)))
-    hybrid = HybridDrafter(make_drafter(target100, seed=4))
+    hybrid = HybridDrafter(make_drafter(target100, seed=4, fuse=fuse))
     ids, sources = list(prompt), []
     for event in speculative(target100, tok100, hybrid, prompt, config):
         ids += event.tokens
@@ -195,8 +204,8 @@ def test_hybrid_with_eagle_is_lossless_and_keeps_skipped_features(target100, tok
         request = DraftRequest(list(ids), k, SamplingConfig(), None, frozenset([0]))
         with torch.inference_mode():
             again = copy.deepcopy(hybrid.model).propose(request).tokens
-            fresh = make_drafter(target100, seed=4)
-            fresh.begin(ids[:-1], hidden(target100, ids[:-1]))
+            fresh = make_drafter(target100, seed=4, fuse=fuse)
+            fresh.begin(ids[:-1], hidden(target100, ids[:-1], fuse))
             assert fresh.propose(request).tokens == again
     assert ids[len(prompt):] == ar
     assert {"lookup", "model"} <= set(sources)
