@@ -48,14 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as work:
         data = distill.build_features(pair.target.model, samples, Path(work), batch_size=1, layers=head.c.fuse_layers)
     ev = types.SimpleNamespace(depth=args.depth, batch_size=1, max_len=1 << 16, skip=0)
-    sub_index = torch.full((head.c.vocab_size,), -100, dtype=torch.long)
-    sub_index[head.subset.cpu()] = torch.arange(len(head.subset))
+    sub_index = distill.subset_index(head)
     print(f"| prompts | n | top-1 agreement, steps 1..{args.depth} | chain rate | est. tokens per pass at k = {args.depth} "
           "| target tokens inside the subset |")
     print("|---|---|---|---|---|---|")
     for name in ["all"] + sorted(set(cats)):
         idx = [i for i, c in enumerate(cats) if name in ("all", c)]
-        m = distill.evaluate(head, samples, data, idx, ev, sub_index, "cpu")
+        m = distill.evaluate(head, samples, data, idx, ev, sub_index, pair.target.device)
         labels = torch.cat([data["top1"][i][samples[i]["prompt_len"] - 1 : -1].long() for i in idx])
         inside = float((sub_index[labels] >= 0).float().mean())
         print(f"| {name} | {len(idx)} | {' / '.join(f'{a:.3f}' for a in m['top1_step'])} | "

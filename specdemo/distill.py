@@ -419,6 +419,13 @@ def evaluate(head, samples, data, idx, args, sub_index, device) -> dict:
             "est_mean_accepted": round(1 + sum(chain_rate), 3)}  # per target pass at k = depth, bonus included
 
 
+def subset_index(head) -> torch.Tensor:
+    """(V,) on the CPU: each target id's index in the head's subset, -100 (ignored by the losses) outside it."""
+    index = torch.full((head.c.vocab_size,), -100, dtype=torch.long)
+    index[head.subset.cpu()] = torch.arange(len(head.subset))
+    return index
+
+
 def split_held_out(samples: list[dict], rng: random.Random) -> tuple[list[int], list[int]]:
     """(held-out, training) sample indices: 1 in 20 held out, from the self-written instructions when there are
     enough. Templated ones are near-duplicates of training items and overstate agreement on new prompts (draft v3:
@@ -436,8 +443,7 @@ def train(head, samples, data, args, device, log_fn, checkpoint=None) -> dict:
     """AdamW with warmup and cosine decay over args.steps steps; returns the last held-out metrics."""
     rng = random.Random(args.seed)
     held, train_idx = split_held_out(samples, rng)
-    sub_index = torch.full((head.c.vocab_size,), -100, dtype=torch.long)
-    sub_index[head.subset.cpu()] = torch.arange(len(head.subset))
+    sub_index = subset_index(head)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     total = [args.steps]  # shortened once the pace is known when --train-minutes sets a time budget

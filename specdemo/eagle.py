@@ -54,7 +54,7 @@ class EagleConfig:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(config.hidden_size, config.intermediate_size, config.num_attention_heads,
                    config.num_key_value_heads, head_dim, float(theta), float(config.rms_norm_eps),
-                   config.vocab_size, subset_size, tuple(fuse_layers))
+                   config.vocab_size, subset_size, fuse_layers)
 
 
 class RMSNorm(nn.Module):
@@ -219,7 +219,7 @@ def load_trained_draft(path: str | Path, target_loaded) -> EagleDrafter:
     model = target_loaded.model
     if meta["config"]["vocab_size"] != model.config.vocab_size or meta["config"]["hidden_size"] != model.config.hidden_size:
         raise ValueError(f"the draft in {path} was trained for a different target (config {meta['config']})")
-    head = build_head(model, tensors["subset"].long(), tuple(meta["config"].get("fuse_layers", ())))
+    head = build_head(model, tensors["subset"].long(), meta["config"].get("fuse_layers", ()))
     head.load_state_dict({k: v for k, v in tensors.items()})
     if kernels.enabled_for(head.subset.device, head.head_weight.dtype):
         kernels.patch_linears(head)

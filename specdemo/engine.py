@@ -197,11 +197,11 @@ def speculative(
     eos = eos_ids(target, tokenizer)
     out = _Committer(tokenizer, prompt_ids, config, eos)
     cache = _new_cache(target)
-    want_hidden = tuple(drafter.target_layers) if drafter.needs_target_hidden else None
+    feature_layers = tuple(drafter.target_layers) if drafter.needs_target_hidden else None  # None: logits only
     sampling = config.sampling
 
     clock.start()  # prefill: the target's first token, exactly as in autoregressive()
-    logits, hidden = _target_pass(target, prompt_ids, cache, 1, want_hidden)
+    logits, hidden = _target_pass(target, prompt_ids, cache, 1, feature_layers)
     token = choose(logits[-1], sampling, gen)
     drafter.begin(prompt_ids, hidden)
     kept, text = out.commit([token])
@@ -219,7 +219,7 @@ def speculative(
         draft_seconds = clock.stop()
 
         clock.start()
-        logits, hidden = _target_pass(target, [ids[-1]] + drafted, cache, len(drafted) + 1, want_hidden)
+        logits, hidden = _target_pass(target, [ids[-1]] + drafted, cache, len(drafted) + 1, feature_layers)
         draft_t = torch.tensor(drafted, dtype=torch.long, device=logits.device)
         if sampling.greedy:
             num_accepted, next_token = greedy_accept(draft_t, logits)
