@@ -208,15 +208,37 @@ def _jsonl_load(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.open()] if path.exists() else []
 
 
+# Openings for steered self-instructions: the target writes the rest of the user turn (material included), so the
+# instructions keep its own wording but cover the kinds of request that plain Magpie sampling rarely produces
+# (translations, edits of a given text or code, extraction, formats). Our own list, not the evaluation prompts.
+OPENINGS = [
+    "Translate into French:", "Translate into German:", "Translate into Spanish:", "Translate into Italian:",
+    "Translate this sentence into Portuguese:", "Translate the following text into French.",
+    "Summarize the following text", "Summarize this article in", "Rewrite the following paragraph",
+    "Rewrite this text so that", "Extract the", "Answer using only the text below:", "Here is a short story:",
+    "Read the passage and", "Fix the bug in this Python code:", "Add comments to this code:",
+    "Rewrite this Python function", "Convert the following data to JSON:", "Turn this list into a table:",
+    "Correct the grammar in this sentence:", "Write a SQL query that", "Write a bash script that",
+    "Write a Markdown table", "Give a JSON object", "List the", "Write a Python function that",
+    "Write a regular expression that", "If", "A store sells", "How many", "What is", "Solve", "Calculate",
+    "What are some", "How does", "Why do", "I have a", "Can you explain", "What is the best way to",
+    "Write a short story about", "Write a poem about", "Invent", "Write a letter", "Describe", "Suggest",
+    "Give me ideas for", "Compare", "Plan a",
+]
+
+
 def self_instructions(target, tokenizer, n: int, batch_size: int, seed: int, path: Path, log_fn,
-                      temperature: float = 1.0, top_p: float = 0.95, max_tokens: int = 64) -> list[str]:
+                      temperature: float = 1.0, top_p: float = 0.95, max_tokens: int = 64,
+                      openings: list[str] | None = None) -> list[str]:
     """Instructions the target writes itself (Magpie, Xu et al. 2024): sample the user turn from the chat template's
     pre-query prefix. They follow the target's own idea of what users ask, so they are far more varied than templates.
-    Kept: at least 12 characters (an unfinished one up to its last sentence end), not seen before. Cached batch by
-    batch in `path`."""
+    With `openings`, each user turn starts with one of them (drawn per row, seeded by batch) and the target writes
+    the rest. Kept: at least 12 characters (an unfinished one up to its last sentence end), not seen before. Cached
+    batch by batch in `path`."""
     marker = "\u0001INSTRUCTION\u0001"
     text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
-    prefix = tokenizer(text[: text.index(marker)], add_special_tokens=False, return_tensors="pt").input_ids
+    prefix_text = text[: text.index(marker)]
+    prefix_ids = tokenizer(prefix_text, add_special_tokens=False).input_ids
     eos = tokenizer.eos_token_id
     rows = _jsonl_load(path)
     seen = {r["instruction"] for r in rows}
@@ -224,19 +246,27 @@ def self_instructions(target, tokenizer, n: int, batch_size: int, seed: int, pat
     barren = 0  # batches in a row that kept nothing: a model that never ends a user turn must not loop forever
     while len(rows) < n and barren < 5:
         t0 = time.perf_counter()
+        starts = ([random.Random(seed + 7919 * batch + r).choice(openings) for r in range(batch_size)]
+                  if openings else [""] * batch_size)
+        ids = [tokenizer(prefix_text + o, add_special_tokens=False).input_ids for o in starts]
+        width = max(map(len, ids))
+        x = torch.tensor([[eos] * (width - len(r)) + r for r in ids], device=target.device)  # left padding
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids], device=target.device)
         torch.manual_seed(seed + 7919 * batch)  # batch-indexed, so a resumed run draws what a full run would
         with torch.inference_mode():
-            x = prefix.repeat(batch_size, 1).to(target.device)
-            out = target.generate(x, attention_mask=torch.ones_like(x), do_sample=True,
+            out = target.generate(x, attention_mask=mask, do_sample=True,
                                   temperature=temperature, top_p=top_p, top_k=0, max_new_tokens=max_tokens,
                                   pad_token_id=eos)
         new = []
-        for row in out[:, prefix.shape[1]:].tolist():
-            instruction = tokenizer.decode(row[: row.index(eos)] if eos in row else row, skip_special_tokens=True)
+        for start, opening, row in zip(starts, ids, out[:, x.shape[1]:].tolist()):
+            # decoded together with the opening's tokens, so the join is the tokenizer's, not a guessed space
+            own = opening[len(prefix_ids):] if opening[: len(prefix_ids)] == prefix_ids else []
+            instruction = tokenizer.decode(own + (row[: row.index(eos)] if eos in row else row),
+                                           skip_special_tokens=True)
             if eos not in row:  # cut at max_tokens: keep it up to its last finished sentence
                 instruction = instruction[: max(instruction.rfind(c) for c in ".?!") + 1]
             instruction = instruction.strip()
-            if len(instruction) >= 12 and instruction not in seen:
+            if len(instruction) >= 12 + len(start) and instruction not in seen:
                 seen.add(instruction)
                 new.append({"instruction": instruction, "batch": batch})
         with path.open("a") as f:
@@ -254,10 +284,11 @@ def self_instructions(target, tokenizer, n: int, batch_size: int, seed: int, pat
 
 PARAGRAPHS = 64  # first-stage paragraphs, material for the extractive and multi-turn instructions
 PARAGRAPH_TOKENS = 160
+STEERED_TOKENS = 128  # room for the text or code a steered instruction brings along
 
 
 def build_data(target, tokenizer, work: Path, seed: int, scale: float, max_new_tokens: int, batch_size: int,
-               log_fn, max_sequences: int = 0, n_self: int = 0) -> list[dict]:
+               log_fn, max_sequences: int = 0, n_self: int = 0, n_steered: int = 0) -> list[dict]:
     """All training sequences (prompt + target answer), generated once and cached batch by batch in work/samples.jsonl."""
     path = work / "samples.jsonl"
     samples = _jsonl_load(path)
@@ -280,6 +311,10 @@ def build_data(target, tokenizer, work: Path, seed: int, scale: float, max_new_t
     if n_self and not (max_sequences and len(samples) >= max_sequences):
         own = self_instructions(target, tokenizer, n_self, batch_size, seed, work / "instructions.jsonl", log_fn)
         gen("self", [[{"role": "user", "content": x}] for x in own], max_new_tokens, 0.0)
+    if n_steered and not (max_sequences and len(samples) >= max_sequences):
+        own = self_instructions(target, tokenizer, n_steered, batch_size, seed + 1, work / "steered.jsonl", log_fn,
+                                max_tokens=STEERED_TOKENS, openings=OPENINGS)
+        gen("steered", [[{"role": "user", "content": x}] for x in own], max_new_tokens, 0.0)
     return samples
 
 
@@ -313,7 +348,14 @@ def build_features(target, samples: list[dict], work: Path, batch_size: int = 8,
     next token at every position; cached in work/features.pt."""
     path = work / "features.pt"
     cached = torch.load(path) if path.exists() else None
-    if cached is None or tuple(cached.get("layers", ())) != tuple(layers):
+    have_layers = tuple(cached.get("layers", ())) if cached is not None else ()
+    if cached is not None and have_layers[: len(layers)] == tuple(layers) and len(have_layers) > len(layers):
+        # Recorded with more layers: the final state comes first, then each layer, so the columns of a prefix of
+        # them are a slice, with no new target passes. The file keeps all its layers unless samples are added.
+        width = cached["features"][0].shape[-1] // (1 + len(have_layers)) * (1 + len(layers))
+        cached = {"features": [f[:, :width].clone() for f in cached["features"]], "top1": cached["top1"],
+                  "layers": tuple(layers)}
+    elif cached is None or have_layers != tuple(layers):
         cached = {"features": [], "top1": [], "layers": tuple(layers)}
     have = len(cached["features"])  # samples only grow at the end, so a cached prefix stays valid
     if have >= len(samples):
@@ -377,8 +419,12 @@ def _batch(samples, data, idx, max_len, skip, depth, sub_index, device):
     return feats.to(device), tokens.to(device), labels.to(device), valid.to(device), t
 
 
-def _losses(head, feats, tokens, labels, valid, t, depth, noise, feat_weight, gen=None):
-    """Per-depth (ce, feature loss, correct mask); row i of depth d predicts position i + d."""
+def _losses(head, feats, tokens, labels, valid, t, depth, noise, feat_weight, gen=None, soft_weight=0.0):
+    """Per-depth (ce, feature loss, correct mask); row i of depth d predicts position i + d.
+
+    ce mixes cross-entropy to the target's greedy token with, at `soft_weight`, cross-entropy to the target's own
+    distribution over the subset (EAGLE's classification loss), computed from the recorded final hidden state with
+    the same frozen head: the whole distribution, not one token, per position."""
     inp = feats[:, :t]
     if noise > 0:
         inp = inp + (torch.rand(inp.shape, generator=gen, device=inp.device) - 0.5) * 2 * noise
@@ -387,8 +433,14 @@ def _losses(head, feats, tokens, labels, valid, t, depth, noise, feat_weight, ge
     for d, g in enumerate(outs, start=1):
         lab, ok = labels[:, d : d + t], valid[:, d : d + t]
         logits = head.logits(g[ok])  # (N, S)
+        true = feats[:, d : d + t, : g.shape[-1]][ok]  # the target's final hidden state there
         ce = F.cross_entropy(logits.float(), lab[ok])
-        fl = F.smooth_l1_loss(g[ok].float(), feats[:, d : d + t, : g.shape[-1]][ok])  # the final hidden state
+        if soft_weight > 0:
+            with torch.no_grad():
+                p = torch.softmax(head.logits(true).float(), dim=-1)
+            soft = -(p * torch.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
+            ce = (1 - soft_weight) * ce + soft_weight * soft
+        fl = F.smooth_l1_loss(g[ok].float(), true)
         res.append((ce, fl * feat_weight, logits.argmax(-1) == lab[ok], ok))
     return res
 
@@ -471,7 +523,8 @@ def train(head, samples, data, args, device, log_fn, checkpoint=None) -> dict:
         feats, tokens, labels, valid, t = _batch(samples, data, idx, args.max_len, args.skip, args.depth,
                                                  sub_index, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.train_dtype == "bf16"):
-            res = _losses(head, feats, tokens, labels, valid, t, args.depth, args.noise, args.feat_weight, gen)
+            res = _losses(head, feats, tokens, labels, valid, t, args.depth, args.noise, args.feat_weight, gen,
+                          args.soft_weight)
         loss = sum((args.decay ** d) * (ce + fl) for d, (ce, fl, _, _) in enumerate(res))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -511,6 +564,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "AVX512-BF16 CPU); features and labels always come from the fp32 target")
     p.add_argument("--self-instruct", type=int, default=3000,
                    help="also answer this many instructions the target writes itself (Magpie-style; 0: none)")
+    p.add_argument("--steered-instruct", type=int, default=0,
+                   help="then this many self-written instructions that start with one of distill.OPENINGS "
+                        "(translation, edits of a given text, extraction, formats; the target writes the rest)")
     p.add_argument("--subset-size", type=int, default=8192)
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--train-minutes", type=float, default=0,
@@ -528,6 +584,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--noise", type=float, default=0.05, help="uniform noise on input features")
     p.add_argument("--feat-weight", type=float, default=0.5, help="weight of the smooth L1 feature loss")
+    p.add_argument("--soft-weight", type=float, default=0.0,
+                   help="share of the token loss taken against the target's distribution over the subset instead "
+                        "of its greedy token (EAGLE trains on the distribution: 1.0)")
     p.add_argument("--skip", type=int, default=0, help="leading positions without loss (default: shared prefix)")
     p.add_argument("--min-confidence", type=float, default=0.0,
                    help="confidence gate written into the asset's config (see EagleDrafter; tune with scripts/gate_sim.py)")
@@ -574,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         p.requires_grad_(False)
     writer = target if args.gen_dtype == "fp32" else load_model(args.target, device=args.device, dtype=args.gen_dtype).model
     samples = build_data(writer, tokenizer, work, args.seed, args.scale, args.max_new_tokens, args.gen_batch_size,
-                         log_fn, args.max_sequences, args.self_instruct)
+                         log_fn, args.max_sequences, args.self_instruct, args.steered_instruct)
     t = time.perf_counter()
     layers = tuple(int(x) for x in args.fuse_layers.split(",") if x.strip())
     data = build_features(target, samples, work, layers=layers)

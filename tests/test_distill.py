@@ -125,3 +125,84 @@ def test_fused_features_cache_and_training(tmp_path):
     assert final["top1_step"][0] > first["top1_step"][0]
     assert float((head.fuse.weight.detach() - start)[:, h:].abs().max()) > 0
     assert all(p.dtype == torch.float32 for p in head.parameters())
+
+
+def test_plain_features_are_sliced_from_a_fused_cache(tmp_path, monkeypatch):
+    """A cache recorded with more layers serves a prefix of them (here none: the final state alone) without running
+    the target again, and the cache file keeps every layer until samples are added."""
+    target = tiny_llama(VOCAB, seed=5, sharpness=6.0)
+    samples = greedy_samples(target, n=6, length=8)
+    fused = distill.build_features(target, samples, tmp_path, layers=(1,))
+    (tmp_path / "fresh").mkdir()
+    fresh = distill.build_features(target, samples, tmp_path / "fresh")
+
+    def refuse(*a, **k):
+        raise AssertionError("ran the target instead of slicing the cache")
+
+    monkeypatch.setattr(distill, "target_features", refuse)
+    plain = distill.build_features(target, samples, tmp_path)
+    assert plain["layers"] == () and plain["features"][0].shape[-1] == fused["features"][0].shape[-1] // 2
+    assert all(torch.equal(a, b) for a, b in zip(plain["features"], fresh["features"]))
+    assert all(torch.equal(a, b) for a, b in zip(plain["top1"], fresh["top1"]))
+    assert tuple(torch.load(tmp_path / "features.pt")["layers"]) == (1,)
+
+    monkeypatch.undo()  # more samples: the sliced prefix is kept and only the new ones run through the target
+    more = samples + greedy_samples(target, n=8, length=8)[6:]
+    grown = distill.build_features(target, more, tmp_path)
+    (tmp_path / "all").mkdir()
+    whole = distill.build_features(target, more, tmp_path / "all")
+    assert len(grown["features"]) == 8 and grown["layers"] == ()
+    assert all(torch.allclose(a.float(), b.float(), atol=1e-3) for a, b in zip(grown["features"], whole["features"]))
+    assert tuple(torch.load(tmp_path / "features.pt")["layers"]) == ()
+
+
+def test_soft_label_loss_is_cross_entropy_to_the_target_distribution_and_trains(tmp_path):
+    """--soft-weight 1: the token loss is the cross-entropy from the target's own distribution over the subset
+    (its frozen head on the recorded final state) to the draft's, EAGLE's classification loss; a head trained on it
+    alone still learns the target's greedy tokens (more slowly than on them directly on this flat random target:
+    about 0.5 held-out agreement after 150 steps, against over 0.6)."""
+    import torch.nn.functional as F
+
+    target = tiny_llama(VOCAB, seed=5, sharpness=6.0)
+    samples = greedy_samples(target, n=48, length=20)
+    data = distill.build_features(target, samples, tmp_path)
+    subset = distill.choose_subset(samples, data["top1"], 24, VOCAB, [0])
+    torch.manual_seed(0)
+    head = build_head(target, subset)
+    sub_index = distill.subset_index(head)
+    feats, tokens, labels, valid, t = distill._batch(samples, data, list(range(8)), 64, 0, 2, sub_index,
+                                                     torch.device("cpu"))
+    hard = distill._losses(head, feats, tokens, labels, valid, t, 2, 0.0, 0.5)
+    soft = distill._losses(head, feats, tokens, labels, valid, t, 2, 0.0, 0.5, soft_weight=1.0)
+    outs = head.unrolled(feats[:, :t], tokens, 2)
+    for d, g in enumerate(outs, start=1):
+        ok = valid[:, d : d + t]
+        q = F.log_softmax(head.logits(g[ok]), dim=-1)
+        p = F.softmax(feats[:, d : d + t][ok] @ target.lm_head.weight[subset].T, dim=-1)
+        assert torch.allclose(soft[d - 1][0], -(p * q).sum(-1).mean(), rtol=1e-4)
+        assert torch.allclose(hard[d - 1][0], F.nll_loss(q, labels[:, d : d + t][ok]), rtol=1e-4)
+        assert torch.equal(soft[d - 1][1], hard[d - 1][1])  # the feature loss is unchanged
+
+    args = distill.parse_args(["--target", "x", "--out", str(tmp_path), "--steps", "150", "--batch-size", "8",
+                               "--eval-every", "150", "--log-every", "150", "--lr", "3e-3", "--soft-weight", "1"])
+    args.skip = 0
+    records = []
+    final = distill.train(head, samples, data, args, torch.device("cpu"), records.append)
+    assert [r for r in records if r["event"] == "eval"][0]["top1_step"][0] < 0.1 and final["top1_step"][0] > 0.4
+
+
+def test_steered_self_instructions_start_with_an_opening_and_continue_it(tmp_path):
+    """With openings, each user turn starts with one of them and the target writes the rest; drawn per row, so a
+    batch mixes them, and a rerun reads the same rows from the cache."""
+    target = tiny_llama(VOCAB, seed=6, sharpness=1.0)
+    tok = tiny_tokenizer([f"w{i}" for i in range(1, VOCAB)])
+    tok.chat_template = ("{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}"
+                         "{% if add_generation_prompt %}w3 {% endif %}")
+    openings = ["w5 w6", "w7", "w8 w9 w10"]
+    path, log = tmp_path / "steered.jsonl", []
+    rows = distill.self_instructions(target, tok, 8, 8, 0, path, log.append, max_tokens=16, openings=openings)
+    assert len(rows) == len(set(rows)) == 8
+    starts = [next(o for o in openings if r.startswith(o + " ")) for r in rows]  # an opening, then the target's words
+    assert len(set(starts)) > 1
+    assert all(len(r) > len(s) + 1 for r, s in zip(rows, starts))
+    assert distill.self_instructions(target, tok, 8, 8, 0, path, log.append, max_tokens=16, openings=openings) == rows
