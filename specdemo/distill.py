@@ -437,8 +437,8 @@ def _losses(head, feats, tokens, labels, valid, t, depth, noise, feat_weight, ge
         ce = F.cross_entropy(logits.float(), lab[ok])
         if soft_weight > 0:
             with torch.no_grad():
-                p = torch.softmax(head.logits(true).float(), dim=-1)
-            soft = -(p * torch.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
+                target_probs = torch.softmax(head.logits(true).float(), dim=-1)  # (N, S)
+            soft = -(target_probs * torch.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
             ce = (1 - soft_weight) * ce + soft_weight * soft
         fl = F.smooth_l1_loss(g[ok].float(), true)
         res.append((ce, fl * feat_weight, logits.argmax(-1) == lab[ok], ok))

@@ -177,10 +177,10 @@ def test_soft_label_loss_is_cross_entropy_to_the_target_distribution_and_trains(
     outs = head.unrolled(feats[:, :t], tokens, 2)
     for d, g in enumerate(outs, start=1):
         ok = valid[:, d : d + t]
-        q = F.log_softmax(head.logits(g[ok]), dim=-1)
-        p = F.softmax(feats[:, d : d + t][ok] @ target.lm_head.weight[subset].T, dim=-1)
-        assert torch.allclose(soft[d - 1][0], -(p * q).sum(-1).mean(), rtol=1e-4)
-        assert torch.allclose(hard[d - 1][0], F.nll_loss(q, labels[:, d : d + t][ok]), rtol=1e-4)
+        draft_logprobs = F.log_softmax(head.logits(g[ok]), dim=-1)
+        target_probs = F.softmax(feats[:, d : d + t][ok] @ target.lm_head.weight[subset].T, dim=-1)
+        assert torch.allclose(soft[d - 1][0], -(target_probs * draft_logprobs).sum(-1).mean(), rtol=1e-4)
+        assert torch.allclose(hard[d - 1][0], F.nll_loss(draft_logprobs, labels[:, d : d + t][ok]), rtol=1e-4)
         assert torch.equal(soft[d - 1][1], hard[d - 1][1])  # the feature loss is unchanged
 
     args = distill.parse_args(["--target", "x", "--out", str(tmp_path), "--steps", "150", "--batch-size", "8",
