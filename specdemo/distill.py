@@ -210,7 +210,9 @@ def _jsonl_load(path: Path) -> list[dict]:
 
 # Openings for steered self-instructions: the target writes the rest of the user turn (material included), so the
 # instructions keep its own wording but cover the kinds of request that plain Magpie sampling rarely produces
-# (translations, edits of a given text or code, extraction, formats). Our own list, not the evaluation prompts.
+# (translations, edits of a given text or code, extraction, formats). Our own list, written with the evaluation
+# categories in view: several openings echo how evaluation prompts begin, so gains on those prompts partly reflect
+# the format (README, "Steered self-written instructions").
 OPENINGS = [
     "Translate into French:", "Translate into German:", "Translate into Spanish:", "Translate into Italian:",
     "Translate this sentence into Portuguese:", "Translate the following text into French.",
@@ -232,9 +234,9 @@ def self_instructions(target, tokenizer, n: int, batch_size: int, seed: int, pat
                       openings: list[str] | None = None) -> list[str]:
     """Instructions the target writes itself (Magpie, Xu et al. 2024): sample the user turn from the chat template's
     pre-query prefix. They follow the target's own idea of what users ask, so they are far more varied than templates.
-    With `openings`, each user turn starts with one of them (drawn per row, seeded by batch) and the target writes
-    the rest. Kept: at least 12 characters (an unfinished one up to its last sentence end), not seen before. Cached
-    batch by batch in `path`."""
+    With `openings`, each user turn starts with one of them (drawn per row, seeded by batch and row) and the target
+    writes the rest. Kept: at least 12 characters (an unfinished one up to its last sentence end), not seen before.
+    Cached batch by batch in `path`."""
     marker = "\u0001INSTRUCTION\u0001"
     text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
     prefix_text = text[: text.index(marker)]
