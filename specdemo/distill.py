@@ -64,7 +64,7 @@ SNIPPETS = [
 ]
 
 ENTITIES = [
-    ("a book", "title, author, year, genres"), ("a person", "name, age, email, city"),
+    ("a museum", "name, city, founded, collections"), ("a person", "name, age, email, city"),
     ("a movie", "title, director, year, rating"), ("a recipe", "name, ingredients, steps, time_minutes"),
     ("a product", "name, price, in_stock, tags"), ("a city", "name, country, population, landmarks"),
     ("a car", "make, model, year, color"), ("a song", "title, artist, album, duration_seconds"),

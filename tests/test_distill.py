@@ -206,3 +206,33 @@ def test_steered_self_instructions_start_with_an_opening_and_continue_it(tmp_pat
     assert len(set(starts)) > 1
     assert all(len(r) > len(s) + 1 for r, s in zip(rows, starts))
     assert distill.self_instructions(target, tok, 8, 8, 0, path, log.append, max_tokens=16, openings=openings) == rows
+
+
+def test_templated_instructions_never_contain_an_evaluation_prompt():
+    """The project's own training instructions (default seed and scale) share at most 60% of their words with any
+    prompt of the evaluation sets (dev.jsonl beside the clone, when present, and prompts/independent.jsonl). A shared
+    template such as "Write a short poem about X" scores 0.56; the JSON-of-a-book instruction that nearly copied a dev
+    prompt, and was removed, scored 0.71."""
+    import random
+    import re
+    from pathlib import Path
+
+    from specdemo.prompts import read_prompts
+
+    root = Path(__file__).resolve().parent.parent
+    evaluation = [p.prompt for p in read_prompts(root / "prompts" / "independent.jsonl")]
+    assert len(evaluation) == 30
+    dev = root.parent / "shared" / "prompts" / "dev.jsonl"
+    if dev.exists():
+        evaluation += [p.prompt for p in read_prompts(dev)]
+    n = lambda x: round(x * 1.6)  # noqa: E731  (the default --scale)
+    rng = random.Random(0)
+    simple = distill._simple_prompts(rng, {"chat": n(40), "creative": n(32), "code": n(48), "structured": n(40),
+                                           "reasoning": n(32), "translation": n(24)})
+    sampled = distill._simple_prompts(random.Random(1), {"chat": n(12), "creative": n(12), "code": n(4),
+                                                         "structured": n(4), "reasoning": 0, "translation": 0})
+    training = [m[-1]["content"] for _, m in simple + sampled]
+    assert len(training) > 300
+    words = lambda text: set(re.findall(r"[a-z0-9]+", text.lower()))  # noqa: E731
+    closest = max((len(words(t) & words(e)) / len(words(t) | words(e)), t, e) for t in training for e in evaluation)
+    assert closest[0] < 0.6, closest
