@@ -289,6 +289,17 @@ PARAGRAPH_TOKENS = 160
 STEERED_TOKENS = 128  # room for the text or code a steered instruction brings along
 
 
+def templated_prompts(rng: random.Random, seed: int, scale: float):
+    """(simple, sampled): the templated instructions that need no earlier answer, answered greedily and with
+    sampling. `rng` is shared with the extractive prompts that `build_data` draws next."""
+    n = lambda x: round(x * scale)  # noqa: E731
+    simple = _simple_prompts(rng, {"chat": n(40), "creative": n(32), "code": n(48), "structured": n(40),
+                                   "reasoning": n(32), "translation": n(24)})
+    sampled = _simple_prompts(random.Random(seed + 1), {"chat": n(12), "creative": n(12), "code": n(4),
+                                                        "structured": n(4), "reasoning": 0, "translation": 0})
+    return simple, sampled
+
+
 def build_data(target, tokenizer, work: Path, seed: int, scale: float, max_new_tokens: int, batch_size: int,
                log_fn, max_sequences: int = 0, n_self: int = 0, n_steered: int = 0) -> list[dict]:
     """All training sequences (prompt + target answer), generated once and cached batch by batch in work/samples.jsonl."""
@@ -298,10 +309,7 @@ def build_data(target, tokenizer, work: Path, seed: int, scale: float, max_new_t
     n = lambda x: round(x * scale)  # noqa: E731
     para = [[{"role": "user", "content": f"Write a paragraph of about 100 words about {TOPICS[i % len(TOPICS)]}."}]
             for i in range(PARAGRAPHS)]
-    simple = _simple_prompts(rng, {"chat": n(40), "creative": n(32), "code": n(48), "structured": n(40),
-                                   "reasoning": n(32), "translation": n(24)})
-    sampled = _simple_prompts(random.Random(seed + 1), {"chat": n(12), "creative": n(12), "code": n(4),
-                                                        "structured": n(4), "reasoning": 0, "translation": 0})
+    simple, sampled = templated_prompts(rng, seed, scale)
     gen = lambda stage, convs, tokens, temp: _run_stage(  # noqa: E731
         stage, convs, target, tokenizer, tokens, batch_size, temp, seed, path, samples, log_fn, max_sequences)
     gen("paragraph", para, PARAGRAPH_TOKENS, 0.0)

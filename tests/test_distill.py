@@ -225,12 +225,8 @@ def test_templated_instructions_never_contain_an_evaluation_prompt():
     dev = root.parent / "shared" / "prompts" / "dev.jsonl"
     if dev.exists():
         evaluation += [p.prompt for p in read_prompts(dev)]
-    n = lambda x: round(x * 1.6)  # noqa: E731  (the default --scale)
-    rng = random.Random(0)
-    simple = distill._simple_prompts(rng, {"chat": n(40), "creative": n(32), "code": n(48), "structured": n(40),
-                                           "reasoning": n(32), "translation": n(24)})
-    sampled = distill._simple_prompts(random.Random(1), {"chat": n(12), "creative": n(12), "code": n(4),
-                                                         "structured": n(4), "reasoning": 0, "translation": 0})
+    args = distill.parse_args(["--target", "x", "--out", "y"])  # the default seed and scale
+    simple, sampled = distill.templated_prompts(random.Random(args.seed), args.seed, args.scale)
     training = [m[-1]["content"] for _, m in simple + sampled]
     assert len(training) > 300
     words = lambda text: set(re.findall(r"[a-z0-9]+", text.lower()))  # noqa: E731
