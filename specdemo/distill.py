@@ -151,7 +151,7 @@ def _simple_prompts(rng: random.Random, n_each: dict[str, int]) -> list[tuple[st
     return out
 
 
-def _text_prompts(rng: random.Random, paragraphs: list[str], n_extract: int, n_turns: int):
+def text_prompts(rng: random.Random, paragraphs: list[str], scale: float):
     """(category, messages) built on paragraphs the target wrote first: summaries, rewrites, follow-up turns."""
     extract = [
         "Summarize the following text in two sentences.\n\n{p}", "Summarize the following text in one sentence.\n\n{p}",
@@ -163,9 +163,9 @@ def _text_prompts(rng: random.Random, paragraphs: list[str], n_extract: int, n_t
     follow = ["Can you make that shorter?", "Give me an example.", "Explain that to a child.",
               "Now summarize it in one sentence.", "Can you turn that into a list?", "Tell me more about it."]
     out = []
-    for _ in range(n_extract):
+    for _ in range(round(64 * scale)):
         out.append(("extractive", [{"role": "user", "content": rng.choice(extract).format(p=rng.choice(paragraphs))}]))
-    for _ in range(n_turns):
+    for _ in range(round(32 * scale)):
         i = rng.randrange(len(paragraphs))
         out.append(("multi_turn", [
             {"role": "user", "content": f"Tell me about {TOPICS[i % len(TOPICS)]}."},
@@ -289,9 +289,15 @@ PARAGRAPH_TOKENS = 160
 STEERED_TOKENS = 128  # room for the text or code a steered instruction brings along
 
 
+def paragraph_prompts() -> list[list[dict]]:
+    """The first stage: paragraphs on the topics, the material of `text_prompts`."""
+    return [[{"role": "user", "content": f"Write a paragraph of about 100 words about {TOPICS[i % len(TOPICS)]}."}]
+            for i in range(PARAGRAPHS)]
+
+
 def templated_prompts(rng: random.Random, seed: int, scale: float):
     """(simple, sampled): the templated instructions that need no earlier answer, answered greedily and with
-    sampling. `rng` is shared with the extractive prompts that `build_data` draws next."""
+    sampling. `rng` is shared with `text_prompts`, which `build_data` draws next."""
     n = lambda x: round(x * scale)  # noqa: E731
     simple = _simple_prompts(rng, {"chat": n(40), "creative": n(32), "code": n(48), "structured": n(40),
                                    "reasoning": n(32), "translation": n(24)})
@@ -306,16 +312,13 @@ def build_data(target, tokenizer, work: Path, seed: int, scale: float, max_new_t
     path = work / "samples.jsonl"
     samples = _jsonl_load(path)
     rng = random.Random(seed)
-    n = lambda x: round(x * scale)  # noqa: E731
-    para = [[{"role": "user", "content": f"Write a paragraph of about 100 words about {TOPICS[i % len(TOPICS)]}."}]
-            for i in range(PARAGRAPHS)]
     simple, sampled = templated_prompts(rng, seed, scale)
     gen = lambda stage, convs, tokens, temp: _run_stage(  # noqa: E731
         stage, convs, target, tokenizer, tokens, batch_size, temp, seed, path, samples, log_fn, max_sequences)
-    gen("paragraph", para, PARAGRAPH_TOKENS, 0.0)
+    gen("paragraph", paragraph_prompts(), PARAGRAPH_TOKENS, 0.0)
     paragraphs = [tokenizer.decode(s["ids"][s["prompt_len"]:], skip_special_tokens=True).strip()
                   for s in samples if s["stage"] == "paragraph"]
-    gen("text", [m for _, m in _text_prompts(rng, paragraphs, n(64), n(32))], max_new_tokens, 0.0)
+    gen("text", [m for _, m in text_prompts(rng, paragraphs, scale)], max_new_tokens, 0.0)
     gen("simple", [m for _, m in simple], max_new_tokens, 0.0)
     gen("sampled", [m for _, m in sampled], max_new_tokens, 0.8)
     if n_self and not (max_sequences and len(samples) >= max_sequences):
