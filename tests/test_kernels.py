@@ -7,14 +7,17 @@ from torch import nn
 from specdemo import kernels
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 8, 9])
-def test_few_row_linear_matches_f_linear(rows):
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 8, 9, 40])
+def test_few_row_linear_matches_f_linear(rows, packed):
     torch.manual_seed(rows)
     layer = nn.Linear(64, 300, bias=True)
     x = torch.randn(1, rows, 64)
     want = nn.functional.linear(x, layer.weight, layer.bias)
+    copy = kernels.Packed() if packed else None
+    assert not packed or copy.get(layer.weight) is not None  # the CPU torch builds this project installs have oneDNN
     with torch.inference_mode():
-        got = kernels.linear(x, layer.weight, layer.bias)
+        got = kernels.linear(x, layer.weight, layer.bias, copy)
     assert got.shape == want.shape
     assert got.is_contiguous()  # a transposed result made every later kernel of the pass 2-5x slower
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -33,6 +36,35 @@ def test_patch_covers_every_linear_and_keeps_gradients():
     assert model[0].weight.grad is not None
     with torch.inference_mode():
         torch.testing.assert_close(model(x[:1]), before[:1], rtol=1e-5, atol=1e-6)
+
+
+def test_packed_copy_only_for_cpu_float32_and_made_at_patch_time():
+    assert kernels.pack(torch.randn(4, 8, dtype=torch.bfloat16)) is None
+    layer = nn.Linear(8, 4)
+    kernels.patch_linears(layer)
+    assert layer._specdemo_packed.tensor is not None
+    other = nn.Linear(8, 4)
+    kernels.patch_linears(other, packed=False)
+    assert other._specdemo_packed is None
+    x = torch.randn(5, 8)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_copy_follows_weight_changes_and_deepcopy():
+    import copy
+
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 4)
+    kernels.patch_linears(layer)
+    twin = copy.deepcopy(layer)  # an opaque oneDNN tensor cannot be deep-copied; the holder starts empty instead
+    with torch.no_grad():
+        twin.weight.add_(1.0)
+    layer.load_state_dict({"weight": torch.zeros(4, 8), "bias": torch.ones(4)})
+    x = torch.randn(5, 8)
+    with torch.inference_mode():
+        torch.testing.assert_close(twin(x), nn.functional.linear(x, twin.weight, twin.bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer(x), torch.ones(5, 4))
 
 
 def test_enabled_only_for_cpu_float32(monkeypatch):
