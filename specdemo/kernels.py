@@ -102,10 +102,30 @@ def enabled_for(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and os.environ.get("SPECDEMO_FAST_LINEAR", "1") != "0"
 
 
-def patch_linears(model: nn.Module, packed: bool = True) -> int:
-    """Route the model's nn.Linear forwards through the few-row product (with packed weights unless packed=False);
-    returns how many were patched. The packed copies are made now (0.3 s for SmolLM2-135M), and again on first use
-    after a weight changes (see Packed)."""
+def available_memory() -> int | None:
+    """Bytes of memory available to new allocations (Linux MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def patch_linears(model: nn.Module, packed: bool | None = None) -> int:
+    """Route the model's nn.Linear forwards through the few-row product; returns how many were patched.
+
+    packed=None packs the weights when the copies take at most a quarter of the available memory (a 1.7B-parameter
+    model in float32 would need 6.8 GB more); the copies are made now (0.3 s for SmolLM2-135M), and again on first
+    use after a weight changes (see Packed).
+    """
+    if packed is None:
+        linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        need = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+        free = available_memory()
+        packed = free is None or need <= free // 4
     count = 0
     for module in model.modules():
         if isinstance(module, nn.Linear) and not getattr(module, "_specdemo_fast", False):

@@ -51,6 +51,17 @@ def test_packed_copy_only_for_cpu_float32_and_made_at_patch_time():
         torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
+def test_no_packed_copies_without_memory_for_them(monkeypatch):
+    monkeypatch.setattr(kernels, "available_memory", lambda: 4 * 8 * 4 * 4 - 1)  # a quarter is one byte short
+    layer = nn.Linear(8, 4)
+    kernels.patch_linears(layer)
+    assert layer._specdemo_packed is None
+    monkeypatch.setattr(kernels, "available_memory", lambda: 4 * 8 * 4 * 4)
+    layer = nn.Linear(8, 4)
+    kernels.patch_linears(layer)
+    assert layer._specdemo_packed.tensor is not None
+
+
 def test_packed_copy_follows_weight_changes_and_deepcopy():
     import copy
 
