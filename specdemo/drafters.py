@@ -6,7 +6,7 @@ Drafters know token ids and their own state (a KV cache, an n-gram index); they 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -168,16 +168,20 @@ class HybridDrafter(Drafter):
     """Prompt lookup where the context repeats itself, the draft model everywhere else.
 
     A suffix match of at least `min_match` tokens is strong evidence (copying from the prompt, a list, code); there
-    the lookup's copy costs nothing to draft. Elsewhere the model drafts. The choice depends only on the committed
-    context, so each step still has one well-defined proposal distribution and rejection sampling stays exact. The
-    model drafter must follow along when skipped: ModelDrafter catches up from `ids`, EagleDrafter keeps the
-    target features of skipped passes pending.
+    the lookup's copy costs nothing to draft. Elsewhere the model drafts, at most `model_k` tokens (None: k): the
+    lookup's copies are accepted in long runs, so a wide verify pass pays for them, while on a CPU, where a pass of
+    3+ tokens costs about 1.4 a 1-token pass, the trained draft's second token is accepted too rarely to pay for one
+    (scripts/gate_sim.py finds k = 1 its best at every gate). The choice depends only on the committed context, so
+    each step still has one well-defined proposal distribution and rejection sampling stays exact. The model drafter
+    must follow along when skipped: ModelDrafter catches up from `ids`, EagleDrafter keeps the target features of
+    skipped passes pending.
     """
 
     name = "hybrid"
 
-    def __init__(self, model: Drafter, min_match: int = 3):
+    def __init__(self, model: Drafter, min_match: int = 3, model_k: int | None = None):
         self.model = model
+        self.model_k = model_k
         # a match of min_match tokens or more proposes up to k tokens; a shorter one proposes nothing
         self.lookup = NgramDrafter(min_ngram=min_match, full_ngram=min_match)
         self.needs_target_hidden = model.needs_target_hidden
@@ -193,6 +197,8 @@ class HybridDrafter(Drafter):
             self.last_source = "lookup"
             return proposal
         self.last_source = "model"
+        if self.model_k is not None and request.k > self.model_k:
+            request = replace(request, k=self.model_k)
         return self.model.propose(request)
 
     def update(self, verdict: Verdict) -> None:

@@ -23,6 +23,23 @@ def make(kind, draft):
     return HybridDrafter(ModelDrafter(draft), min_match=2)
 
 
+def test_hybrid_caps_the_model_not_the_lookup(tiny_target, tiny_draft, tiny_tok):
+    """model_k=1: the draft model proposes one token per step, prompt lookup up to k; the output is the target's."""
+    config = GenerationConfig(max_new_tokens=60, num_draft_tokens=4)
+    prompt = [3, 5, 7, 9, 11, 3, 5, 7, 9, 11, 3, 5]
+    ar = generated_ids(run(autoregressive(tiny_target, tiny_tok, prompt, config)))
+    hybrid = HybridDrafter(ModelDrafter(tiny_draft), min_match=2, model_k=1)
+    widths = {"lookup": [], "model": []}
+    events = []
+    for event in speculative(tiny_target, tiny_tok, hybrid, prompt, config):
+        events.append(event)
+        if event.kind == "spec" and event.drafted:
+            widths[hybrid.last_source].append(len(event.drafted))
+    assert generated_ids(events) == ar
+    assert widths["model"] and max(widths["model"]) == 1
+    assert widths["lookup"] and max(widths["lookup"]) > 1
+
+
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 @pytest.mark.parametrize("kind", ["model", "ngram", "hybrid"])
 def test_greedy_speculative_equals_autoregressive(tiny_target, tiny_draft, tiny_tok, k, kind):
