@@ -13,8 +13,8 @@ That trick stops paying at 3 rows: over the 210 products of the 30 layers, 2 row
 22 / 24 / 35 / 38 ms (MKL's small-matrix kernel reaches about 20 GFLOP/s per core there). oneDNN with its weights
 reordered once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what torch.compile's CPU backend
 uses) takes 21-24 ms for anything from 3 to 9 rows, and beats F.linear at every larger count too. So 3 rows or more
-go through a packed copy of each weight, made when the model is patched (memory for the weights doubles: 0.5 GB more
-for SmolLM2-135M). Whole forward passes of 3 / 5 / 8 / 9 / 12 / 17 new tokens then take 41 / 42 / 48 / 48 / 52 / 58 ms
+go through a packed copy of each weight, made when the model is patched where the copies fit in a quarter of the
+available memory (they double the weights' memory: 0.5 GB more for SmolLM2-135M). Whole forward passes of 3 / 5 / 8 / 9 / 12 / 17 new tokens then take 41 / 42 / 48 / 48 / 52 / 58 ms
 instead of 47 / 55 / 67 / 102 / 106 / 124 ms, and a 129-token prefill 261 instead of 348 ms: a verify pass of 3-9
 tokens costs about what a 3-token one does, which is what makes drafting more than one token worth it on a CPU.
 """
