@@ -25,6 +25,7 @@ from specdemo.prompts import DEFAULT_PROMPTS, read_prompts  # noqa: E402
 from specdemo.sweep import forward_costs  # noqa: E402
 
 GATES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+FIRST_GATES = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4)
 
 
 def record(pair, prompts: list[list[int]], k: int, max_new_tokens: int) -> tuple[list[tuple[list[float], int]], float]:
@@ -41,10 +42,16 @@ def record(pair, prompts: list[list[int]], k: int, max_new_tokens: int) -> tuple
     return steps, draft_s / max(drafted, 1)
 
 
-def simulate(steps, k: int, gate: float, c: float, verify: dict[int, float]) -> tuple[float, float]:
-    """(estimated speedup over plain decoding, mean tokens per target pass) for at most k drafts and this gate."""
+def simulate(steps, k: int, gate: float, c: float, verify: dict[int, float],
+             first_gate: float = 0.0) -> tuple[float, float]:
+    """(estimated speedup over plain decoding, mean tokens per target pass) for at most k drafts and this gate;
+    a first token less sure than first_gate is not proposed (a plain 1-token pass, after paying for its draft)."""
     tokens = cost = 0.0
     for conf, accepted in steps:
+        if conf[0] < first_gate:
+            tokens += 1
+            cost += c + verify[1]
+            continue
         n = 1
         while n < min(k, len(conf)) and conf[n] >= gate:
             n += 1
@@ -83,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
             best = max(best, (speedup, k, gate))
         print(f"{gate:>8.1f}  " + "  ".join(row))
     print(f"best: k = {best[1]}, gate = {best[2]}, estimated {best[0]:.2f}x (estimated speedup / tokens per pass)")
+    k, gate = best[1], best[2]
+    print(f"first-token gate at k = {k}, gate = {gate}: " + ", ".join(
+        f"{g}: {simulate(steps, k, gate, c, verify, g)[0]:.3f}x" for g in FIRST_GATES))
     return 0
 
 
