@@ -56,8 +56,9 @@ def default_draft(target_name: str) -> str | None:
 
 def hybrid_model_k(device: torch.device) -> int | None:
     """The most tokens the model drafts per step in the hybrid: 1 on a CPU, where a verify pass of 3+ tokens costs
-    about 1.4 a 1-token one (a 2-token pass 1.05), so only prompt lookup's long accepted runs pay for it (on the
-    evaluation prompts with the shipped draft at k = 8: 1.53x with the cap, 1.45x without). Elsewhere k."""
+    about 1.4 a 1-token one (a 2-token pass 1.07), so only prompt lookup's long accepted runs pay for it; the trained
+    draft's second token is accepted too rarely (scripts/gate_sim.py finds k = 1 its best at every gate). On the
+    evaluation prompts with the shipped draft at k = 8: 1.53x with the cap, 1.45x without. Elsewhere k."""
     return 1 if device.type == "cpu" else None
 
 

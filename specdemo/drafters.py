@@ -168,13 +168,11 @@ class HybridDrafter(Drafter):
     """Prompt lookup where the context repeats itself, the draft model everywhere else.
 
     A suffix match of at least `min_match` tokens is strong evidence (copying from the prompt, a list, code); there
-    the lookup's copy costs nothing to draft. Elsewhere the model drafts, at most `model_k` tokens (None: k): the
-    lookup's copies are accepted in long runs, so a wide verify pass pays for them, while on a CPU, where a pass of
-    3+ tokens costs about 1.4 a 1-token pass, the trained draft's second token is accepted too rarely to pay for one
-    (scripts/gate_sim.py finds k = 1 its best at every gate). The choice depends only on the committed context, so
-    each step still has one well-defined proposal distribution and rejection sampling stays exact. The model drafter
-    must follow along when skipped: ModelDrafter catches up from `ids`, EagleDrafter keeps the target features of
-    skipped passes pending.
+    the lookup's copy costs nothing to draft, and it proposes up to k tokens. Elsewhere the model drafts, at most
+    `model_k` tokens (None: k; compare.hybrid_model_k says why 1 on a CPU). The choice depends only on the committed
+    context, so each step still has one well-defined proposal distribution and rejection sampling stays exact. The
+    model drafter must follow along when skipped: ModelDrafter catches up from `ids`, EagleDrafter keeps the target
+    features of skipped passes pending.
     """
 
     name = "hybrid"

@@ -14,9 +14,10 @@ That trick stops paying at 3 rows: over the 210 products of the 30 layers, 2 row
 reordered once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what torch.compile's CPU backend
 uses) takes 21-24 ms for anything from 3 to 9 rows, and beats F.linear at every larger count too. So 3 rows or more
 go through a packed copy of each weight, made when the model is patched where the copies fit in a quarter of the
-available memory (they double the weights' memory: 0.5 GB more for SmolLM2-135M). Whole forward passes of 3 / 5 / 8 / 9 / 12 / 17 new tokens then take 41 / 42 / 48 / 48 / 52 / 58 ms
-instead of 47 / 55 / 67 / 102 / 106 / 124 ms, and a 129-token prefill 261 instead of 348 ms: a verify pass of 3-9
-tokens costs about what a 3-token one does, which is what makes drafting more than one token worth it on a CPU.
+available memory (they double the weights' memory: 0.5 GB more for SmolLM2-135M). Whole forward passes of 3 / 5 / 8 /
+9 / 12 / 17 new tokens then take 41 / 42 / 48 / 48 / 52 / 58 ms instead of 47 / 55 / 67 / 102 / 106 / 124 ms, and a
+129-token prefill 261 instead of 348 ms: a verify pass of 3-9 tokens costs about what a 3-token one does, which is
+what makes drafting more than one token worth it on a CPU.
 """
 
 from __future__ import annotations
@@ -121,18 +122,15 @@ def patch_linears(model: nn.Module, packed: bool | None = None) -> int:
     model in float32 would need 6.8 GB more); the copies are made now (0.3 s for SmolLM2-135M), and again on first
     use after a weight changes (see Packed).
     """
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and not getattr(m, "_specdemo_fast", False)]
     if packed is None:
-        linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
         need = sum(m.weight.numel() * m.weight.element_size() for m in linears)
         free = available_memory()
         packed = free is None or need <= free // 4
-    count = 0
-    for module in model.modules():
-        if isinstance(module, nn.Linear) and not getattr(module, "_specdemo_fast", False):
-            module._specdemo_packed = Packed() if packed else None
-            if packed:
-                module._specdemo_packed.get(module.weight)
-            module.forward = types.MethodType(_patched_forward, module)
-            module._specdemo_fast = True
-            count += 1
-    return count
+    for module in linears:
+        module._specdemo_packed = Packed() if packed else None
+        if packed:
+            module._specdemo_packed.get(module.weight)
+        module.forward = types.MethodType(_patched_forward, module)
+        module._specdemo_fast = True
+    return len(linears)
