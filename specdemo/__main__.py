@@ -18,7 +18,8 @@ def _generate_parser(sub) -> None:
     p.add_argument("--drafter", choices=["model", "ngram", "hybrid"],
                    help="'model' (default) uses --draft or the target's trained draft; 'ngram' is prompt lookup (no "
                         "draft model); 'hybrid' is prompt lookup where the context repeats (up to k tokens) and the "
-                        "draft model elsewhere (1 token per step on a CPU)")
+                        "draft model elsewhere (1 token per step where a 3-token verify pass costs too much more "
+                        "than a 2-token one, as on a small CPU; measured at load)")
     p.add_argument("--k", type=int, default=4, help=f"draft tokens per step (1..{MAX_K_ENGINE})")
     p.add_argument("--dynamic-k", action="store_true", help="adapt k per step (+2 after a full acceptance, else -1)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")

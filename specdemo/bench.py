@@ -442,6 +442,7 @@ def run_bench(args) -> dict:
     from tqdm.auto import tqdm
 
     from .compare import load_pair
+    from .drafters import HybridDrafter
     from .engine import encode_prompt
     from .sweep import point, summarize, verify_costs_for
 
@@ -502,6 +503,9 @@ def run_bench(args) -> dict:
     }
     if calibration:
         cfg["calibration"] = calibration
+    if isinstance(pair.drafter, HybridDrafter):  # what the model's cap was chosen from (compare.hybrid_model_k)
+        cfg["hybrid_model_k"] = pair.drafter.model_k
+        cfg["hybrid_verify_costs"] = pair.drafter.verify_costs
     report = build_report(cfg, machine, rows, theory)
     write_outputs(report, Path(args.out))
     return report
@@ -537,6 +541,15 @@ def _table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _hybrid_line(c: dict) -> str:
+    if "hybrid_model_k" not in c:
+        return ""
+    costs = c.get("hybrid_verify_costs") or {}
+    measured = " / ".join(f"{float(v):.2f}" for _, v in sorted((int(w), v) for w, v in costs.items() if int(w) > 1))
+    cap = "1 token" if c["hybrid_model_k"] == 1 else "up to k tokens"
+    return f"; the hybrid's model drafts {cap} per step (verify passes of 2 / 3 tokens measured {measured} of one)"
+
+
 def markdown(report: dict) -> str:
     """Markdown tables: overall, by category, by k, overhead, the transformers anchors, per prompt."""
     cfg, mach, o = report["config"], report["machine"], report["overall"]
@@ -549,7 +562,8 @@ def markdown(report: dict) -> str:
         f"# Speculative decoding benchmark\n\n"
         f"target `{c['target']}`, drafter `{c['drafter']}`{' (' + str(c['draft']) + ')' if c['draft'] else ''}, "
         f"k = {c['k']}, temperature {c['temperature']}, {c['max_new_tokens']} new tokens, "
-        f"{c['num_prompts']} prompts from `{Path(str(c['prompts'])).name}`\n\n"
+        f"{c['num_prompts']} prompts from `{Path(str(c['prompts'])).name}`"
+        f"{_hybrid_line(c)}\n\n"
         f"machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), "
         f"{m['device']} {m['dtype']}, torch {m['torch']}, transformers {m['transformers']}; "
         f"load average {_f((m.get('load_average_start') or [None])[0])} at start, "

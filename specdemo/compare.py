@@ -54,12 +54,42 @@ def default_draft(target_name: str) -> str | None:
     return TRAINED_DRAFT_ID if trained_draft_path(target_name) else None
 
 
-def hybrid_model_k(device: torch.device) -> int | None:
-    """The most tokens the model drafts per step in the hybrid: 1 on a CPU, where a verify pass of 3+ tokens costs
-    about 1.4 a 1-token one (a 2-token pass 1.07), so only prompt lookup's long accepted runs pay for it; the trained
-    draft's second token is accepted too rarely (scripts/gate_sim.py finds k = 1 its best at every gate). On the
-    evaluation prompts with the shipped draft at k = 8: 1.53x with the cap, 1.45x without. Elsewhere k."""
-    return 1 if device.type == "cpu" else None
+# What hybrid_model_k assumes of a draft that carries no held-out figures of its own: the chance that its first and its
+# first two drafted tokens are accepted, and its cost per drafted token over a 1-token target pass (the shipped
+# draft's: held-out chain in its train_log, c from bench/cpu-trained-draft).
+DEFAULT_CHAIN = (0.53, 0.30)
+DEFAULT_DRAFT_COST = 0.07
+PROBE_TEXT = "Speculative decoding lets a small draft propose tokens that the target checks in one pass."
+
+
+def hybrid_model_k(costs: dict[int, float], chain: tuple[float, float] = DEFAULT_CHAIN,
+                   c: float = DEFAULT_DRAFT_COST) -> int | None:
+    """The most tokens the model drafts per step in the hybrid, from the measured verify costs (sweep.forward_costs:
+    {width: a width-token pass over a 1-token one}): 1 where the model's second token, accepted with chance chain[1],
+    does not pay for the wider pass, that is where (1 + a1) / (v2 + c) >= (1 + a1 + a2) / (v3 + 2c); else None (k).
+
+    On the 2-core CPU with the shipped draft, v2 = 1.07 and v3 = 1.30: 1.34 against 1.27 tokens per unit of cost, so
+    1 (the break-even v3 is 1.22), and on the evaluation prompts at k = 8 the hybrid measured 1.53x with the cap,
+    1.45x without. On a GPU a few more tokens cost about nothing (v2 = v3 = 1), so the model drafts up to k.
+    Prompt lookup is never capped: its long copies cost nothing to draft and are accepted far more often.
+    """
+    a1, a2 = chain
+    one = (1 + a1) / (costs[2] + c)
+    two = (1 + a1 + a2) / (costs[3] + 2 * c)
+    return 1 if one >= two else None
+
+
+def measured_hybrid(model: Drafter, target: LoadedModel) -> HybridDrafter:
+    """A hybrid whose model cap follows this machine's verify costs, measured now (a dozen short target passes)."""
+    from .sweep import forward_costs
+
+    probe = target.tokenizer(PROBE_TEXT)["input_ids"]
+    costs = forward_costs(target.model, probe, [2, 3], repeats=3)
+    chain = getattr(model, "held_out_chain", None) or DEFAULT_CHAIN
+    model_k = hybrid_model_k(costs, chain)
+    log.info("hybrid: verify passes of 2 / 3 tokens cost %.2f / %.2f of one here, so the model drafts %s per step",
+             costs[2], costs[3], "1 token" if model_k == 1 else "up to k tokens")
+    return HybridDrafter(model, model_k=model_k, verify_costs={w: round(v, 3) for w, v in costs.items()})
 
 
 def make_drafter(target: LoadedModel, kind: str, draft: str | None, device=None, dtype=None,
@@ -70,7 +100,7 @@ def make_drafter(target: LoadedModel, kind: str, draft: str | None, device=None,
         return NgramDrafter(), None
     if kind == "hybrid":
         model, name = make_drafter(target, "model", draft, device, dtype, trust_remote_code)
-        return HybridDrafter(model, model_k=hybrid_model_k(target.device)), name
+        return measured_hybrid(model, target), name
     if kind != "model":
         raise ValueError(f"unknown drafter '{kind}'; choose one of {DRAFTER_KINDS}")
     draft = draft or default_draft(target.name)
@@ -153,6 +183,9 @@ def result_dict(pair: Pair, config: GenerationConfig, ar_events: list[StepEvent]
         "speedup": speedup(ar, sd),
         "identical": ar_ids == sd_ids,
     }
+    if isinstance(pair.drafter, HybridDrafter):  # the model's cap, and the measured pass costs it came from
+        out["hybrid_model_k"] = pair.drafter.model_k
+        out["hybrid_verify_costs"] = {str(w): v for w, v in pair.drafter.verify_costs.items()}
     if config.sampling.greedy and ar_ids != sd_ids and prompt_ids is not None:
         out["mismatch"] = first_mismatch(pair.target, prompt_ids, ar_ids, sd_ids)
     return out

@@ -223,7 +223,9 @@ def load_trained_draft(path: str | Path, target_loaded) -> EagleDrafter:
     head.load_state_dict({k: v for k, v in tensors.items()})
     if kernels.enabled_for(head.subset.device, head.head_weight.dtype):
         kernels.patch_linears(head)
-    return EagleDrafter(head.eval(), min_confidence=float(meta.get("min_confidence", 0.0)))
+    chain = meta.get("metrics", {}).get("chain") or []
+    return EagleDrafter(head.eval(), min_confidence=float(meta.get("min_confidence", 0.0)),
+                        held_out_chain=tuple(chain[:2]) if len(chain) >= 2 else None)
 
 
 class EagleDrafter(Drafter):
@@ -238,10 +240,13 @@ class EagleDrafter(Drafter):
     name = "eagle"
     needs_target_hidden = True
 
-    def __init__(self, head: EagleHead, min_confidence: float = 0.0):
+    def __init__(self, head: EagleHead, min_confidence: float = 0.0,
+                 held_out_chain: tuple[float, float] | None = None):
         self.head = head
         self.target_layers = head.c.fuse_layers  # the engine passes these layers' hidden states too
         self.min_confidence = min_confidence
+        # from training's last held-out evaluation: the chance its first / first two drafted tokens are the target's
+        self.held_out_chain = held_out_chain
         self.confidences: list[float] = []  # the peak draft probability of each token of the last proposal
         self.k = self.v = None
         self.num_true = 0  # cache entries computed from true target features (positions 0 .. num_true - 1)

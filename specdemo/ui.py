@@ -218,7 +218,17 @@ def final_stats_markdown(result: dict) -> str:
         f"- outputs: {same}; {result['target']} on {result['device']} ({result['dtype']}), "
         f"drafter {result['drafter']} ({result['draft'] or 'prompt lookup'}), k={result['k']}"
         + (" (dynamic)" if result["dynamic_k"] else ""),
-    ])
+    ] + _hybrid_lines(result))
+
+
+def _hybrid_lines(result: dict) -> list[str]:
+    if "hybrid_model_k" not in result:
+        return []
+    costs = result.get("hybrid_verify_costs") or {}
+    why = (f" (here a 3-token verify pass costs {costs['3']:.2f}× a 1-token one, a 2-token pass {costs['2']:.2f}×)"
+           if "2" in costs and "3" in costs else "")
+    cap = "1 token" if result["hybrid_model_k"] == 1 else "up to k tokens"
+    return [f"- hybrid: the draft model proposes {cap} per step{why}; prompt lookup up to k where the text repeats"]
 
 
 def friendly_error(exc: Exception) -> str:

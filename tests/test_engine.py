@@ -3,9 +3,11 @@
 import pytest
 import torch
 
+from specdemo.compare import hybrid_model_k, measured_hybrid
 from specdemo.config import GenerationConfig, SamplingConfig
 from specdemo.drafters import HybridDrafter, ModelDrafter, NgramDrafter
 from specdemo.engine import GenerationError, autoregressive, encode_prompt, generated_ids, speculative
+from specdemo.loading import LoadedModel
 
 PROMPT = [3, 5, 7, 3, 5, 9, 2]
 
@@ -38,6 +40,25 @@ def test_hybrid_caps_the_model_not_the_lookup(tiny_target, tiny_draft, tiny_tok)
     assert generated_ids(events) == ar
     assert widths["model"] and max(widths["model"]) == 1
     assert widths["lookup"] and max(widths["lookup"]) > 1
+
+
+def test_hybrid_model_k_follows_the_verify_costs():
+    """1 where a 3-token verify pass costs much more than a 2-token one (the 2-core CPU), k where it hardly does."""
+    assert hybrid_model_k({1: 1.0, 2: 1.07, 3: 1.30}) == 1  # this CPU, measured
+    assert hybrid_model_k({1: 1.0, 2: 1.01, 3: 1.02}) is None  # a GPU: a few more tokens are about free
+    # the break-even 3-token cost is 1.22 for the shipped draft's held-out chain (0.53, 0.30); below it the second
+    # token pays, unless the draft's second token is rarely accepted
+    assert hybrid_model_k({1: 1.0, 2: 1.07, 3: 1.20}) is None
+    assert hybrid_model_k({1: 1.0, 2: 1.07, 3: 1.20}, chain=(0.4, 0.1)) == 1
+
+
+def test_measured_hybrid_records_the_costs_it_chose_from(tiny_target, tiny_draft, tiny_tok):
+    """The cap comes from verify passes timed at load; the costs it used are kept for the benchmark report."""
+    target = LoadedModel("tiny", tiny_target, tiny_tok, torch.device("cpu"), torch.float32, "folder")
+    hybrid = measured_hybrid(ModelDrafter(tiny_draft), target)
+    assert set(hybrid.verify_costs) == {1, 2, 3} and hybrid.verify_costs[1] == 1.0
+    assert all(v > 0 for v in hybrid.verify_costs.values())
+    assert hybrid.model_k == hybrid_model_k(hybrid.verify_costs)
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])

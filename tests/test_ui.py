@@ -13,8 +13,8 @@ from specdemo import charts
 from specdemo.engine import StepEvent
 from specdemo.sweep import SweepPoint, summarize
 from specdemo.render import COMMITTED, KINDS, Segment, event_segments, segments_html, split_text
-from specdemo.ui import (EXAMPLES, AppLimits, Handlers, UserError, make_request, preset_fields, replay_frames,
-                         sweep_table)
+from specdemo.ui import (EXAMPLES, AppLimits, Handlers, UserError, final_stats_markdown, make_request, preset_fields,
+                         replay_frames, sweep_table)
 
 REWRITE = next(p for c, p in EXAMPLES if c == "rewrite")
 COMMITTED_CLASSES = tuple(KINDS[k][0] for k in COMMITTED)
@@ -162,6 +162,19 @@ def handlers():
 
 
 @pytest.mark.slow
+def test_summary_says_how_the_hybrid_drafted_and_why():
+    """The hybrid's line names the model's cap and the measured verify costs it came from; other drafters have none."""
+    result = {"speedup": 1.5, "identical": True, "target": "t", "device": "cpu", "dtype": "float32", "k": 8,
+              "dynamic_k": False, "drafter": "hybrid", "draft": "d", "ar": {"tokens_per_s": 20.0},
+              "sd": {"seconds": 1.0, "draft_seconds": 0.1, "verify_seconds": 0.8, "tokens_per_s": 30.0,
+                     "acceptance_rate": 0.5, "accepted": 5, "drafted": 10, "mean_accepted": 1.5, "steps": 10}}
+    assert "hybrid:" not in final_stats_markdown(result)
+    capped = final_stats_markdown({**result, "hybrid_model_k": 1, "hybrid_verify_costs": {"1": 1.0, "2": 1.07, "3": 1.3}})
+    assert "proposes 1 token per step" in capped and "costs 1.30× a 1-token one" in capped
+    assert "up to k tokens per step" in final_stats_markdown({**result, "hybrid_model_k": None,
+                                                              "hybrid_verify_costs": {"1": 1.0, "2": 1.0, "3": 1.01}})
+
+
 def test_compare_handler_colors_every_committed_token(handlers):
     """Greedy prompt lookup: one committed span per generated token, SD text == AR text, and the JSON agrees."""
     outs = list(handlers.run_compare(REWRITE, "smollm2-135m", "ngram", "", 4, False, 0.0, 1.0, 24, False, True))
