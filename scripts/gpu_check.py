@@ -4,7 +4,8 @@ The bundled weights (98 MB GGUF) exceed what travels to the device (64 MiB), so 
 SmolLM2-135M's exact shapes (seeded random weights; `--model DIR` uses real weights where a folder exists) and:
 1. greedy losslessness in bf16 on CUDA (self-draft, perturbed draft, prompt lookup), reporting the target's
    top-2 logit gap at the first differing token of any mismatch;
-2. timings: our AR loop vs transformers' generate, and the verify-pass cost for k + 1 tokens.
+2. timings: our AR loop vs transformers' generate, the verify-pass cost for k + 1 tokens, and the hybrid's model cap
+   that those costs give (compare.hybrid_model_k).
 Writes a JSON report to $OUT/gpu_check.json (or ./gpu_check.json).
 """
 
@@ -22,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specdemo.compare import Pair, first_mismatch  # noqa: E402
+from specdemo.compare import first_mismatch, hybrid_model_k  # noqa: E402
 from specdemo.config import GenerationConfig  # noqa: E402
 from specdemo.drafters import ModelDrafter, NgramDrafter  # noqa: E402
 from specdemo.engine import autoregressive, generated_ids, speculative  # noqa: E402
@@ -135,7 +136,8 @@ def main() -> int:
         costs[k + 1] = sorted(times)[len(times) // 2]
         assert cache.get_seq_length() == n
     report["timing"]["verify_seconds_by_tokens"] = costs
-    report["timing"]["verify_cost_ratio"] = {t: v / costs[1] for t, v in costs.items()}
+    report["timing"]["verify_cost_ratio"] = ratio = {t: v / costs[1] for t, v in costs.items()}
+    report["timing"]["hybrid_model_k"] = hybrid_model_k(ratio)  # None: the hybrid's model drafts up to k here
     ok = sum(r["identical"] for r in report["lossless"])
     report["lossless_summary"] = f"{ok}/{len(report['lossless'])} identical"
     out = Path(os.environ.get("OUT", ".")) / "gpu_check.json"
