@@ -68,9 +68,10 @@ def hybrid_model_k(costs: dict[int, float], chain: tuple[float, float] = DEFAULT
     {width: a width-token pass over a 1-token one}): 1 where the model's second token, accepted with chance chain[1],
     does not pay for the wider pass, that is where (1 + a1) / (v2 + c) >= (1 + a1 + a2) / (v3 + 2c); else None (k).
 
-    On the 2-core CPU with the shipped draft, v2 = 1.07 and v3 = 1.30: 1.34 against 1.27 tokens per unit of cost, so
-    1 (the break-even v3 is 1.22), and on the evaluation prompts at k = 8 the hybrid measured 1.53x with the cap,
-    1.45x without. On a GPU a few more tokens cost about nothing (v2 = v3 = 1), so the model drafts up to k.
+    On the 2-core CPU with the shipped draft, v2 = 1.02-1.08 and v3 = 1.34-1.43 as measured at load: about 1.36
+    against 1.20 tokens per unit of cost, so 1 (the break-even v3 is 1.22), and on the evaluation prompts at k = 8
+    the hybrid measured 1.52-1.53x with the cap, 1.45x without. On a GPU a few more tokens cost about nothing
+    (v2 = v3 = 1), so the model drafts up to k.
     Prompt lookup is never capped: its long copies cost nothing to draft and are accepted far more often.
     """
     a1, a2 = chain
@@ -84,12 +85,11 @@ def measured_hybrid(model: Drafter, target: LoadedModel) -> HybridDrafter:
     from .sweep import forward_costs
 
     probe = target.tokenizer(PROBE_TEXT)["input_ids"]
-    costs = forward_costs(target.model, probe, [2, 3], repeats=3)
-    chain = getattr(model, "held_out_chain", None) or DEFAULT_CHAIN
-    model_k = hybrid_model_k(costs, chain)
+    costs = {w: round(v, 3) for w, v in forward_costs(target.model, probe, [2, 3], repeats=3).items()}
+    model_k = hybrid_model_k(costs, getattr(model, "held_out_chain", None) or DEFAULT_CHAIN)
     log.info("hybrid: verify passes of 2 / 3 tokens cost %.2f / %.2f of one here, so the model drafts %s per step",
              costs[2], costs[3], "1 token" if model_k == 1 else "up to k tokens")
-    return HybridDrafter(model, model_k=model_k, verify_costs={w: round(v, 3) for w, v in costs.items()})
+    return HybridDrafter(model, model_k=model_k, verify_costs=costs)
 
 
 def make_drafter(target: LoadedModel, kind: str, draft: str | None, device=None, dtype=None,
