@@ -542,12 +542,11 @@ def _table(header: list[str], rows: list[list]) -> str:
 
 
 def _hybrid_line(c: dict) -> str:
+    from .compare import describe_hybrid_cap
+
     if "hybrid_model_k" not in c:
         return ""
-    costs = c.get("hybrid_verify_costs") or {}
-    measured = " / ".join(f"{float(v):.2f}" for _, v in sorted((int(w), v) for w, v in costs.items() if int(w) > 1))
-    cap = "1 token" if c["hybrid_model_k"] == 1 else "up to k tokens"
-    return f"; the hybrid's model drafts {cap} per step (verify passes of 2 / 3 tokens measured {measured} of one)"
+    return f"; hybrid: {describe_hybrid_cap(c['hybrid_model_k'], c.get('hybrid_verify_costs') or {})}"
 
 
 def markdown(report: dict) -> str:

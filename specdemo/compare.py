@@ -7,6 +7,7 @@ This is the one place that builds drafters from user-facing names; the CLI, the 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,15 +81,30 @@ def hybrid_model_k(costs: dict[int, float], chain: tuple[float, float] = DEFAULT
     return 1 if one >= two else None
 
 
+def describe_hybrid_cap(model_k: int | None, costs: dict) -> str:
+    """How many tokens the hybrid's model drafts and the measured costs behind it (keys int or, from JSON, str)."""
+    v = {int(w): float(x) for w, x in costs.items()}
+    why = (f" (here a 3-token verify pass costs {v[3]:.2f}× a 1-token one, a 2-token pass {v[2]:.2f}×)"
+           if 2 in v and 3 in v else "")
+    return f"the draft model proposes {'1 token' if model_k == 1 else 'up to k tokens'} per step{why}"
+
+
+# verify costs by width per target model, measured once: they belong to the model on this machine, not to a run
+_verify_costs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def measured_hybrid(model: Drafter, target: LoadedModel) -> HybridDrafter:
-    """A hybrid whose model cap follows this machine's verify costs, measured now (a dozen short target passes)."""
+    """A hybrid whose model cap follows this machine's verify costs, measured at the target's first hybrid load (a
+    dozen short target passes)."""
     from .sweep import forward_costs
 
-    probe = target.tokenizer(PROBE_TEXT)["input_ids"]
-    costs = {w: round(v, 3) for w, v in forward_costs(target.model, probe, [2, 3], repeats=3).items()}
+    costs = _verify_costs.get(target.model)
+    if costs is None:
+        probe = target.tokenizer(PROBE_TEXT)["input_ids"]
+        costs = {w: round(v, 3) for w, v in forward_costs(target.model, probe, [2, 3], repeats=3).items()}
+        _verify_costs[target.model] = costs
     model_k = hybrid_model_k(costs, getattr(model, "held_out_chain", None) or DEFAULT_CHAIN)
-    log.info("hybrid: verify passes of 2 / 3 tokens cost %.2f / %.2f of one here, so the model drafts %s per step",
-             costs[2], costs[3], "1 token" if model_k == 1 else "up to k tokens")
+    log.info("hybrid: %s", describe_hybrid_cap(model_k, costs))
     return HybridDrafter(model, model_k=model_k, verify_costs=costs)
 
 

@@ -16,7 +16,8 @@ import gradio as gr
 import torch
 
 from . import charts
-from .compare import DRAFTER_KINDS, load_pair, result_dict, stream_pair, trained_draft_path, warmup
+from .compare import (DRAFTER_KINDS, describe_hybrid_cap, load_pair, result_dict, stream_pair, trained_draft_path,
+                      warmup)
 from .config import BUNDLED_ID, MAX_K, MIN_K, PRESETS, TRAINED_DRAFT_ID, GenerationConfig, SamplingConfig
 from .engine import GenerationError, StepEvent, encode_prompt
 from .loading import BUNDLED_ALIASES, ModelLoadError, TokenizerMismatchError
@@ -224,11 +225,8 @@ def final_stats_markdown(result: dict) -> str:
 def _hybrid_lines(result: dict) -> list[str]:
     if "hybrid_model_k" not in result:
         return []
-    costs = result.get("hybrid_verify_costs") or {}
-    why = (f" (here a 3-token verify pass costs {costs['3']:.2f}× a 1-token one, a 2-token pass {costs['2']:.2f}×)"
-           if "2" in costs and "3" in costs else "")
-    cap = "1 token" if result["hybrid_model_k"] == 1 else "up to k tokens"
-    return [f"- hybrid: the draft model proposes {cap} per step{why}; prompt lookup up to k where the text repeats"]
+    cap = describe_hybrid_cap(result["hybrid_model_k"], result.get("hybrid_verify_costs") or {})
+    return [f"- hybrid: {cap}; prompt lookup up to k where the text repeats"]
 
 
 def friendly_error(exc: Exception) -> str:

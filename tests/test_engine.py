@@ -59,6 +59,8 @@ def test_measured_hybrid_records_the_costs_it_chose_from(tiny_target, tiny_draft
     assert set(hybrid.verify_costs) == {1, 2, 3} and hybrid.verify_costs[1] == 1.0
     assert all(v > 0 for v in hybrid.verify_costs.values())
     assert hybrid.model_k == hybrid_model_k(hybrid.verify_costs)
+    # measured once per target: a second hybrid on the same target reuses the costs rather than timing again
+    assert measured_hybrid(ModelDrafter(tiny_draft), target).verify_costs is hybrid.verify_costs
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
