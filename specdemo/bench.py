@@ -506,6 +506,7 @@ def run_bench(args) -> dict:
     if isinstance(pair.drafter, HybridDrafter):  # what the model's cap was chosen from (compare.hybrid_model_k)
         cfg["hybrid_model_k"] = pair.drafter.model_k
         cfg["hybrid_verify_costs"] = pair.drafter.verify_costs
+        cfg["hybrid_draft_cost"] = pair.drafter.draft_cost
     report = build_report(cfg, machine, rows, theory)
     write_outputs(report, Path(args.out))
     return report
@@ -546,7 +547,8 @@ def _hybrid_line(c: dict) -> str:
 
     if "hybrid_model_k" not in c:
         return ""
-    return f"; hybrid: {describe_hybrid_cap(c['hybrid_model_k'], c.get('hybrid_verify_costs') or {})}"
+    cap = describe_hybrid_cap(c["hybrid_model_k"], c.get("hybrid_verify_costs") or {}, c.get("hybrid_draft_cost"))
+    return f"; hybrid: {cap}"
 
 
 def markdown(report: dict) -> str:

@@ -56,8 +56,8 @@ def default_draft(target_name: str) -> str | None:
 
 
 # What hybrid_model_k assumes of a draft that carries no held-out figures of its own: the chance that its first and its
-# first two drafted tokens are accepted, and its cost per drafted token over a 1-token target pass (the shipped
-# draft's: held-out chain in its train_log, c from bench/cpu-trained-draft).
+# first two drafted tokens are accepted (the shipped draft's held-out chain in its train_log), and its cost per
+# drafted token over a 1-token target pass where none was measured (the shipped draft's, bench/cpu-trained-draft).
 DEFAULT_CHAIN = (0.53, 0.30)
 DEFAULT_DRAFT_COST = 0.07
 PROBE_TEXT = "Speculative decoding lets a small draft propose tokens that the target checks in one pass."
@@ -66,13 +66,14 @@ PROBE_TEXT = "Speculative decoding lets a small draft propose tokens that the ta
 def hybrid_model_k(costs: dict[int, float], chain: tuple[float, float] = DEFAULT_CHAIN,
                    c: float = DEFAULT_DRAFT_COST) -> int | None:
     """The most tokens the model drafts per step in the hybrid, from the measured verify costs (sweep.forward_costs:
-    {width: a width-token pass over a 1-token one}): 1 where the model's second token, accepted with chance chain[1],
-    does not pay for the wider pass, that is where (1 + a1) / (v2 + c) >= (1 + a1 + a2) / (v3 + 2c); else None (k).
+    {width: a width-token pass over a 1-token one}) and the model's cost c per drafted token (measured_draft_cost):
+    1 where the model's second token, accepted with chance chain[1], does not pay for the wider pass and its own
+    drafting, that is where (1 + a1) / (v2 + c) >= (1 + a1 + a2) / (v3 + 2c); else None (k).
 
     On the 2-core CPU with the shipped draft, v2 = 1.02-1.08 and v3 = 1.34-1.43 as measured at load: about 1.36
     against 1.20 tokens per unit of cost, so 1 (the break-even v3 is 1.22), and on the evaluation prompts at k = 8
     the hybrid measured 1.52-1.53x with the cap, 1.45x without. On a GPU a few more tokens cost about nothing
-    (v2 = v3 = 1), so the model drafts up to k.
+    (v2 = v3 = 1), so a cheap draft drafts up to k, while one that costs a third of a target pass still drafts one.
     Prompt lookup is never capped: its long copies cost nothing to draft and are accepted far more often.
     """
     a1, a2 = chain
@@ -81,31 +82,63 @@ def hybrid_model_k(costs: dict[int, float], chain: tuple[float, float] = DEFAULT
     return 1 if one >= two else None
 
 
-def describe_hybrid_cap(model_k: int | None, costs: dict) -> str:
+def describe_hybrid_cap(model_k: int | None, costs: dict, draft_cost: float | None = None) -> str:
     """How many tokens the hybrid's model drafts and the measured costs behind it (keys int or, from JSON, str)."""
     v = {int(w): float(x) for w, x in costs.items()}
-    why = (f" (here a 3-token verify pass costs {v[3]:.2f}× a 1-token one, a 2-token pass {v[2]:.2f}×)"
-           if 2 in v and 3 in v else "")
-    return f"the draft model proposes {'1 token' if model_k == 1 else 'up to k tokens'} per step{why}"
+    why = []
+    if 2 in v and 3 in v:
+        why.append(f"here a 3-token verify pass costs {v[3]:.2f}× a 1-token one, a 2-token pass {v[2]:.2f}×")
+    if draft_cost is not None:
+        why.append(f"a drafted token {draft_cost:.2f}×")
+    why_text = f" ({', '.join(why)})" if why else ""
+    return f"the draft model proposes {'1 token' if model_k == 1 else 'up to k tokens'} per step{why_text}"
 
 
-# verify costs by width per target model, measured once: they belong to the model on this machine, not to a run
-_verify_costs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def measured_draft_cost(model: Drafter, target: LoadedModel, probe: list[int], two_token_cost: float,
+                        tokens: int = 9) -> float | None:
+    """The model's seconds per drafted token over a 1-token target pass, from a short greedy run at k = 1 after
+    `probe`: the median draft time of a step over the median time of its 2-token verify pass, scaled by that pass's
+    measured cost (`two_token_cost`, forward_costs[2]). The medians skip a first call's warmup. None if the target
+    stopped before anything was drafted."""
+    from statistics import median
+
+    config = GenerationConfig(max_new_tokens=tokens, num_draft_tokens=1)
+    steps = [e for e in speculative(target.model, target.tokenizer, model, probe, config)
+             if e.kind == "spec" and e.drafted]
+    if not steps:
+        return None
+    one_pass = median(e.verify_seconds for e in steps) / two_token_cost
+    return median(e.draft_seconds / len(e.drafted) for e in steps) / one_pass
 
 
-def measured_hybrid(model: Drafter, target: LoadedModel) -> HybridDrafter:
-    """A hybrid whose model cap follows this machine's verify costs, measured at the target's first hybrid load (a
-    dozen short target passes)."""
+# verify costs by width per target model, and draft costs per (target, draft name), measured once: they belong to the
+# models on this machine, not to a run
+_measured: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def measured_hybrid(model: Drafter, target: LoadedModel, draft_name: str | None = None,
+                    probe: list[int] | None = None) -> HybridDrafter:
+    """A hybrid whose model cap follows this machine's costs, measured after `probe` (default: PROBE_TEXT) at the
+    first hybrid load of the target (a dozen short target passes) and of the draft (a 9-token run); an unnamed draft
+    is measured every time, and one that could not be timed is assumed to cost DEFAULT_DRAFT_COST."""
     from .sweep import forward_costs
 
-    costs = _verify_costs.get(target.model)
+    probe = probe or target.tokenizer(PROBE_TEXT)["input_ids"]
+    memo = _measured.setdefault(target.model, {})
+    costs = memo.get("verify")
     if costs is None:
-        probe = target.tokenizer(PROBE_TEXT)["input_ids"]
-        costs = {w: round(v, 3) for w, v in forward_costs(target.model, probe, [2, 3], repeats=3).items()}
-        _verify_costs[target.model] = costs
-    model_k = hybrid_model_k(costs, getattr(model, "held_out_chain", None) or DEFAULT_CHAIN)
-    log.info("hybrid: %s", describe_hybrid_cap(model_k, costs))
-    return HybridDrafter(model, model_k=model_k, verify_costs=costs)
+        measured = forward_costs(target.model, probe, [2, 3], repeats=3)
+        costs = memo["verify"] = {w: round(v, 3) for w, v in measured.items()}
+    c = memo.get(("draft", draft_name)) if draft_name else None
+    if c is None:
+        c = measured_draft_cost(model, target, probe, costs[2])
+        c = round(c, 3) if c is not None else None
+        if draft_name and c is not None:
+            memo[("draft", draft_name)] = c
+    chain = getattr(model, "held_out_chain", None) or DEFAULT_CHAIN
+    model_k = hybrid_model_k(costs, chain, DEFAULT_DRAFT_COST if c is None else c)
+    log.info("hybrid: %s", describe_hybrid_cap(model_k, costs, c))
+    return HybridDrafter(model, model_k=model_k, verify_costs=costs, draft_cost=c)
 
 
 def make_drafter(target: LoadedModel, kind: str, draft: str | None, device=None, dtype=None,
@@ -116,7 +149,7 @@ def make_drafter(target: LoadedModel, kind: str, draft: str | None, device=None,
         return NgramDrafter(), None
     if kind == "hybrid":
         model, name = make_drafter(target, "model", draft, device, dtype, trust_remote_code)
-        return measured_hybrid(model, target), name
+        return measured_hybrid(model, target, name), name
     if kind != "model":
         raise ValueError(f"unknown drafter '{kind}'; choose one of {DRAFTER_KINDS}")
     draft = draft or default_draft(target.name)
@@ -202,6 +235,7 @@ def result_dict(pair: Pair, config: GenerationConfig, ar_events: list[StepEvent]
     if isinstance(pair.drafter, HybridDrafter):  # the model's cap, and the measured pass costs it came from
         out["hybrid_model_k"] = pair.drafter.model_k
         out["hybrid_verify_costs"] = {str(w): v for w, v in pair.drafter.verify_costs.items()}
+        out["hybrid_draft_cost"] = pair.drafter.draft_cost
     if config.sampling.greedy and ar_ids != sd_ids and prompt_ids is not None:
         out["mismatch"] = first_mismatch(pair.target, prompt_ids, ar_ids, sd_ids)
     return out

@@ -510,7 +510,10 @@ def train(head, samples, data, args, device, log_fn, checkpoint=None) -> dict:
     held, train_idx = split_held_out(samples, rng)
     sub_index = subset_index(head)
     params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    head.layer.dropout = args.dropout
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},  # not the norms
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
     total = [args.steps]  # shortened once the pace is known when --train-minutes sets a time budget
     warm = max(1, args.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -595,6 +598,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=2, help="draft steps unrolled in training (training-time test)")
     p.add_argument("--decay", type=float, default=0.8, help="loss weight ratio between successive depths")
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--init-layer", type=int, default=None,
+                   help="start the head's decoder layer as a copy of this target layer (-1: the last) instead of at random")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="dropout on the head's attention and MLP outputs while training")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay on the weight matrices")
     p.add_argument("--noise", type=float, default=0.05, help="uniform noise on input features")
     p.add_argument("--feat-weight", type=float, default=0.5, help="weight of the smooth L1 feature loss")
     p.add_argument("--soft-weight", type=float, default=0.0,
@@ -620,7 +628,7 @@ def _common_prefix(samples: list[dict]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Generate data with the target, record its features, train the head and write the asset."""
-    from .eagle import build_head, save_draft
+    from .eagle import build_head, init_from_target_layer, save_draft
     from .loading import load_model
 
     args = parse_args(argv)
@@ -661,6 +669,8 @@ def main(argv: list[str] | None = None) -> int:
         args.train_minutes = max(5.0, args.total_minutes - (time.perf_counter() - t_start) / 60)
         log_fn({"event": "train_budget", "minutes": round(args.train_minutes, 1)})
     head = build_head(target, subset, layers)
+    if args.init_layer is not None:
+        init_from_target_layer(head, target, args.init_layer)
     meta = lambda step, m: {"target": args.target, "step": step, "metrics": m,  # noqa: E731
                             "min_confidence": args.min_confidence,
                             "seconds": round(time.perf_counter() - t_start)}

@@ -92,6 +92,7 @@ class DecoderLayer(nn.Module):
         self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
+        self.dropout = 0.0  # training only (distill --dropout): on the attention and MLP outputs; eval() turns it off
 
     def forward(self, x, cos, sin, past_k=None, past_v=None, mask=None):
         """x (B, T, H) attends to past keys (B, KV, L, D) and its own under `mask` (T, L+T) bool or None (causal)."""
@@ -108,9 +109,9 @@ class DecoderLayer(nn.Module):
             past = keys.shape[2] - t
             mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
         att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # (B, NH, T, D)
-        x = x + self.o_proj(att.transpose(1, 2).reshape(b, t, -1))
+        x = x + F.dropout(self.o_proj(att.transpose(1, 2).reshape(b, t, -1)), self.dropout, self.training)
         y = self.post_norm(x)
-        x = x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
+        x = x + F.dropout(self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y)), self.dropout, self.training)
         return x, k, v
 
 
@@ -207,6 +208,20 @@ def build_head(target_model: nn.Module, subset: torch.Tensor, fuse_layers: tuple
     embed = target_model.get_input_embeddings().weight
     head = target_model.get_output_embeddings().weight
     return EagleHead(c, embed, head, subset).to(device=embed.device, dtype=embed.dtype)
+
+
+def init_from_target_layer(head: EagleHead, target_model: nn.Module, index: int) -> None:
+    """Start the head's decoder layer (and its final norm) as a copy of the target's layer `index` (negative: from the
+    end) rather than at random: the same shapes, and weights that already model this language."""
+    layer = target_model.model.layers[index]
+    pairs = {"input_norm": layer.input_layernorm, "post_norm": layer.post_attention_layernorm,
+             "q_proj": layer.self_attn.q_proj, "k_proj": layer.self_attn.k_proj, "v_proj": layer.self_attn.v_proj,
+             "o_proj": layer.self_attn.o_proj, "gate_proj": layer.mlp.gate_proj, "up_proj": layer.mlp.up_proj,
+             "down_proj": layer.mlp.down_proj}
+    with torch.no_grad():
+        for name, source in pairs.items():
+            getattr(head.layer, name).weight.copy_(source.weight)
+        head.norm.weight.copy_(target_model.model.norm.weight)
 
 
 def load_trained_draft(path: str | Path, target_loaded) -> EagleDrafter:

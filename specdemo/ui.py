@@ -225,7 +225,8 @@ def final_stats_markdown(result: dict) -> str:
 def _hybrid_lines(result: dict) -> list[str]:
     if "hybrid_model_k" not in result:
         return []
-    cap = describe_hybrid_cap(result["hybrid_model_k"], result.get("hybrid_verify_costs") or {})
+    cap = describe_hybrid_cap(result["hybrid_model_k"], result.get("hybrid_verify_costs") or {},
+                              result.get("hybrid_draft_cost"))
     return [f"- hybrid: {cap}; prompt lookup up to k where the text repeats"]
 
 

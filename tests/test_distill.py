@@ -191,6 +191,54 @@ def test_soft_label_loss_is_cross_entropy_to_the_target_distribution_and_trains(
     assert [r for r in records if r["event"] == "eval"][0]["top1_step"][0] < 0.1 and final["top1_step"][0] > 0.4
 
 
+def test_dropout_and_weight_decay_regularise_training_only(tmp_path):
+    """--dropout acts while training and never while drafting; --weight-decay shrinks the weight matrices (not the
+    norms); a head trained with both still learns the target."""
+    target = tiny_llama(VOCAB, seed=5, sharpness=6.0)
+    samples = greedy_samples(target, n=48, length=20)
+    data = distill.build_features(target, samples, tmp_path)
+    subset = distill.choose_subset(samples, data["top1"], 24, VOCAB, [0])
+    heads = {}
+    for wd in ("0", "0.5"):
+        args = distill.parse_args(["--target", "x", "--out", str(tmp_path), "--steps", "150", "--batch-size", "8",
+                                   "--eval-every", "150", "--log-every", "150", "--lr", "3e-3", "--dropout", "0.1",
+                                   "--weight-decay", wd])
+        args.skip = 0
+        torch.manual_seed(0)
+        head = build_head(target, subset)
+        final = distill.train(head, samples, data, args, torch.device("cpu"), lambda r: None)
+        assert final["top1_step"][0] > 0.5  # learned despite the regularisation (over 0.6 without it)
+        heads[wd] = head
+    head = heads["0"]
+    assert head.layer.dropout == 0.1
+    feats, tokens, _, _, t = distill._batch(samples, data, list(range(4)), 64, 0, 1, distill.subset_index(head),
+                                            torch.device("cpu"))
+    pos = torch.arange(t)
+    with torch.no_grad():
+        head.train()
+        assert not torch.equal(head(feats[:, :t], tokens[:, 1 : t + 1], pos)[0], head(feats[:, :t], tokens[:, 1 : t + 1], pos)[0])
+        head.eval()  # as every drafter holds it: the same input gives the same draft
+        assert torch.equal(head(feats[:, :t], tokens[:, 1 : t + 1], pos)[0], head(feats[:, :t], tokens[:, 1 : t + 1], pos)[0])
+    norm = lambda h: sum(float(p.norm()) for p in h.parameters() if p.ndim >= 2)  # noqa: E731
+    assert norm(heads["0.5"]) < 0.95 * norm(heads["0"])
+
+
+def test_head_can_start_as_a_copy_of_a_target_layer():
+    """--init-layer -1: the head's decoder layer and final norm start as the target's last layer and final norm."""
+    from specdemo.eagle import init_from_target_layer
+
+    target = tiny_llama(VOCAB, seed=5, sharpness=6.0)
+    head = build_head(target, torch.arange(24))
+    init_from_target_layer(head, target, -1)
+    last = target.model.layers[-1]
+    assert torch.equal(head.layer.q_proj.weight, last.self_attn.q_proj.weight)
+    assert torch.equal(head.layer.down_proj.weight, last.mlp.down_proj.weight)
+    assert torch.equal(head.layer.post_norm.weight, last.post_attention_layernorm.weight)
+    assert torch.equal(head.norm.weight, target.model.norm.weight)
+    head.layer.q_proj.weight.data.add_(1.0)  # a copy: training the head leaves the target alone
+    assert not torch.equal(head.layer.q_proj.weight, last.self_attn.q_proj.weight)
+
+
 def test_steered_self_instructions_start_with_an_opening_and_continue_it(tmp_path):
     """With openings, each user turn starts with one of them and the target writes the rest; drawn per row, so a
     batch mixes them, and a rerun reads the same rows from the cache."""

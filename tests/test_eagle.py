@@ -172,7 +172,8 @@ def test_shipped_draft_with_prompt_lookup_is_lossless(bundled):
     hybrid, _ = make_drafter(bundled, "hybrid", None)  # the shipped draft, capped as this machine's pass costs say
     chain = json.loads((ASSETS / "smollm2-135m-draft" / "eagle_config.json").read_text())["metrics"]["chain"]
     assert hybrid.model.held_out_chain == tuple(chain)  # the cap weighs the draft's own held-out acceptance
-    assert hybrid.model_k == hybrid_model_k(hybrid.verify_costs, hybrid.model.held_out_chain)
+    assert 0.0 < hybrid.draft_cost < 0.5  # measured at load; 0.07 in the benchmark on this CPU
+    assert hybrid.model_k == hybrid_model_k(hybrid.verify_costs, hybrid.model.held_out_chain, hybrid.draft_cost)
     cap = hybrid.model_k or 3
     config = GenerationConfig(max_new_tokens=48, num_draft_tokens=3)
     prompt = ("Summarize in one sentence: The museum opens at nine. The museum closes at five. "

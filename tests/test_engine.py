@@ -50,17 +50,23 @@ def test_hybrid_model_k_follows_the_verify_costs():
     # token pays, unless the draft's second token is rarely accepted
     assert hybrid_model_k({1: 1.0, 2: 1.07, 3: 1.20}) is None
     assert hybrid_model_k({1: 1.0, 2: 1.07, 3: 1.20}, chain=(0.4, 0.1)) == 1
+    # a draft that costs a third of a target pass per token: its second token does not pay even where passes are free
+    assert hybrid_model_k({1: 1.0, 2: 1.01, 3: 1.02}, c=0.35) == 1
 
 
 def test_measured_hybrid_records_the_costs_it_chose_from(tiny_target, tiny_draft, tiny_tok):
     """The cap comes from verify passes timed at load; the costs it used are kept for the benchmark report."""
     target = LoadedModel("tiny", tiny_target, tiny_tok, torch.device("cpu"), torch.float32, "folder")
-    hybrid = measured_hybrid(ModelDrafter(tiny_draft), target)
+    hybrid = measured_hybrid(ModelDrafter(tiny_draft), target, "tiny-draft", PROMPT)
     assert set(hybrid.verify_costs) == {1, 2, 3} and hybrid.verify_costs[1] == 1.0
     assert all(v > 0 for v in hybrid.verify_costs.values())
-    assert hybrid.model_k == hybrid_model_k(hybrid.verify_costs)
-    # measured once per target: a second hybrid on the same target reuses the costs rather than timing again
-    assert measured_hybrid(ModelDrafter(tiny_draft), target).verify_costs is hybrid.verify_costs
+    # the draft's own cost per token, timed in a short run: a 1-layer draft against a 2-layer target costs less
+    # than a target pass, and more than nothing
+    assert 0.0 < hybrid.draft_cost < 1.0
+    assert hybrid.model_k == hybrid_model_k(hybrid.verify_costs, c=hybrid.draft_cost)
+    # measured once per target and draft: a second hybrid reuses the costs rather than timing again
+    again = measured_hybrid(ModelDrafter(tiny_draft), target, "tiny-draft", PROMPT)
+    assert again.verify_costs is hybrid.verify_costs and again.draft_cost == hybrid.draft_cost
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])

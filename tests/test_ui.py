@@ -169,8 +169,10 @@ def test_summary_says_how_the_hybrid_drafted_and_why():
               "sd": {"seconds": 1.0, "draft_seconds": 0.1, "verify_seconds": 0.8, "tokens_per_s": 30.0,
                      "acceptance_rate": 0.5, "accepted": 5, "drafted": 10, "mean_accepted": 1.5, "steps": 10}}
     assert "hybrid:" not in final_stats_markdown(result)
-    capped = final_stats_markdown({**result, "hybrid_model_k": 1, "hybrid_verify_costs": {"1": 1.0, "2": 1.07, "3": 1.3}})
+    capped = final_stats_markdown({**result, "hybrid_model_k": 1, "hybrid_verify_costs": {"1": 1.0, "2": 1.07, "3": 1.3},
+                                   "hybrid_draft_cost": 0.071})
     assert "proposes 1 token per step" in capped and "costs 1.30× a 1-token one" in capped
+    assert "a drafted token 0.07×" in capped
     assert "up to k tokens per step" in final_stats_markdown({**result, "hybrid_model_k": None,
                                                               "hybrid_verify_costs": {"1": 1.0, "2": 1.0, "3": 1.01}})
 
