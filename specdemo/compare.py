@@ -108,7 +108,7 @@ def measured_draft_cost(model: Drafter, target: LoadedModel, probe: list[int], t
     if not steps:
         return None
     one_pass = median(e.verify_seconds for e in steps) / two_token_cost
-    return median(e.draft_seconds / len(e.drafted) for e in steps) / one_pass
+    return round(median(e.draft_seconds / len(e.drafted) for e in steps) / one_pass, 3)
 
 
 # verify costs by width per target model, and draft costs per (target, draft name), measured once: they belong to the
@@ -129,12 +129,13 @@ def measured_hybrid(model: Drafter, target: LoadedModel, draft_name: str | None 
     if costs is None:
         measured = forward_costs(target.model, probe, [2, 3], repeats=3)
         costs = memo["verify"] = {w: round(v, 3) for w, v in measured.items()}
-    c = memo.get(("draft", draft_name)) if draft_name else None
-    if c is None:
+    key = ("draft", draft_name)
+    if draft_name and key in memo:
+        c = memo[key]
+    else:
         c = measured_draft_cost(model, target, probe, costs[2])
-        c = round(c, 3) if c is not None else None
-        if draft_name and c is not None:
-            memo[("draft", draft_name)] = c
+        if draft_name:
+            memo[key] = c
     chain = getattr(model, "held_out_chain", None) or DEFAULT_CHAIN
     model_k = hybrid_model_k(costs, chain, DEFAULT_DRAFT_COST if c is None else c)
     log.info("hybrid: %s", describe_hybrid_cap(model_k, costs, c))

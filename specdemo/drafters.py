@@ -170,8 +170,9 @@ class HybridDrafter(Drafter):
     A suffix match of at least `min_match` tokens is strong evidence (copying from the prompt, a list, code); there
     the lookup's copy costs nothing to draft, and it proposes up to k tokens. Elsewhere the model drafts, at most
     `model_k` tokens (None: k; compare.hybrid_model_k chooses it from `verify_costs`, the measured cost of a verify
-    pass by width, and `draft_cost`, the model's measured cost per drafted token; both kept for reports). The choice depends only on the committed context, so each step still has one
-    well-defined proposal distribution and rejection sampling stays exact. The model drafter must follow along when
+    pass by width, and `draft_cost`, the model's measured cost per drafted token; both kept for reports). The choice
+    depends only on the committed context, so each step still has one well-defined proposal distribution and
+    rejection sampling stays exact. The model drafter must follow along when
     skipped: ModelDrafter catches up from `ids`, EagleDrafter keeps the target features of skipped passes pending.
     """
 
