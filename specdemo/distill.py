@@ -504,10 +504,18 @@ def split_held_out(samples: list[dict], rng: random.Random) -> tuple[list[int], 
     return held, [i for i in order if i not in held_set]
 
 
+def training_share(train_idx: list[int], fraction: float, minimum: int) -> list[int]:
+    """The first `fraction` of the (shuffled) training indices, at least `minimum`: nested shares of one split, so a
+    data-scaling run keeps the held-out set and every smaller share lies inside every larger one."""
+    return train_idx if fraction >= 1 else train_idx[: max(minimum, round(len(train_idx) * fraction))]
+
+
 def train(head, samples, data, args, device, log_fn, checkpoint=None) -> dict:
     """AdamW with warmup and cosine decay over args.steps steps; returns the last held-out metrics."""
     rng = random.Random(args.seed)
     held, train_idx = split_held_out(samples, rng)
+    train_idx = training_share(train_idx, args.train_fraction, args.batch_size)
+    log_fn({"event": "split", "held_out": len(held), "training": len(train_idx)})
     sub_index = subset_index(head)
     params = [p for p in head.parameters() if p.requires_grad]
     head.layer.dropout = args.dropout
@@ -603,6 +611,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.0,
                    help="dropout on the head's attention and MLP outputs while training")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay on the weight matrices")
+    p.add_argument("--train-fraction", type=float, default=1.0,
+                   help="train on this share of the training split only, same held-out set (a data-scaling check)")
     p.add_argument("--noise", type=float, default=0.05, help="uniform noise on input features")
     p.add_argument("--feat-weight", type=float, default=0.5, help="weight of the smooth L1 feature loss")
     p.add_argument("--soft-weight", type=float, default=0.0,

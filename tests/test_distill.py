@@ -97,6 +97,24 @@ def test_held_out_split_prefers_self_written_instructions():
     assert len(held) == 15 and any(few[i]["stage"] == "simple" for i in held)
 
 
+def test_a_training_share_keeps_the_held_out_set_and_nests(tmp_path):
+    import random
+
+    samples = [{"stage": "self" if i % 2 else "simple"} for i in range(400)]
+    held, train = distill.split_held_out(samples, random.Random(0))
+    half, quarter = (distill.training_share(train, f, 8) for f in (0.5, 0.25))
+    assert len(half) == 190 and len(quarter) == 95 and set(quarter) < set(half) < set(train)
+    assert distill.training_share(train, 1.0, 8) == train and len(distill.training_share(train, 0.001, 8)) == 8
+    target = tiny_llama(VOCAB, seed=5, sharpness=6.0)  # and train() logs and uses it, the held-out set unchanged
+    samples = greedy_samples(target, n=48, length=8)
+    data = distill.build_features(target, samples, tmp_path)
+    args = distill.parse_args(["--target", "x", "--out", "x", "--steps", "2", "--train-fraction", "0.25"])
+    args.skip, records = 0, []
+    distill.train(build_head(target, distill.choose_subset(samples, data["top1"], 24, VOCAB, [0])), samples, data,
+                  args, torch.device("cpu"), records.append)
+    assert [r for r in records if r["event"] == "split"] == [{"event": "split", "held_out": 4, "training": 11}]
+
+
 def test_fused_features_cache_and_training(tmp_path):
     """With fused layers the cache holds wider features (final state first, same labels), is rebuilt when the layers
     change, and a fused head trains on them under bf16 autocast: held-out agreement rises, the fusion moves off the
