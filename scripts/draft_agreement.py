@@ -7,6 +7,11 @@ separates "the draft generalises poorly to these prompts" from "the engine feeds
 many of the target's tokens lie outside the draft's vocabulary subset. A development tool, not part of the package.
 
     python scripts/draft_agreement.py --draft assets/smollm2-135m-draft
+    python scripts/draft_agreement.py --draft out/draft-a out/draft-b --depth 1   # one table each, one set of answers
+
+    python scripts/draft_agreement.py --draft out/draft-a out/draft-b --held-out out/draft/cache  # distill's split
+
+A target token outside the draft's subset counts as a miss (distill.evaluate), so step 1 matches a timed k = 1 run.
 """
 
 from __future__ import annotations
@@ -24,20 +29,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from specdemo import distill  # noqa: E402
 from specdemo.compare import load_pair  # noqa: E402
 from specdemo.config import GenerationConfig  # noqa: E402
+from specdemo.eagle import load_trained_draft  # noqa: E402
 from specdemo.engine import autoregressive, encode_prompt  # noqa: E402
 from specdemo.prompts import DEFAULT_PROMPTS, read_prompts  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--draft", default=None, help="trained draft folder (default: the shipped one)")
+    p.add_argument("--draft", nargs="*", default=[None], help="trained draft folders (default: the shipped one)")
     p.add_argument("--prompts", default=DEFAULT_PROMPTS)
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--depth", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--held-out", default=None,
+                   help="a distill cache folder: evaluate on its held-out split (seed 0) as distill does, not on prompts")
     args = p.parse_args(argv)
-    pair = load_pair("smollm2-135m", "model", args.draft)
-    head, tok = pair.drafter.head, pair.target.tokenizer
+    if args.held_out:
+        return held_out(args.draft, Path(args.held_out), args.depth)
+    pair = load_pair("smollm2-135m", "model", args.draft[0])
+    tok = pair.target.tokenizer
     config = GenerationConfig(max_new_tokens=args.max_new_tokens)
     samples, cats = [], []
     for item in read_prompts(args.prompts, args.limit):
@@ -45,21 +55,52 @@ def main(argv: list[str] | None = None) -> int:
         answer = [t for e in autoregressive(pair.target.model, tok, ids, config) if e.kind == "ar" for t in e.tokens]
         samples.append({"ids": ids + answer, "prompt_len": len(ids)})
         cats.append(item.category)
-    with tempfile.TemporaryDirectory() as work:
-        data = distill.build_features(pair.target.model, samples, Path(work), batch_size=1, layers=head.c.fuse_layers)
-    ev = types.SimpleNamespace(depth=args.depth, batch_size=1, max_len=1 << 16, skip=0)
+    for i, folder in enumerate(args.draft):
+        head = (pair.drafter if i == 0 else load_trained_draft(folder, pair.target)).head
+        if len(args.draft) > 1:
+            print(f"\n`{folder}`\n")
+        with tempfile.TemporaryDirectory() as work:
+            data = distill.build_features(pair.target.model, samples, Path(work), batch_size=1,
+                                          layers=head.c.fuse_layers)
+        table(head, samples, cats, data, args.depth, pair.target.device)
+    return 0
+
+
+def held_out(drafts: list[str | None], cache: Path, depth: int) -> int:
+    """distill's held-out agreement for each draft, recomputed with the current evaluate() on the cached data."""
+    import json
+    import random
+
+    samples = [json.loads(line) for line in (cache / "samples.jsonl").read_text().splitlines()]
+    data = torch.load(cache / "features.pt")
+    held, _ = distill.split_held_out(samples, random.Random(0))
+    ev = types.SimpleNamespace(depth=depth, batch_size=8, max_len=320, skip=distill._common_prefix(samples))
+    pair = load_pair("smollm2-135m", "model", drafts[0])
+    print(f"| draft | held-out top-1 agreement, steps 1..{depth} | chain rate |\n|---|---|---|")
+    for i, folder in enumerate(drafts):
+        head = (pair.drafter if i == 0 else load_trained_draft(folder, pair.target)).head
+        if head.c.fuse_layers:
+            print(f"| {folder} | (reads fused layers; not in this cache) | |")
+            continue
+        m = distill.evaluate(head, samples, data, held, ev, distill.subset_index(head), pair.target.device)
+        print(f"| {folder or 'shipped'} | {' / '.join(f'{a:.3f}' for a in m['top1_step'])} | "
+              f"{' / '.join(f'{c:.3f}' for c in m['chain'])} |")
+    return 0
+
+
+def table(head, samples, cats, data, depth, device) -> None:
+    ev = types.SimpleNamespace(depth=depth, batch_size=1, max_len=1 << 16, skip=0)
     sub_index = distill.subset_index(head)
-    print(f"| prompts | n | top-1 agreement, steps 1..{args.depth} | chain rate | est. tokens per pass at k = {args.depth} "
+    print(f"| prompts | n | top-1 agreement, steps 1..{depth} | chain rate | est. tokens per pass at k = {depth} "
           "| target tokens inside the subset |")
     print("|---|---|---|---|---|---|")
     for name in ["all"] + sorted(set(cats)):
         idx = [i for i, c in enumerate(cats) if name in ("all", c)]
-        m = distill.evaluate(head, samples, data, idx, ev, sub_index, pair.target.device)
+        m = distill.evaluate(head, samples, data, idx, ev, sub_index, device)
         labels = torch.cat([data["top1"][i][samples[i]["prompt_len"] - 1 : -1].long() for i in idx])
         inside = float((sub_index[labels] >= 0).float().mean())
         print(f"| {name} | {len(idx)} | {' / '.join(f'{a:.3f}' for a in m['top1_step'])} | "
               f"{' / '.join(f'{c:.3f}' for c in m['chain'])} | {m['est_mean_accepted']:.2f} | {inside:.3f} |")
-    return 0
 
 
 if __name__ == "__main__":

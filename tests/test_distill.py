@@ -97,6 +97,42 @@ def test_held_out_split_prefers_self_written_instructions():
     assert len(held) == 15 and any(few[i]["stage"] == "simple" for i in held)
 
 
+def test_agreement_counts_every_draftable_token_and_misses_outside_the_subset(tmp_path):
+    """evaluate()'s step-1 agreement is the share of answer tokens (from the second on: the first comes from the
+    prefill) that the draft proposes from the true features, a target token outside the subset being a miss: the same
+    rows at every depth, counted directly here."""
+    target = tiny_llama(VOCAB, seed=5, sharpness=6.0)
+    samples = greedy_samples(target, n=24, length=12)
+    data = distill.build_features(target, samples, tmp_path)
+    subset = distill.choose_subset(samples, data["top1"], 12, VOCAB, [0])
+    sub_index = distill.subset_index(build_head(target, subset))
+    answers = torch.tensor([t for s in samples for t in s["ids"][s["prompt_len"] :]])
+    assert 0.1 < float((sub_index[answers] < 0).float().mean()) < 0.9  # some answer tokens lie outside it
+    args = distill.parse_args(["--target", "x", "--out", "x", "--steps", "60", "--lr", "3e-3", "--eval-every", "60"])
+    args.skip = 0
+    torch.manual_seed(0)
+    head = build_head(target, subset)
+    distill.train(head, samples, data, args, torch.device("cpu"), lambda r: None)
+    head.eval()
+    hits, counts = [0, 0], [0, 0]  # tokens up to the end, and all but the last (a depth-2 row needs a next one)
+    with torch.no_grad():
+        for i, s in enumerate(samples):
+            feats, tokens, *_ = distill._batch(samples, data, [i], 1 << 16, 0, 1, sub_index, torch.device("cpu"))
+            drafted = head.subset[head.logits(head.unrolled(feats[:, :-1], tokens, 1)[0]).argmax(-1)][0]
+            n, p = len(s["ids"]), s["prompt_len"]
+            for q in range(p + 1, n):  # token q is drafted from row q - 2
+                for j, last in enumerate((n - 1, n - 2)):
+                    if q <= last:
+                        hits[j] += int(drafted[q - 2] == s["ids"][q])
+                        counts[j] += 1
+    everything = list(range(len(samples)))
+    for depth, j in ((1, 0), (2, 1)):
+        args.depth = depth
+        got = distill.evaluate(head, samples, data, everything, args, sub_index, torch.device("cpu"))
+        assert got["top1_step"][0] == round(hits[j] / counts[j], 4)
+    assert 0.2 < hits[0] / counts[0] < 0.9
+
+
 def test_a_training_share_keeps_the_held_out_set_and_nests(tmp_path):
     import random
 
