@@ -8,7 +8,6 @@ many of the target's tokens lie outside the draft's vocabulary subset. A develop
 
     python scripts/draft_agreement.py --draft assets/smollm2-135m-draft
     python scripts/draft_agreement.py --draft out/draft-a out/draft-b --depth 1   # one table each, one set of answers
-
     python scripts/draft_agreement.py --draft out/draft-a out/draft-b --held-out out/draft/cache  # distill's split
 
 A target token outside the draft's subset counts as a miss (distill.evaluate), so step 1 matches a timed k = 1 run.
