@@ -54,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         answer = [t for e in autoregressive(pair.target.model, tok, ids, config) if e.kind == "ar" for t in e.tokens]
         samples.append({"ids": ids + answer, "prompt_len": len(ids)})
         cats.append(item.category)
-    for i, folder in enumerate(args.draft):
-        head = (pair.drafter if i == 0 else load_trained_draft(folder, pair.target)).head
+    for folder, head in heads(pair, args.draft):
         if len(args.draft) > 1:
             print(f"\n`{folder}`\n")
         with tempfile.TemporaryDirectory() as work:
@@ -65,25 +64,36 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def heads(pair, drafts: list[str | None]):
+    """(folder, head) for each draft: the first is the one load_pair loaded, the others are bound to the same target."""
+    for i, folder in enumerate(drafts):
+        yield folder, (pair.drafter if i == 0 else load_trained_draft(folder, pair.target)).head
+
+
+def slashed(xs: list[float]) -> str:
+    return " / ".join(f"{x:.3f}" for x in xs)
+
+
 def held_out(drafts: list[str | None], cache: Path, depth: int) -> int:
-    """distill's held-out agreement for each draft, recomputed with the current evaluate() on the cached data."""
+    """distill's held-out agreement for each draft, recomputed with the current evaluate() on the cached data and
+    distill's own defaults (seed, max length, batch size, skipped common prefix)."""
     import json
     import random
 
+    defaults = distill.parse_args(["--target", "-", "--out", "-"])
     samples = [json.loads(line) for line in (cache / "samples.jsonl").read_text().splitlines()]
-    data = torch.load(cache / "features.pt")
-    held, _ = distill.split_held_out(samples, random.Random(0))
-    ev = types.SimpleNamespace(depth=depth, batch_size=8, max_len=320, skip=distill._common_prefix(samples))
+    held, _ = distill.split_held_out(samples, random.Random(defaults.seed))
+    ev = types.SimpleNamespace(depth=depth, batch_size=defaults.batch_size, max_len=defaults.max_len,
+                               skip=distill._common_prefix(samples))
     pair = load_pair("smollm2-135m", "model", drafts[0])
+    data = distill.build_features(pair.target.model, samples, cache)  # the cached final states (sliced if fused)
     print(f"| draft | held-out top-1 agreement, steps 1..{depth} | chain rate |\n|---|---|---|")
-    for i, folder in enumerate(drafts):
-        head = (pair.drafter if i == 0 else load_trained_draft(folder, pair.target)).head
-        if head.c.fuse_layers:
-            print(f"| {folder} | (reads fused layers; not in this cache) | |")
+    for folder, head in heads(pair, drafts):
+        if head.c.fuse_layers:  # its wider features would be recorded again over the whole cache: not here
+            print(f"| {folder} | (reads fused layers; not measured here) | |")
             continue
         m = distill.evaluate(head, samples, data, held, ev, distill.subset_index(head), pair.target.device)
-        print(f"| {folder or 'shipped'} | {' / '.join(f'{a:.3f}' for a in m['top1_step'])} | "
-              f"{' / '.join(f'{c:.3f}' for c in m['chain'])} |")
+        print(f"| {folder or 'shipped'} | {slashed(m['top1_step'])} | {slashed(m['chain'])} |")
     return 0
 
 
@@ -98,8 +108,8 @@ def table(head, samples, cats, data, depth, device) -> None:
         m = distill.evaluate(head, samples, data, idx, ev, sub_index, device)
         labels = torch.cat([data["top1"][i][samples[i]["prompt_len"] - 1 : -1].long() for i in idx])
         inside = float((sub_index[labels] >= 0).float().mean())
-        print(f"| {name} | {len(idx)} | {' / '.join(f'{a:.3f}' for a in m['top1_step'])} | "
-              f"{' / '.join(f'{c:.3f}' for c in m['chain'])} | {m['est_mean_accepted']:.2f} | {inside:.3f} |")
+        print(f"| {name} | {len(idx)} | {slashed(m['top1_step'])} | {slashed(m['chain'])} | "
+              f"{m['est_mean_accepted']:.2f} | {inside:.3f} |")
 
 
 if __name__ == "__main__":
