@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depth", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--held-out", default=None,
-                   help="a distill cache folder: evaluate on its held-out split (seed 0) as distill does, not on prompts")
+                   help="a distill cache folder: evaluate on its held-out split as distill does, not on prompts")
     args = p.parse_args(argv)
     if args.held_out:
         return held_out(args.draft, Path(args.held_out), args.depth)

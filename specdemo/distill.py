@@ -624,7 +624,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decay", type=float, default=0.8, help="loss weight ratio between successive depths")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--init-layer", type=int, default=None,
-                   help="start the head's decoder layer as a copy of this target layer (-1: the last) instead of at random")
+                   help="start the head's decoder layer as a copy of this target layer (-1: the last), not at random")
     p.add_argument("--dropout", type=float, default=0.0,
                    help="dropout on the head's attention and MLP outputs while training")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay on the weight matrices")
