@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specdemo.compare import first_mismatch, hybrid_model_k  # noqa: E402
 from specdemo.config import GenerationConfig  # noqa: E402
-from specdemo.drafters import ModelDrafter, NgramDrafter  # noqa: E402
+from specdemo.drafters import ModelDrafter, NgramDrafter, with_cache  # noqa: E402
 from specdemo.engine import autoregressive, generated_ids, speculative  # noqa: E402
 from specdemo.loading import LoadedModel  # noqa: E402
 
@@ -126,12 +126,12 @@ def main() -> int:
     for k in (0, 1, 2, 4, 8, 16):
         cache = DynamicCache(config=target.config)
         with torch.inference_mode():
-            target(input_ids=x, cache=cache, use_cache=True)
+            target(input_ids=x, **with_cache(target, cache), use_cache=True)
             n = cache.get_seq_length()
             step = torch.randint(3, 1000, (1, k + 1), device=dev)
             times = []
             for _ in range(10):
-                _, t = timed(lambda: target(input_ids=step, cache=cache, use_cache=True))
+                _, t = timed(lambda: target(input_ids=step, **with_cache(target, cache), use_cache=True))
                 cache.crop(-(k + 1))
                 times.append(t)
         costs[k + 1] = sorted(times)[len(times) // 2]

@@ -5,6 +5,8 @@ Drafters know token ids and their own state (a KV cache, an n-gram index); they 
 
 from __future__ import annotations
 
+import functools
+import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 
@@ -82,7 +84,7 @@ class ModelDrafter(Drafter):
     def _step(self, ids: list[int]) -> torch.Tensor:
         """Feed ids after the cached prefix; return the logits (V,) for the next token."""
         x = torch.tensor([ids], device=self.device)
-        logits = self.model(input_ids=x, cache=self.cache, use_cache=True, logits_to_keep=1).logits
+        logits = self.model(input_ids=x, **with_cache(self.model, self.cache), use_cache=True, logits_to_keep=1).logits
         self.num_cached += len(ids)
         return logits[0, -1]
 
@@ -205,6 +207,17 @@ class HybridDrafter(Drafter):
 
     def update(self, verdict: Verdict) -> None:
         self.model.update(verdict)
+
+
+@functools.cache
+def _cache_keyword(forward) -> str:
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def with_cache(model, cache) -> dict:
+    """The forward's KV-cache keyword argument: `cache` in recent transformers 5 releases, `past_key_values` before
+    (5.17 still names it so, and takes an unknown `cache=` into **kwargs: it would decode with no cache at all)."""
+    return {_cache_keyword(type(model).forward): cache}
 
 
 def crop_cache(cache, length: int) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import MAX_K_ENGINE, GenerationConfig
-from .drafters import Drafter, DraftRequest, Verdict, crop_cache
+from .drafters import Drafter, DraftRequest, Verdict, crop_cache, with_cache
 from .text import IncrementalDetokenizer, find_stop
 from .verify import choose, greedy_accept, logits_to_probs, rejection_accept
 
@@ -153,11 +153,18 @@ def target_features(model, layers: tuple[int, ...] = (), **inputs) -> tuple[torc
 
 def _target_pass(target, ids: list[int], cache, keep: int, layers: tuple[int, ...] | None):
     """Run the target on `ids` after its cache; return logits (keep, V) and, unless layers is None, features (len, W)."""
-    x = torch.tensor([ids], device=target.device)
+    x, before = torch.tensor([ids], device=target.device), cache.get_seq_length()
+    features = None
     if layers is not None:
-        last, features = target_features(target, layers, input_ids=x, cache=cache, use_cache=True)  # (1, T, .)
-        return target.lm_head(last[:, -keep:])[0], features[0]
-    return target(input_ids=x, cache=cache, use_cache=True, logits_to_keep=keep).logits[0], None
+        last, features = target_features(target, layers, input_ids=x, use_cache=True,
+                                         **with_cache(target.model, cache))  # (1, T, .)
+        logits, features = target.lm_head(last[:, -keep:])[0], features[0]
+    else:
+        logits = target(input_ids=x, **with_cache(target, cache), use_cache=True, logits_to_keep=keep).logits[0]
+    if cache.get_seq_length() != before + len(ids):  # a forward that drops the cache would decode from nothing
+        raise GenerationError(f"{type(target).__name__}'s forward did not fill the KV cache it was given "
+                              f"({before} + {len(ids)} positions expected, {cache.get_seq_length()} held)")
+    return logits, features
 
 
 def _new_cache(model):

@@ -142,12 +142,13 @@ def forward_costs(model, prompt_ids: list[int], widths: Sequence[int], repeats: 
 
     A (k+1)-token verify pass costs forward_costs[k+1]; on a GPU this is ~1, on a CPU it grows with w.
     """
-    from .drafters import crop_cache
+    from .drafters import crop_cache, with_cache
     from .engine import _new_cache
 
     device = next(model.parameters()).device
     cache = _new_cache(model)
-    model(input_ids=torch.tensor([prompt_ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=torch.tensor([prompt_ids], device=device), **with_cache(model, cache), use_cache=True,
+          logits_to_keep=1)
     n = len(prompt_ids)
     seconds: dict[int, float] = {}
     for w in sorted(set(widths) | {1}):
@@ -156,7 +157,7 @@ def forward_costs(model, prompt_ids: list[int], widths: Sequence[int], repeats: 
         for _ in range(repeats + 1):  # the first is a warmup for this shape
             sync(device)
             t0 = time.perf_counter()
-            model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=w)
+            model(input_ids=x, **with_cache(model, cache), use_cache=True, logits_to_keep=w)
             sync(device)
             best = min(best, time.perf_counter() - t0)
             crop_cache(cache, n)

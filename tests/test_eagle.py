@@ -47,7 +47,7 @@ def make_drafter(target, seed: int = 0, subset_size: int = 60, fuse: tuple[int, 
 
 def hidden(target, ids, fuse: tuple[int, ...] = ()):
     with torch.inference_mode():
-        return target_features(target, fuse, input_ids=torch.tensor([ids]))[1][0]
+        return target_features(target, fuse, input_ids=torch.tensor([ids], device=target.device))[1][0]
 
 
 @pytest.mark.parametrize("k,fuse", [(1, ()), (3, ()), (5, ()), (3, FUSED)])

@@ -5,7 +5,7 @@ import torch
 
 from specdemo.compare import hybrid_model_k, measured_hybrid
 from specdemo.config import GenerationConfig, SamplingConfig
-from specdemo.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+from specdemo.drafters import HybridDrafter, ModelDrafter, NgramDrafter, with_cache
 from specdemo.engine import GenerationError, autoregressive, encode_prompt, generated_ids, speculative
 from specdemo.loading import LoadedModel
 
@@ -106,8 +106,8 @@ def test_kv_caches_hold_exactly_the_accepted_prefix(tiny_target, tiny_draft, tin
             assert drafter.num_cached == drafter.cache.get_seq_length() <= len(ids) - 1
             fresh = DynamicCache(config=tiny_draft.config)
             with torch.inference_mode():
-                tiny_draft(input_ids=torch.tensor([ids[: drafter.num_cached]], device=tiny_draft.device), cache=fresh,
-                           use_cache=True)
+                tiny_draft(input_ids=torch.tensor([ids[: drafter.num_cached]], device=tiny_draft.device),
+                           **with_cache(tiny_draft, fresh), use_cache=True)
             for layer, ref in zip(drafter.cache.layers, fresh.layers):
                 assert torch.allclose(layer.keys, ref.keys, atol=1e-5)
                 assert torch.allclose(layer.values, ref.values, atol=1e-5)
@@ -217,3 +217,32 @@ def test_prompt_lookup_match_rules():
     assert NgramDrafter().propose(request(ids, 4)).tokens == [9, 4]  # a 2-token match proposes at most 2
     longer = [7, 1, 2, 3, 6, 0, 5, 7, 1, 2, 3]
     assert NgramDrafter().propose(request(longer, 4)).tokens == [6, 0]  # 3+ match: up to k, cut after EOS
+
+
+def test_the_cache_goes_by_the_keyword_the_forward_takes(tiny_target, tiny_tok):
+    """transformers 5.17 names the cache `past_key_values` and takes an unknown `cache=` into **kwargs (decoding with
+    no cache, silently); a forward that drops the cache it is given is refused with a clear message."""
+    from transformers import LlamaForCausalLM
+
+    class OldNames(LlamaForCausalLM):  # the forward of earlier transformers 5 releases
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None, logits_to_keep=0, **kwargs):
+            return super().forward(input_ids=input_ids, **with_cache(tiny_target, past_key_values),  # the real name
+                                   use_cache=use_cache, logits_to_keep=logits_to_keep)
+
+    class DropsCache(LlamaForCausalLM):
+        def forward(self, input_ids=None, past_key_values=None, **kwargs):
+            return super().forward(input_ids=input_ids, **kwargs)
+
+    assert list(with_cache(OldNames(tiny_target.config), None)) == ["past_key_values"]
+    config = GenerationConfig(max_new_tokens=12, num_draft_tokens=3)
+    ar = generated_ids(run(autoregressive(tiny_target, tiny_tok, PROMPT, config)))
+    for cls in (OldNames, DropsCache):
+        model = cls(tiny_target.config).to(tiny_target.device).eval()
+        model.load_state_dict(tiny_target.state_dict())
+        model.generation_config.eos_token_id = 0
+        if cls is OldNames:
+            assert generated_ids(run(speculative(model, tiny_tok, NgramDrafter(), PROMPT, config))) == ar
+            assert generated_ids(run(autoregressive(model, tiny_tok, PROMPT, config))) == ar
+        else:
+            with pytest.raises(GenerationError, match="did not fill the KV cache"):
+                run(autoregressive(model, tiny_tok, PROMPT, config))
