@@ -183,7 +183,9 @@ def _generate(target, tokenizer, convs, max_new_tokens: int, batch_size: int, sa
               seed: int = 0) -> list[dict]:
     """Batched generation with left padding; returns {ids, prompt_len} per conversation, in order."""
     tokenizer.padding_side = "left"
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if tokenizer.pad_token is None:  # transformers 5.17 converts the bundled GGUF's tokenizer without one
+        tokenizer.pad_token = tokenizer.eos_token
+    pad = tokenizer.pad_token_id
     prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in convs]
     results = []
     for start in range(0, len(prompts), batch_size):

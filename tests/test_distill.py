@@ -338,3 +338,17 @@ def test_templated_instructions_never_contain_an_evaluation_prompt():
     words = lambda text: set(re.findall(r"[a-z0-9]+", text.lower()))  # noqa: E731
     closest = max((len(words(t) & words(e)) / len(words(t) | words(e)), t, e) for t in training for e in evaluation)
     assert closest[0] < 0.6, closest
+
+
+def test_batched_answers_are_each_prompts_own_greedy_answer_without_a_pad_token():
+    """Left-padded batches give every conversation the answer it gets alone, also from a tokenizer with no pad token
+    (as transformers 5.17 converts the bundled GGUF's)."""
+    target = tiny_llama(VOCAB, seed=5, sharpness=6.0)
+    tok = tiny_tokenizer([f"w{i}" for i in range(1, VOCAB)])
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    assert tok.pad_token is None
+    convs = [[{"role": "user", "content": "w3 w5 w7 w9 w11 w2"}], [{"role": "user", "content": "w4"}]]
+    batched = distill._generate(target, tok, convs, max_new_tokens=6, batch_size=2)
+    alone = [distill._generate(target, tok, [c], max_new_tokens=6, batch_size=1)[0] for c in convs]
+    assert batched == alone
+    assert [r["prompt_len"] for r in batched] == [6, 1] and all(len(r["ids"]) > r["prompt_len"] for r in batched)
