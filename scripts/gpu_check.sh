@@ -9,10 +9,12 @@
 #   bash scripts/gpu_check.sh real   the real target from the bundled GGUF (GGUF_PARTS: its pieces, joined in order,
 #                                    checked against GGUF_SHA256), converted by the bundled-model path, then on CUDA:
 #                                    the benchmark of the shipped draft (k = 1, 2, 4, with generate's anchor),
-#                                    `distill --device cuda` from scratch, the benchmark of that draft, and the hybrid
+#                                    `distill --device cuda` from scratch, the hybrid, and the benchmark of the new draft
+#                                    (LIMIT: prompts per benchmark; DRAFT_KS; TRAIN_MINUTES; SAMPLES: a folder with a
+#                                    distill cache's samples.jsonl and instructions.jsonl, to train without generating)
 #
 # The GGUF (98 MB) is more than travels with one call (64 MiB), so it goes in two halves: the first call copies its
-# half to $KEEP (the machine keeps it while warm), the next brings the other. DRY=1 runs the same stages on the CPU
+# half to $KEEP (the machine keeps it while warm; `keep` does only that), the next brings the other. DRY=1 runs the same stages on the CPU
 # at toy sizes: a check of this script, not of the GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -58,6 +60,7 @@ if [ "${1:-basic}" != real ]; then
   if [ -n "${GGUF_PARTS:-}" ]; then  # the first half of the GGUF, kept for the next call
     mkdir -p "$KEEP/parts" && cp $GGUF_PARTS "$KEEP/parts/" && note "kept $(ls "$KEEP/parts")"
   fi
+  [ "${1:-basic}" = keep ] && exit 0  # only that: a short first call when time is short
   SPECDEMO_TEST_DEVICE=$DEV stage pytest_cuda 100 $PY -m pytest -q -p no:cacheprovider tests/test_engine.py \
     tests/test_verify.py tests/test_eagle.py -k "not shipped_draft"  # the shipped draft's tests need the real target
   QUICK=(--quick); [ "$DRY" = 1 ] && QUICK=(--quick --layers 2 --new 16)
@@ -73,7 +76,7 @@ GGUF=$PKG/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -s "$GGUF" ]; then
   parts=(); for p in ${GGUF_PARTS:?GGUF_PARTS names the GGUF pieces}; do
     [ -f "$p" ] && parts+=("$p") || parts+=("$KEEP/parts/$(basename "$p")"); done
-  cat "${parts[@]}" >"$GGUF" || exit 1
+  cat "${parts[@]}" >"$GGUF.part" && mv "$GGUF.part" "$GGUF" || exit 1
 fi
 if [ -n "${GGUF_SHA256:-}" ] && ! echo "$GGUF_SHA256  $GGUF" | sha256sum -c --quiet; then
   note "GGUF checksum mismatch"; rm -f "$GGUF"; exit 1
@@ -98,8 +101,8 @@ while any(groups.values()):
             out.append(g.pop(0))
 open(sys.argv[2], "w").write("".join(json.dumps(r) + "\n" for r in out))
 EOF
-# how many prompts fit: our AR speed on these shapes (from a first call's random-weight check, else a guess)
-N=$($PY - "$KEEP/results/gpu_check.json" <<'EOF'
+# how many prompts fit (LIMIT overrides): our AR speed on these shapes (from a first call's random-weight check)
+N=${LIMIT:-$($PY - "$KEEP/results/gpu_check.json" <<'EOF'
 import json, sys
 try:
     tps = json.load(open(sys.argv[1]))["timing"]["ar_tokens_per_s"]
@@ -108,17 +111,21 @@ except Exception:
 # the shipped draft's benchmark: AR, generate and k = 1, 2, 4, about 4.7 AR-times a prompt, in about 150 s
 print(max(7, min(30, int(150 / (4.7 * 128 / tps)))))
 EOF
-)
-TOKENS=128; DISTILL=(--gen-batch-size 512 --steps 3000 --train-minutes 1.5)
+)}
+KS=${DRAFT_KS:-1,2,4}; TOKENS=128
+DISTILL=(--gen-batch-size 512 --steps 3000 --train-minutes "${TRAIN_MINUTES:-1.5}")
 if [ "$DRY" = 1 ]; then
   N=1; TOKENS=8; DISTILL=(--gen-batch-size 8 --scale 0.02 --self-instruct 4 --max-sequences 24 --steps 4 --eval-every 2)
 fi
-note "prompts per benchmark: $N, new tokens: $TOKENS"
+# SAMPLES: a folder with a distill cache's samples.jsonl (and instructions.jsonl) to train from, skipping generation
+mkdir -p "$KEEP/distill-cache"
+[ -n "${SAMPLES:-}" ] && cp "$SAMPLES"/*.jsonl "$KEEP/distill-cache/"
+note "prompts per benchmark: $N, new tokens: $TOKENS, k: $KS, distill data: ${SAMPLES:-generated here}"
 B=($PY -m specdemo bench --prompts "$R/prompts.jsonl" --limit "$N" --max-new-tokens "$TOKENS" --device "$DEV" --quiet)
-stage bench_draft 200 "${B[@]}" --drafter model --k 1,2,4 --anchors --out "$R/bench-draft"
+stage bench_draft 200 "${B[@]}" --drafter model --k "$KS" --anchors --out "$R/bench-draft"
 stage distill 280 $PY -m specdemo distill --target smollm2-135m --out "$R/draft-cuda" --work "$KEEP/distill-cache" \
   --device "$DEV" --train-dtype bf16 --min-confidence 0.8 "${DISTILL[@]}"
+stage bench_hybrid 70 "${B[@]}" --drafter hybrid --k 8 --out "$R/bench-hybrid"
 [ -f "$R/draft-cuda/eagle_config.json" ] && \
   stage bench_cuda_draft 70 "${B[@]}" --draft "$R/draft-cuda" --k 1,2 --out "$R/bench-cuda-draft"
-stage bench_hybrid 70 "${B[@]}" --drafter hybrid --k 8 --out "$R/bench-hybrid"
 exit 0
