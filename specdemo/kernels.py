@@ -134,3 +134,19 @@ def patch_linears(model: nn.Module, packed: bool | None = None) -> int:
         module.forward = types.MethodType(_patched_forward, module)
         module._specdemo_fast = True
     return len(linears)
+
+
+def plan_free_attention(device: torch.device) -> bool:
+    """On CUDA, take cuDNN out of torch's attention backends (flash and memory-efficient attention remain), process-wide;
+    SPECDEMO_CUDNN_SDPA=1 keeps it. Returns whether it did.
+
+    torch 2.11 on an H200 sends `scaled_dot_product_attention` to cuDNN first, and cuDNN builds an execution plan for
+    every shape it has not seen. Decoding meets a new shape at every step (the KV cache grows by one), so the first run
+    over a range of lengths pays that build at every step and any later run over the same lengths does not. Measured
+    on the GPU check (SmolLM2-135M, bf16, transformers 5.17): our loop took 16-17 tok/s on the first two prompts and
+    53-56 tok/s once their lengths had been seen, while `generate`, run second on each prompt, took 45-55 tok/s
+    throughout: a timing that favours whichever decoder runs second, which no comparison here may have."""
+    if device.type != "cuda" or os.environ.get("SPECDEMO_CUDNN_SDPA", "0") == "1":
+        return False
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return True

@@ -217,6 +217,7 @@ def load_model(
         model.to(dev).eval()
         if kernels.enabled_for(dev, dt):
             kernels.patch_linears(model)
+        kernels.plan_free_attention(dev)
         loaded = LoadedModel(spec, model, tokenizer, dev, dt, source, time.perf_counter() - start)
         _cache[key] = loaded
         log.info("loaded %s from %s on %s (%s) in %.1fs", spec, source, dev, dt, loaded.load_seconds)

@@ -103,3 +103,18 @@ def test_patched_models_decode_losslessly(tiny_tok, k):
     ar = generated_ids(list(autoregressive(target, tiny_tok, prompt, config)))
     sd = generated_ids(list(speculative(target, tiny_tok, ModelDrafter(draft), prompt, config)))
     assert ar == stock and sd == ar
+
+
+def test_cudnn_attention_is_left_out_on_cuda_only(monkeypatch):
+    """cuDNN attention builds a plan per new shape (every decoding step): it is turned off for CUDA models, unless
+    SPECDEMO_CUDNN_SDPA=1; a CPU model leaves the setting alone."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        assert not kernels.plan_free_attention(torch.device("cpu")) and torch.backends.cuda.cudnn_sdp_enabled()
+        monkeypatch.setenv("SPECDEMO_CUDNN_SDPA", "1")
+        assert not kernels.plan_free_attention(torch.device("cuda")) and torch.backends.cuda.cudnn_sdp_enabled()
+        monkeypatch.delenv("SPECDEMO_CUDNN_SDPA")
+        assert kernels.plan_free_attention(torch.device("cuda")) and not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
