@@ -554,10 +554,14 @@ def train(head, samples, data, args, device, log_fn, checkpoint=None) -> dict:
     step, t_train = 0, time.perf_counter()
     while step < total[0]:
         step += 1
-        if step == 11 and args.train_minutes:
-            pace = (time.perf_counter() - t_train) / 10 + eval_seconds / args.eval_every  # evaluations count too
-            total[0] = max(step, min(args.steps, int(args.train_minutes * 60 / pace)))
-            log_fn({"event": "budget", "seconds_per_step": round(pace, 2), "steps": total[0]})
+        if step == 11:
+            t_warm = time.perf_counter()
+        if step == 31 and args.train_minutes:  # the pace after 10 warm-up steps: a GPU's first steps are far slower
+            now = time.perf_counter()
+            pace = (now - t_warm) / 20 + eval_seconds / args.eval_every  # evaluations count too
+            left = args.train_minutes * 60 - (now - t_train)
+            total[0] = max(step, min(args.steps, step - 1 + int(left / pace)))
+            log_fn({"event": "budget", "seconds_per_step": round(pace, 3), "steps": total[0]})
         if cursor + args.batch_size > len(train_idx):
             rng.shuffle(train_idx)
             cursor = 0

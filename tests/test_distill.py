@@ -352,3 +352,33 @@ def test_batched_answers_are_each_prompts_own_greedy_answer_without_a_pad_token(
     alone = [distill._generate(target, tok, [c], max_new_tokens=6, batch_size=1)[0] for c in convs]
     assert batched == alone
     assert [r["prompt_len"] for r in batched] == [6, 1] and all(len(r["ids"]) > r["prompt_len"] for r in batched)
+
+
+def test_time_budget_uses_the_pace_after_warm_up(tmp_path, monkeypatch):
+    """--train-minutes sizes the run from the pace of steps 11-30, not the first ten: on a GPU those are several
+    times slower (0.88 s against 0.10 s a step on the H200), which cut a 1-minute budget to 68 steps."""
+    import types
+
+    target = tiny_llama(VOCAB, seed=5, sharpness=6.0)
+    samples = greedy_samples(target, n=24, length=12)
+    data = distill.build_features(target, samples, tmp_path)
+    subset = distill.choose_subset(samples, data["top1"], 24, VOCAB, [0])
+    args = distill.parse_args(["--target", "x", "--out", str(tmp_path), "--steps", "500", "--batch-size", "4",
+                               "--eval-every", "1000", "--train-minutes", "1"])
+    args.skip = 0
+    clock = [0.0]
+    monkeypatch.setattr(distill, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    losses, calls = distill._losses, [0]
+
+    def slow_start(*a, **kw):  # steps 1-10 take 5 s each, later ones 0.1 s
+        calls[0] += 1
+        clock[0] += 5.0 if calls[0] <= 10 else 0.1
+        return losses(*a, **kw)
+
+    monkeypatch.setattr(distill, "_losses", slow_start)
+    records = []
+    distill.train(build_head(target, subset), samples, data, args, torch.device("cpu"), records.append)
+    budget = next(r for r in records if r["event"] == "budget")
+    assert budget["seconds_per_step"] == 0.1
+    assert 100 <= budget["steps"] <= 110  # 52 s spent by step 30, 8 s left at 0.1 s a step: 30 + 80
+    assert calls[0] == budget["steps"]
