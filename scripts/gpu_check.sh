@@ -16,6 +16,10 @@
 # The GGUF (98 MB) is more than travels with one call (64 MiB), so it goes in two halves: the first call copies its
 # half to $KEEP (the machine keeps it while warm; `keep` does only that), the next brings the other. DRY=1 runs the same stages on the CPU
 # at toy sizes: a check of this script, not of the GPU.
+#
+# Measured on the H200 (2026-11-30, bench/gpu-h200-check), to size a run: a machine starts in about 30 s; `keep`
+# takes 8 s; the GGUF's conversion 31-39 s; the shipped draft's benchmark of 7 prompts at k = 1, 3 with generate's
+# anchor 101 s (each load about 8 s); distill from a carried cache (SAMPLES) 50 s with TRAIN_MINUTES=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -128,4 +132,5 @@ stage distill 280 $PY -m specdemo distill --target smollm2-135m --out "$R/draft-
 stage bench_hybrid 70 "${B[@]}" --drafter hybrid --k 8 --out "$R/bench-hybrid"
 [ -f "$R/draft-cuda/eagle_config.json" ] && \
   stage bench_cuda_draft 70 "${B[@]}" --draft "$R/draft-cuda" --k 1,2 --out "$R/bench-cuda-draft"
+stage bench_fp32 70 "${B[@]}" --drafter model --k 3 --dtype fp32 --out "$R/bench-draft-fp32"  # greedy without bf16 ties
 exit 0
