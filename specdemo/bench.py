@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 CALIBRATION_KS = (1, 2, 3, 4, 6, 8)
 ASSISTANT_FIELDS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+HONEST_BASELINE = 0.95  # our AR loop's speed over generate's below which a report's speedups are not figures
 
 
 # --- timing of forward passes -------------------------------------------------------------------------------------
@@ -551,6 +552,16 @@ def _hybrid_line(c: dict) -> str:
     return f"; hybrid: {cap}"
 
 
+def baseline_warning(anchors: dict) -> str:
+    """A loud line when our autoregressive loop ran slower than transformers' generate on the same inputs."""
+    ratio = (anchors or {}).get("ar_vs_hf_generate")
+    if ratio is None or ratio >= HONEST_BASELINE:
+        return ""
+    return (f"**Baseline check failed:** our autoregressive loop ran at {ratio:.2f}× the speed of transformers' "
+            f"`generate` on the same inputs (at least {HONEST_BASELINE} is required), so the speedups below are "
+            f"measured against a slow baseline and are not figures to report.\n")
+
+
 def markdown(report: dict) -> str:
     """Markdown tables: overall, by category, by k, overhead, the transformers anchors, per prompt."""
     cfg, mach, o = report["config"], report["machine"], report["overall"]
@@ -571,6 +582,7 @@ def markdown(report: dict) -> str:
         f"{_f((m.get('load_average_end') or [None])[0])} at end\n\n"
         f"Speedup = total autoregressive seconds / total speculative seconds (wall clock, perf_counter); "
         f"mean accepted = tokens per verify pass, bonus included.\n",
+        *([baseline_warning(anchors)] if baseline_warning(anchors) else []),
         "## Overall\n\n" + _table(
             ["speedup", "AR tok/s", "SD tok/s", "mean accepted", "acceptance", "identical"],
             [[o["speedup"], o["ar_tokens_per_s"], o["sd_tokens_per_s"], o["mean_accepted"], o["acceptance_rate"],
@@ -724,5 +736,7 @@ def main(argv: list[str] | None = None) -> int:
     if "sd_ms_per_step" in ov:
         line += f"  | overhead AR {ov['ar_ms_per_step']:.2f} ms/step, SD {ov['sd_ms_per_step']:.2f} ms/step"
     print(line)
+    if baseline_warning(a):
+        print(baseline_warning(a).replace("**", "").replace(" below ", " "), file=sys.stderr, end="")
     print(f"wrote {Path(args.out) / 'bench.json'}, bench.md, bench.html")
     return 0

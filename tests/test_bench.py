@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from specdemo.bench import (ForwardTimer, assistant_k, bench_prompt, build_report, main, parse_ks, target_modules,
-                            write_outputs)
+from specdemo.bench import (ForwardTimer, assistant_k, bench_prompt, build_report, main, markdown, parse_ks,
+                            target_modules, write_outputs)
 from specdemo.compare import Pair
 from specdemo.config import GenerationConfig
 from specdemo.drafters import ModelDrafter, NgramDrafter
@@ -85,6 +85,9 @@ def test_report_keys_and_pooled_aggregates(tiny_target, tiny_tok, tmp_path):
     loaded = json.loads((tmp_path / "bench.json").read_text())
     assert loaded["overall"]["speedup"] == pytest.approx(o["speedup"])
     assert "| category |" in (tmp_path / "bench.md").read_text()
+    assert ("Baseline check failed" in (tmp_path / "bench.md").read_text()) == (a["ar_vs_hf_generate"] < 0.95)
+    slow = {**report, "anchors": {**a, "ar_vs_hf_generate": 0.56}}  # the H200 check's first run, before its fix
+    assert "**Baseline check failed:** our autoregressive loop ran at 0.56×" in markdown(slow)
     assert "plotly" in (tmp_path / "bench.html").read_text().lower()
 
 
