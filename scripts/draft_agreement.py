@@ -77,11 +77,12 @@ def slashed(xs: list[float]) -> str:
 def held_out(drafts: list[str | None], cache: Path, depth: int) -> int:
     """distill's held-out agreement for each draft, recomputed with the current evaluate() on the cached data and
     distill's own defaults (seed, max length, batch size, skipped common prefix)."""
-    import json
     import random
 
     defaults = distill.parse_args(["--target", "-", "--out", "-"])
-    samples = [json.loads(line) for line in (cache / "samples.jsonl").read_text().splitlines()]
+    samples = distill._jsonl_load(cache / "samples.jsonl")
+    if not samples:
+        raise SystemExit(f"no samples.jsonl in {cache}")
     held, _ = distill.split_held_out(samples, random.Random(defaults.seed))
     ev = types.SimpleNamespace(depth=depth, batch_size=defaults.batch_size, max_len=defaults.max_len,
                                skip=distill._common_prefix(samples))
