@@ -139,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {' '.join(''.join(map(str, q)) for q in tree)} | {len(tree)} | {tokens:.2f} | {s:.2f}× |")
     best_tokens = max(scored, key=lambda s: s[1])
     print(f"\nmost tokens per pass in the family: {best_tokens[1]:.2f} ({len(best_tokens[2])} nodes, {best_tokens[0]:.2f}×)")
+    for m in (8, 32):  # every node of rank <= m at every step: an upper bound for trees of that width
+        full = 1 + np.cumprod(r <= m, axis=1).sum(1).mean()
+        print(f"a full tree of the top {m} at each of {DEPTH} steps ({sum(m ** d for d in range(1, DEPTH + 1)):,} nodes): "
+              f"{full:.2f} tokens per pass")
     return 0
 
 
