@@ -11,7 +11,10 @@
 #                                    the benchmark of the shipped draft (k = 1, 2, 4, with generate's anchor),
 #                                    `distill --device cuda` from scratch, the hybrid, and the benchmark of the new draft
 #                                    (LIMIT: prompts per benchmark; DRAFT_KS; TRAIN_MINUTES; SAMPLES: a folder with a
-#                                    distill cache's samples.jsonl and instructions.jsonl, to train without generating)
+#                                    distill cache's samples.jsonl and instructions.jsonl, to train without generating;
+#                                    DISTILL_ARGS: more distill options, e.g. "--self-instruct 12000 --max-sequences
+#                                    16000" to grow that cache on the GPU first; DISTILL_CAP: the distill stage's cap
+#                                    in seconds, default 280)
 #
 # The GGUF (98 MB) is more than travels with one call (64 MiB), so it goes in two halves: the first call copies its
 # half to $KEEP (the machine keeps it while warm; `keep` does only that), the next brings the other. DRY=1 runs the
@@ -155,8 +158,8 @@ mkdir -p "$KEEP/distill-cache"
 note "prompts per benchmark: $N, new tokens: $TOKENS, k: $KS, distill data: ${SAMPLES:-generated here}"
 B=($PY -m specdemo bench --prompts "$R/prompts.jsonl" --limit "$N" --max-new-tokens "$TOKENS" --device "$DEV" --quiet)
 stage bench_draft 200 "${B[@]}" --drafter model --k "$KS" --anchors --out "$R/bench-draft"
-stage distill 280 $PY -m specdemo distill --target smollm2-135m --out "$R/draft-cuda" --work "$KEEP/distill-cache" \
-  --device "$DEV" --train-dtype bf16 --min-confidence 0.8 "${DISTILL[@]}"
+stage distill "${DISTILL_CAP:-280}" $PY -m specdemo distill --target smollm2-135m --out "$R/draft-cuda" --work "$KEEP/distill-cache" \
+  --device "$DEV" --train-dtype bf16 --min-confidence 0.8 "${DISTILL[@]}" ${DISTILL_ARGS:-}
 stage bench_hybrid 70 "${B[@]}" --drafter hybrid --k 8 --out "$R/bench-hybrid"
 [ -f "$R/draft-cuda/eagle_config.json" ] && \
   stage bench_cuda_draft 70 "${B[@]}" --draft "$R/draft-cuda" --k 1,2 --out "$R/bench-cuda-draft"
