@@ -46,22 +46,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.held_out:
         return held_out(args.draft, Path(args.held_out), args.depth)
     pair = load_pair("smollm2-135m", "model", args.draft[0])
+    samples, cats = target_answers(pair, args.prompts, args.limit, args.max_new_tokens)
+    for folder, head in heads(pair, args.draft):
+        if len(args.draft) > 1:
+            print(f"\n`{folder}`\n")
+        table(head, samples, cats, answer_features(pair, samples, head), args.depth, pair.target.device)
+    return 0
+
+
+def target_answers(pair, prompts: str, limit: int | None, max_new_tokens: int) -> tuple[list[dict], list[str]]:
+    """The target's greedy answer to each prompt as a distill sample ({ids, prompt_len}), and each prompt's category."""
     tok = pair.target.tokenizer
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    config = GenerationConfig(max_new_tokens=max_new_tokens)
     samples, cats = [], []
-    for item in read_prompts(args.prompts, args.limit):
+    for item in read_prompts(prompts, limit):
         ids = encode_prompt(tok, item.prompt)
         answer = [t for e in autoregressive(pair.target.model, tok, ids, config) if e.kind == "ar" for t in e.tokens]
         samples.append({"ids": ids + answer, "prompt_len": len(ids)})
         cats.append(item.category)
-    for folder, head in heads(pair, args.draft):
-        if len(args.draft) > 1:
-            print(f"\n`{folder}`\n")
-        with tempfile.TemporaryDirectory() as work:
-            data = distill.build_features(pair.target.model, samples, Path(work), batch_size=1,
-                                          layers=head.c.fuse_layers)
-        table(head, samples, cats, data, args.depth, pair.target.device)
-    return 0
+    return samples, cats
+
+
+def answer_features(pair, samples: list[dict], head) -> dict:
+    """distill.build_features for these samples and the layers the head reads, recorded afresh (nothing cached)."""
+    with tempfile.TemporaryDirectory() as work:
+        return distill.build_features(pair.target.model, samples, Path(work), batch_size=1, layers=head.c.fuse_layers)
 
 
 def heads(pair, drafts: list[str | None]):

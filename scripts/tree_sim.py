@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,12 +27,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from draft_agreement import answer_features, target_answers  # noqa: E402  (beside this script)
 from specdemo import distill  # noqa: E402
 from specdemo.compare import load_pair  # noqa: E402
-from specdemo.config import GenerationConfig  # noqa: E402
-from specdemo.engine import autoregressive, encode_prompt  # noqa: E402
-from specdemo.prompts import DEFAULT_PROMPTS, read_prompts  # noqa: E402
-from specdemo.sweep import forward_costs  # noqa: E402
+from specdemo.engine import encode_prompt  # noqa: E402
+from specdemo.prompts import DEFAULT_PROMPTS  # noqa: E402
+from specdemo.sweep import forward_seconds  # noqa: E402
 
 DEPTH = 3
 MISS = 10**6  # rank of a token the draft cannot propose (outside its subset)
@@ -41,15 +40,9 @@ MISS = 10**6  # rank of a token the draft cannot propose (outside its subset)
 
 def ranks(pair, prompts: str, limit: int | None, max_new_tokens: int) -> np.ndarray:
     """(N, DEPTH): the target token's rank (1 = the draft's top choice) at each draft step, per draftable position."""
-    tok, head = pair.target.tokenizer, pair.drafter.head
-    config = GenerationConfig(max_new_tokens=max_new_tokens)
-    samples = []
-    for item in read_prompts(prompts, limit):
-        ids = encode_prompt(tok, item.prompt)
-        answer = [t for e in autoregressive(pair.target.model, tok, ids, config) if e.kind == "ar" for t in e.tokens]
-        samples.append({"ids": ids + answer, "prompt_len": len(ids)})
-    with tempfile.TemporaryDirectory() as work:
-        data = distill.build_features(pair.target.model, samples, Path(work), batch_size=1)
+    head = pair.drafter.head
+    samples, _ = target_answers(pair, prompts, limit, max_new_tokens)
+    data = answer_features(pair, samples, head)
     sub_index = distill.subset_index(head)
     out = []
     with torch.no_grad():
@@ -117,9 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     trees = family()
     widths = sorted({1 + len(t) for t in trees})
     probe = encode_prompt(pair.target.tokenizer, "Explain why the sky is blue in two short paragraphs.") * 3
-    verify = forward_costs(pair.target.model, probe, widths, repeats=7)  # over a 1-token pass
-    t1 = _one_pass_seconds(pair, probe)
-    hc = {w: s / t1 for w, s in head_costs(pair, range(1, 9)).items()}
+    seconds = forward_seconds(pair.target.model, probe, widths, repeats=7)
+    verify = {w: s / seconds[1] for w, s in seconds.items()}  # over a 1-token pass
+    hc = {w: s / seconds[1] for w, s in head_costs(pair, range(1, 9)).items()}
     print(f"{len(r)} draftable positions; rank <= m at steps 1..{DEPTH}:")
     for m in (1, 2, 3, 4, 8):
         print(f"  m = {m}: " + " / ".join(f"{(r[:, d] <= m).mean():.3f}" for d in range(DEPTH)))
@@ -128,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     scored = []
     for tree in trees:
         levels = [sum(len(q) == d for q in tree) for d in range(1, DEPTH + 1)]
-        inputs = [1] + [n for n in levels[:-1]]  # level d's head step reads the nodes of level d - 1
+        inputs = [1] + levels[:-1]  # level d's head step reads the nodes of level d - 1
         draft = sum(hc[min(w, 8)] for w, n in zip(inputs, levels) if n)
         tokens = 1 + accepted(r, tree).mean()
         scored.append((tokens / (verify[1 + len(tree)] + draft), tokens, tree))
@@ -144,24 +137,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"a full tree of the top {m} at each of {DEPTH} steps ({sum(m ** d for d in range(1, DEPTH + 1)):,} nodes): "
               f"{full:.2f} tokens per pass")
     return 0
-
-
-def _one_pass_seconds(pair, probe: list[int]) -> float:
-    """Seconds of a 1-token target pass after the probe's cache (the unit of forward_costs)."""
-    from specdemo.drafters import crop_cache, with_cache
-    from specdemo.engine import _new_cache
-
-    model = pair.target.model
-    cache = _new_cache(model)
-    with torch.no_grad():
-        model(input_ids=torch.tensor([probe]), **with_cache(model, cache), use_cache=True, logits_to_keep=1)
-        best = float("inf")
-        for _ in range(10):
-            t0 = time.perf_counter()
-            model(input_ids=torch.tensor([probe[-1:]]), **with_cache(model, cache), use_cache=True, logits_to_keep=1)
-            best = min(best, time.perf_counter() - t0)
-            crop_cache(cache, len(probe))
-    return best
 
 
 if __name__ == "__main__":

@@ -136,12 +136,18 @@ def point(k: int, ar_runs: Sequence[Run], sd_runs: Sequence[Run]) -> SweepPoint:
     )
 
 
-@torch.inference_mode()
 def forward_costs(model, prompt_ids: list[int], widths: Sequence[int], repeats: int = 3) -> dict[int, float]:
     """Seconds of a `w`-token forward after the prompt's cache, over a 1-token forward: {w: ratio}.
 
     A (k+1)-token verify pass costs forward_costs[k+1]; on a GPU this is ~1, on a CPU it grows with w.
     """
+    seconds = forward_seconds(model, prompt_ids, widths, repeats)
+    return {w: s / seconds[1] for w, s in seconds.items()}
+
+
+@torch.inference_mode()
+def forward_seconds(model, prompt_ids: list[int], widths: Sequence[int], repeats: int = 3) -> dict[int, float]:
+    """{w: the best seconds of a `w`-token forward after the prompt's cache} for each width and 1."""
     from .drafters import crop_cache, with_cache
     from .engine import _new_cache
 
@@ -162,7 +168,7 @@ def forward_costs(model, prompt_ids: list[int], widths: Sequence[int], repeats: 
             best = min(best, time.perf_counter() - t0)
             crop_cache(cache, n)
         seconds[w] = best
-    return {w: s / seconds[1] for w, s in seconds.items()}
+    return seconds
 
 
 def summarize(points: Sequence[SweepPoint], verify_costs: dict[int, float], k_max: int = MAX_K) -> Sweep:
