@@ -537,7 +537,8 @@ def train(head, samples, data, args, device, log_fn, checkpoint=None) -> dict:
     log_fn({"event": "split", "held_out": len(held), "training": len(train_idx)})
     sub_index = subset_index(head)
     params = [p for p in head.parameters() if p.requires_grad]
-    head.layer.dropout = args.dropout
+    for layer in [head.layer, *head.more_layers]:
+        layer.dropout = args.dropout
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},  # not the norms
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
@@ -624,6 +625,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=320)
     p.add_argument("--fuse-layers", default="",
                    help="comma-separated target layers whose hidden states the head also reads (EAGLE-3 fusion)")
+    p.add_argument("--draft-layers", type=int, default=1, help="decoder layers in the head (1: EAGLE's)")
     p.add_argument("--train-dtype", default="fp32", choices=["fp32", "bf16"],
                    help="bf16: autocast the head's forward and backward (weights and optimiser stay fp32)")
     p.add_argument("--depth", type=int, default=2, help="draft steps unrolled in training (training-time test)")
@@ -701,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.total_minutes:
         args.train_minutes = max(5.0, args.total_minutes - (time.perf_counter() - t_start) / 60)
         log_fn({"event": "train_budget", "minutes": round(args.train_minutes, 1)})
-    head = build_head(target, subset, layers)
+    head = build_head(target, subset, layers, args.draft_layers)
     if args.init_layer is not None:
         init_from_target_layer(head, target, args.init_layer)
     meta = lambda step, m: {"target": args.target, "step": step, "metrics": m,  # noqa: E731

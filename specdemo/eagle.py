@@ -38,6 +38,7 @@ class EagleConfig:
     vocab_size: int
     subset_size: int
     fuse_layers: tuple[int, ...] = ()  # extra target layers read beside the final features (EAGLE-3 fusion)
+    num_layers: int = 1  # decoder layers in the head
 
     def __post_init__(self):
         object.__setattr__(self, "fuse_layers", tuple(int(i) for i in self.fuse_layers))
@@ -48,13 +49,13 @@ class EagleConfig:
         return self.hidden_size * (1 + len(self.fuse_layers))
 
     @classmethod
-    def from_target(cls, config, subset_size: int, fuse_layers: tuple[int, ...] = ()) -> EagleConfig:
+    def from_target(cls, config, subset_size: int, fuse_layers: tuple[int, ...] = (), num_layers: int = 1) -> EagleConfig:
         rope = getattr(config, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(config.hidden_size, config.intermediate_size, config.num_attention_heads,
                    config.num_key_value_heads, head_dim, float(theta), float(config.rms_norm_eps),
-                   config.vocab_size, subset_size, fuse_layers)
+                   config.vocab_size, subset_size, fuse_layers, num_layers)
 
 
 class RMSNorm(nn.Module):
@@ -136,6 +137,9 @@ class EagleHead(nn.Module):
                 self.fuse.weight.zero_()
                 self.fuse.weight[:, : c.hidden_size].copy_(torch.eye(c.hidden_size))
         self.layer = DecoderLayer(c)
+        # layers after the first (none in a 1-layer head, whose weights keep their names); their keys and values
+        # follow the first layer's along the head dimension, so a cache is one tensor pair at any depth
+        self.more_layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers - 1))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.register_buffer("subset", subset.long(), persistent=True)
         self.register_buffer("embed", embed.detach(), persistent=False)
@@ -160,8 +164,17 @@ class EagleHead(nn.Module):
         """features (B, T, H), tokens (B, T) = the token after each feature's position -> (feature (B, T, H), k, v)."""
         x = self.fc(torch.cat([features, self.embed[tokens].to(features.dtype)], dim=-1))
         cos, sin = self.rope(positions, x.dtype)
-        x, k, v = self.layer(x, cos, sin, past_k, past_v, mask)
-        return self.norm(x), k, v
+        layers = [self.layer, *self.more_layers]
+        if len(layers) == 1:
+            x, k, v = self.layer(x, cos, sin, past_k, past_v, mask)
+            return self.norm(x), k, v
+        split = lambda past: [None] * len(layers) if past is None else past.chunk(len(layers), dim=1)  # noqa: E731
+        ks, vs = [], []
+        for layer, pk, pv in zip(layers, split(past_k), split(past_v)):
+            x, k, v = layer(x, cos, sin, pk, pv, mask)
+            ks.append(k)
+            vs.append(v)
+        return self.norm(x), torch.cat(ks, dim=1), torch.cat(vs, dim=1)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (..., S) logits over the subset."""
@@ -202,9 +215,10 @@ def save_draft(head: EagleHead, path: str | Path, meta: dict | None = None) -> N
     (path / CONFIG_FILE).write_text(json.dumps({"config": asdict(head.c), **(meta or {})}, indent=2) + "\n")
 
 
-def build_head(target_model: nn.Module, subset: torch.Tensor, fuse_layers: tuple[int, ...] = ()) -> EagleHead:
+def build_head(target_model: nn.Module, subset: torch.Tensor, fuse_layers: tuple[int, ...] = (),
+               num_layers: int = 1) -> EagleHead:
     """A fresh head on the target's device and dtype, borrowing its frozen embeddings and output head."""
-    c = EagleConfig.from_target(target_model.config, len(subset), fuse_layers)
+    c = EagleConfig.from_target(target_model.config, len(subset), fuse_layers, num_layers)
     embed = target_model.get_input_embeddings().weight
     head = target_model.get_output_embeddings().weight
     return EagleHead(c, embed, head, subset).to(device=embed.device, dtype=embed.dtype)
@@ -234,7 +248,8 @@ def load_trained_draft(path: str | Path, target_loaded) -> EagleDrafter:
     model = target_loaded.model
     if meta["config"]["vocab_size"] != model.config.vocab_size or meta["config"]["hidden_size"] != model.config.hidden_size:
         raise ValueError(f"the draft in {path} was trained for a different target (config {meta['config']})")
-    head = build_head(model, tensors["subset"].long(), meta["config"].get("fuse_layers", ()))
+    head = build_head(model, tensors["subset"].long(), meta["config"].get("fuse_layers", ()),
+                      meta["config"].get("num_layers", 1))
     head.load_state_dict({k: v for k, v in tensors.items()})
     if kernels.enabled_for(head.subset.device, head.head_weight.dtype):
         kernels.patch_linears(head)
