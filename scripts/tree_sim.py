@@ -40,22 +40,28 @@ MISS = 10**6  # rank of a token the draft cannot propose (outside its subset)
 
 def ranks(pair, prompts: str, limit: int | None, max_new_tokens: int) -> np.ndarray:
     """(N, DEPTH): the target token's rank (1 = the draft's top choice) at each draft step, per draftable position."""
-    head = pair.drafter.head
     samples, _ = target_answers(pair, prompts, limit, max_new_tokens)
+    return np.concatenate([r[rows] for r, rows in sample_ranks(pair, samples, DEPTH)])
+
+
+def sample_ranks(pair, samples: list[dict], depth: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per sample, (ranks (T, depth), draftable (T,) bool): row i at step d ranks the target's token at position
+    i + d + 1 of the sample's ids (the draft fed the true features up to i and the true tokens up to i + d)."""
+    head = pair.drafter.head
     data = answer_features(pair, samples, head)
     sub_index = distill.subset_index(head)
     out = []
     with torch.no_grad():
         for i in range(len(samples)):
-            feats, tokens, labels, valid, t = distill._batch(samples, data, [i], 1 << 16, 0, DEPTH, sub_index, "cpu")
-            rows = distill._draftable_rows(samples, [i], 1 << 16, 0, t, DEPTH)[0]
+            feats, tokens, labels, valid, t = distill._batch(samples, data, [i], 1 << 16, 0, depth, sub_index, "cpu")
+            rows = distill._draftable_rows(samples, [i], 1 << 16, 0, t, depth)[0]
             per_step = []
-            for d, g in enumerate(head.unrolled(feats[:, :t], tokens, DEPTH), start=1):
+            for d, g in enumerate(head.unrolled(feats[:, :t], tokens, depth), start=1):
                 logits, lab, ok = head.logits(g)[0], labels[0, d : d + t], valid[0, d : d + t]
                 rank = (logits > logits.gather(1, lab.clamp(min=0)[:, None])).sum(1) + 1
                 per_step.append(torch.where(ok, rank, torch.full_like(rank, MISS)))
-            out.append(torch.stack(per_step, 1)[rows])
-    return torch.cat(out).numpy()
+            out.append((torch.stack(per_step, 1).numpy(), rows.numpy()))
+    return out
 
 
 def head_costs(pair, widths, context: int = 200, repeats: int = 20) -> dict[int, float]:
