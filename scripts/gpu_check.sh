@@ -13,8 +13,8 @@
 #                                    (LIMIT: prompts per benchmark; DRAFT_KS; TRAIN_MINUTES; SAMPLES: a folder with a
 #                                    distill cache's samples.jsonl and instructions.jsonl, to train without generating;
 #                                    DISTILL_ARGS: more distill options, e.g. "--self-instruct 12000 --max-sequences
-#                                    16000" to grow that cache on the GPU first; DISTILL_CAP: the distill stage's cap
-#                                    in seconds, default 280)
+#                                    16000" to grow that cache on the GPU first, or "--draft-layers 2" for the deeper
+#                                    head; DISTILL_CAP: the distill stage's cap in seconds, default 280)
 #
 # The GGUF (98 MB) is more than travels with one call (64 MiB), so it goes in two halves: the first call copies its
 # half to $KEEP (the machine keeps it while warm; `keep` does only that), the next brings the other. DRY=1 runs the
