@@ -85,6 +85,16 @@ class Store:
         return out
 
 
+def agreed(proposal: list[int], truth: list[int]) -> int:
+    """How many leading proposed tokens the target's own continuation `truth` confirms."""
+    n = 0
+    for a, b in zip(proposal, truth):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
 def simulate(samples, hits, store, lookup, policy, setting, verify, c) -> tuple[float, float]:
     """(estimated speedup, tokens per verify pass) of a policy (None, "store" or "extend") over the answers, with
     the hybrid's prompt lookup (`lookup`) first."""
@@ -101,15 +111,13 @@ def simulate(samples, hits, store, lookup, policy, setting, verify, c) -> tuple[
             elif policy == "store":
                 proposal = store.propose(ctx, *setting, K)
             if proposal:
-                accepted = next((i for i, (a, b) in enumerate(zip(proposal, ids[p:])) if a != b),
-                                min(len(proposal), len(ids) - p))
+                accepted = agreed(proposal, ids[p:])
                 width = 1 + len(proposal)
             else:  # the draft's one token, then (extend) the store's continuation after it
                 extra = store.propose(ids[: p + 1], *setting, K - 1) if policy == "extend" and p + 1 < len(ids) else []
                 accepted = int(hit.get(p, False))
                 if accepted:
-                    accepted += next((i for i, (a, b) in enumerate(zip(extra, ids[p + 1 :])) if a != b),
-                                     min(len(extra), len(ids) - p - 1))
+                    accepted += agreed(extra, ids[p + 1 :])
                 width, drafted = 2 + len(extra), 1
             gain = min(accepted + 1, len(ids) - p)
             tokens, cost, passes, p = tokens + gain, cost + verify[width] + drafted * c, passes + 1, p + gain

@@ -537,7 +537,7 @@ def train(head, samples, data, args, device, log_fn, checkpoint=None) -> dict:
     log_fn({"event": "split", "held_out": len(held), "training": len(train_idx)})
     sub_index = subset_index(head)
     params = [p for p in head.parameters() if p.requires_grad]
-    for layer in [head.layer, *head.more_layers]:
+    for layer in head.decoder_layers:
         layer.dropout = args.dropout
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},  # not the norms
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]

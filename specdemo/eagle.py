@@ -164,17 +164,19 @@ class EagleHead(nn.Module):
         """features (B, T, H), tokens (B, T) = the token after each feature's position -> (feature (B, T, H), k, v)."""
         x = self.fc(torch.cat([features, self.embed[tokens].to(features.dtype)], dim=-1))
         cos, sin = self.rope(positions, x.dtype)
-        layers = [self.layer, *self.more_layers]
-        if len(layers) == 1:
-            x, k, v = self.layer(x, cos, sin, past_k, past_v, mask)
-            return self.norm(x), k, v
+        layers = self.decoder_layers
         split = lambda past: [None] * len(layers) if past is None else past.chunk(len(layers), dim=1)  # noqa: E731
+        join = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # noqa: E731  (1 layer: no copy)
         ks, vs = [], []
         for layer, pk, pv in zip(layers, split(past_k), split(past_v)):
             x, k, v = layer(x, cos, sin, pk, pv, mask)
             ks.append(k)
             vs.append(v)
-        return self.norm(x), torch.cat(ks, dim=1), torch.cat(vs, dim=1)
+        return self.norm(x), join(ks), join(vs)
+
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return [self.layer, *self.more_layers]
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (..., S) logits over the subset."""
