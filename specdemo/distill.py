@@ -309,8 +309,10 @@ def templated_prompts(rng: random.Random, seed: int, scale: float):
 
 
 def build_data(target, tokenizer, work: Path, seed: int, scale: float, max_new_tokens: int, batch_size: int,
-               log_fn, max_sequences: int = 0, n_self: int = 0, n_steered: int = 0) -> list[dict]:
-    """All training sequences (prompt + target answer), generated once and cached batch by batch in work/samples.jsonl."""
+               log_fn, max_sequences: int = 0, n_self: int = 0, n_steered: int = 0,
+               written: list[str] | None = None) -> list[dict]:
+    """All training sequences (prompt + target answer), generated once and cached batch by batch in work/samples.jsonl.
+    `written`: instructions read from a file (`read_instructions`), answered greedily as the stage "written"."""
     path = work / "samples.jsonl"
     samples = _jsonl_load(path)
     rng = random.Random(seed)
@@ -330,7 +332,28 @@ def build_data(target, tokenizer, work: Path, seed: int, scale: float, max_new_t
         own = self_instructions(target, tokenizer, n_steered, batch_size, seed + 1, work / "steered.jsonl", log_fn,
                                 max_tokens=STEERED_TOKENS, openings=OPENINGS)
         gen("steered", [[{"role": "user", "content": x}] for x in own], max_new_tokens, 0.0)
+    if written and not (max_sequences and len(samples) >= max_sequences):
+        gen("written", [[{"role": "user", "content": x}] for x in written], max_new_tokens, 0.0)
     return samples
+
+
+def read_instructions(paths: str) -> list[str]:
+    """Instructions from JSONL files (comma-separated paths), one {"instruction": ...} per line, in file order,
+    duplicates dropped. The default file, `WRITTEN`, holds 2,974 requests written for the project by helpers that saw
+    neither evaluation set (docs/draft-experiments.md)."""
+    out, seen = [], set()
+    for path in (x.strip() for x in paths.split(",") if x.strip()):
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"no instructions file at {path}")
+        for row in _jsonl_load(Path(path)):
+            text = row["instruction"].strip()
+            if text and text not in seen:
+                seen.add(text)
+                out.append(text)
+    return out
+
+
+WRITTEN = Path(__file__).resolve().parent / "data" / "written_instructions.jsonl"
 
 
 def _run_stage(name, convs, target, tokenizer, max_new_tokens, batch_size, temp, seed, path, samples, log_fn,
@@ -511,13 +534,13 @@ def subset_index(head) -> torch.Tensor:
 
 
 def split_held_out(samples: list[dict], rng: random.Random) -> tuple[list[int], list[int]]:
-    """(held-out, training) sample indices: 1 in 20 held out, from the self-written instructions when there are
-    enough. Templated ones are near-duplicates of training items and overstate agreement on new prompts (draft v3:
+    """(held-out, training) sample indices: 1 in 20 held out, from the self-written (or file-given) instructions when
+    there are enough. Templated ones are near-duplicates of training items and overstate agreement on new prompts (draft v3:
     0.54 top-1 on a mixed split against 0.34 accepted per pass on dev.jsonl)."""
     order = list(range(len(samples)))
     rng.shuffle(order)
     n_eval = max(4, len(order) // 20)
-    own = [i for i in order if samples[i].get("stage") == "self"]
+    own = [i for i in order if samples[i].get("stage") in ("self", "written")]
     held = own[:n_eval] if len(own) >= 2 * n_eval else order[:n_eval]
     held_set = set(held)
     return held, [i for i in order if i not in held_set]
@@ -615,6 +638,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steered-instruct", type=int, default=0,
                    help="then this many self-written instructions that start with one of distill.OPENINGS "
                         "(translation, edits of a given text, extraction, formats; the target writes the rest)")
+    p.add_argument("--instructions", default="",
+                   help="also answer the instructions in these JSONL files (comma-separated; 'written': the project's "
+                        "file of 2,974 helper-written requests)")
     p.add_argument("--subset-size", type=int, default=8192)
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--train-minutes", type=float, default=0,
@@ -689,7 +715,8 @@ def main(argv: list[str] | None = None) -> int:
         p.requires_grad_(False)
     writer = target if args.gen_dtype == "fp32" else load_model(args.target, device=args.device, dtype=args.gen_dtype).model
     samples = build_data(writer, tokenizer, work, args.seed, args.scale, args.max_new_tokens, args.gen_batch_size,
-                         log_fn, args.max_sequences, args.self_instruct, args.steered_instruct)
+                         log_fn, args.max_sequences, args.self_instruct, args.steered_instruct,
+                         read_instructions(str(WRITTEN) if args.instructions == "written" else args.instructions))
     t = time.perf_counter()
     layers = tuple(int(x) for x in args.fuse_layers.split(",") if x.strip())
     data = build_features(target, samples, work, layers=layers)

@@ -95,6 +95,23 @@ def test_held_out_split_prefers_self_written_instructions():
     few = [{"stage": "self" if i < 10 else "simple"} for i in range(300)]  # too few of them: a plain random split
     held, train = distill.split_held_out(few, random.Random(0))
     assert len(held) == 15 and any(few[i]["stage"] == "simple" for i in held)
+    mixed = [{"stage": ("self", "written", "simple")[i % 3]} for i in range(300)]  # file-given ones count as own
+    held, _ = distill.split_held_out(mixed, random.Random(0))
+    assert {mixed[i]["stage"] for i in held} <= {"self", "written"}
+
+
+def test_instructions_files_are_read_in_order_without_duplicates(tmp_path):
+    import json
+
+    import pytest
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"instruction": x}) + "\n" for x in ["Name a bird.", " Sort these: 3, 1 ", "Name a bird."]))
+    b.write_text(json.dumps({"instruction": "Name a tree."}) + "\n" + json.dumps({"instruction": "Sort these: 3, 1"}) + "\n")
+    assert distill.read_instructions(f"{a}, {b}") == ["Name a bird.", "Sort these: 3, 1", "Name a tree."]
+    assert distill.read_instructions("") == []
+    with pytest.raises(FileNotFoundError, match="no instructions file"):
+        distill.read_instructions(str(tmp_path / "nothing.jsonl"))
 
 
 def test_agreement_counts_every_draftable_token_and_misses_outside_the_subset(tmp_path):
@@ -310,12 +327,14 @@ def test_steered_self_instructions_start_with_an_opening_and_continue_it(tmp_pat
     assert distill.self_instructions(target, tok, 8, 8, 0, path, log.append, max_tokens=16, openings=openings) == rows
 
 
-def test_templated_instructions_never_contain_an_evaluation_prompt():
-    """The project's own training instructions (default seed and scale, every templated stage) share at most 60% of
-    their words with any prompt of the evaluation sets (dev.jsonl beside the clone, when present, and
-    prompts/independent.jsonl). A shared template such as "Write a short poem about X" scores 0.56; the JSON-of-a-book
-    instruction that nearly copied a dev prompt, and was removed, scored 0.71. The paragraphs the target writes for
-    the extractive and multi-turn instructions are left empty: only the templates' own words are compared."""
+def test_training_instructions_never_contain_an_evaluation_prompt():
+    """The project's own training instructions share at most 60% of their words with any prompt of the evaluation
+    sets (dev.jsonl beside the clone, when present, and prompts/independent.jsonl): the templated ones at the default
+    seed and scale, every templated stage, and below 45% for the helper-written file. A shared template such as
+    "Write a short poem about X" scores 0.56; the JSON-of-a-book instruction that nearly copied a dev prompt, and was
+    removed, scored 0.71; helper-written requests at 0.45 or more were dropped from their file (the closest, a git
+    question, scored 0.86). The paragraphs the target writes for the extractive and multi-turn instructions are left
+    empty: only the templates' own words are compared."""
     import random
     import re
     from pathlib import Path
@@ -334,10 +353,14 @@ def test_templated_instructions_never_contain_an_evaluation_prompt():
     text = distill.text_prompts(rng, [""] * distill.PARAGRAPHS, args.scale)  # the same draws as build_data
     convs = [m for _, m in simple + sampled + text] + distill.paragraph_prompts()
     assert len(convs) == 612
-    training = [turn["content"] for m in convs for turn in m if turn["role"] == "user"]
+    templated = [turn["content"] for m in convs for turn in m if turn["role"] == "user"]
+    written = distill.read_instructions(str(distill.WRITTEN))
+    assert len(written) == 2974
     words = lambda text: set(re.findall(r"[a-z0-9]+", text.lower()))  # noqa: E731
-    closest = max((len(words(t) & words(e)) / len(words(t) | words(e)), t, e) for t in training for e in evaluation)
-    assert closest[0] < 0.6, closest
+    closest = lambda training: max(  # noqa: E731
+        (len(words(t) & words(e)) / len(words(t) | words(e)), t, e) for t in training for e in evaluation)
+    assert closest(templated)[0] < 0.6, closest(templated)
+    assert closest(written)[0] < 0.45, closest(written)
 
 
 def test_batched_answers_are_each_prompts_own_greedy_answer_without_a_pad_token():
