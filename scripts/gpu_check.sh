@@ -11,9 +11,10 @@
 #                                    the benchmark of the shipped draft (k = 1, 2, 4, with generate's anchor),
 #                                    `distill --device cuda` from scratch, the hybrid, and the benchmark of the new draft
 #                                    (LIMIT: prompts per benchmark; DRAFT_KS; TRAIN_MINUTES; SAMPLES: a folder with a
-#                                    distill cache's samples.jsonl and instructions.jsonl, to train without generating;
-#                                    DISTILL_ARGS: more distill options, e.g. "--self-instruct 12000 --max-sequences
-#                                    16000" to grow that cache on the GPU first, or "--draft-layers 2" for the deeper
+#                                    distill cache's samples.jsonl (and any instructions.jsonl), to train without generating;
+#                                    distill runs the shipped recipe, written instructions only; DISTILL_ARGS: more
+#                                    distill options, e.g. "--self-instruct 12000" to add the target's own
+#                                    instructions to the cache on the GPU first, or "--draft-layers 2" for the deeper
 #                                    head; DISTILL_CAP: the distill stage's cap in seconds, default 280)
 #
 # The GGUF (98 MB) is more than travels with one call (64 MiB), so it goes in two halves: the first call copies its
@@ -45,9 +46,9 @@ if [ "${1:-basic}" = prepare ]; then
   SITE=$($V -c "import gguf, pathlib; print(pathlib.Path(gguf.__file__).parent.parent)")
   cp -r "$SITE/gguf" "$SITE"/gguf-*.dist-info out/gpu/b/site/ && rm -rf out/gpu/b/site/gguf/__pycache__
   cp "${PROMPTS:-../shared/prompts/dev.jsonl}" out/gpu/b/dev.jsonl
-  CACHE=${SAMPLES_FROM:-out/draft-v9/cache}; S=""
+  CACHE=${SAMPLES_FROM:-out/draft-w/cache}; S=""  # the shipped draft's distill cache, where this machine still has it
   if [ -f "$CACHE/samples.jsonl" ]; then
-    mkdir -p out/gpu/a/samples && cp "$CACHE"/samples.jsonl "$CACHE"/instructions.jsonl out/gpu/a/samples/
+    mkdir -p out/gpu/a/samples && cp "$CACHE"/*.jsonl out/gpu/a/samples/
     S=" SAMPLES=$KEEP/samples"
   fi
   SUM=$(sha256sum "$G" | cut -c1-64)
@@ -148,9 +149,9 @@ print(max(7, min(30, int(150 / (4.7 * 128 / tps)))))
 EOF
 )}
 KS=${DRAFT_KS:-1,2,4}; TOKENS=128
-DISTILL=(--gen-batch-size 512 --steps 3000 --train-minutes "${TRAIN_MINUTES:-1.5}")
+DISTILL=(--gen-batch-size 512 --self-instruct 0 --instructions written --steps 3000 --train-minutes "${TRAIN_MINUTES:-1.5}")
 if [ "$DRY" = 1 ]; then
-  N=1; TOKENS=8; DISTILL=(--gen-batch-size 8 --scale 0.02 --self-instruct 4 --max-sequences 24 --steps 4 --eval-every 2)
+  N=1; TOKENS=8; DISTILL=(--gen-batch-size 8 --scale 0.02 --self-instruct 0 --instructions written --max-sequences 24 --steps 4 --eval-every 2)
 fi
 # SAMPLES: a folder with a distill cache's samples.jsonl (and instructions.jsonl) to train from, skipping generation
 mkdir -p "$KEEP/distill-cache"
