@@ -1,8 +1,9 @@
 """Distil an EAGLE-style draft head (specdemo.eagle) from a target model, using only the target's own answers.
 
-Stages, each cached in the work folder so a rerun skips what is done: (1) the target answers instructions written
-here programmatically and instructions it writes itself (Magpie-style; never the evaluation prompts), (2) its final
-hidden states and greedy tokens are recorded, (3) the head is trained and the asset written to --out.
+Stages, each cached in the work folder so a rerun skips what is done: (1) the target answers instructions built
+here from templates, the requests written for the project (specdemo/data; by default) and, on request, instructions
+it writes itself (Magpie-style); never the evaluation prompts; (2) its final hidden states and greedy tokens are
+recorded, (3) the head is trained and the asset written to --out.
 Usage: python -m specdemo.distill --target ID --out DIR
 """
 
@@ -340,7 +341,7 @@ def build_data(target, tokenizer, work: Path, seed: int, scale: float, max_new_t
 def read_instructions(paths: str) -> list[str]:
     """Instructions from JSONL files (comma-separated paths), one {"instruction": ...} per line, in file order,
     duplicates dropped. The default file, `WRITTEN`, holds 2,974 requests written for the project by helpers that saw
-    neither evaluation set (docs/draft-experiments.md)."""
+    neither evaluation set (specdemo/data/README.md)."""
     out, seen = [], set()
     for path in (x.strip() for x in paths.split(",") if x.strip()):
         if not Path(path).is_file():
@@ -534,9 +535,9 @@ def subset_index(head) -> torch.Tensor:
 
 
 def split_held_out(samples: list[dict], rng: random.Random) -> tuple[list[int], list[int]]:
-    """(held-out, training) sample indices: 1 in 20 held out, from the self-written (or file-given) instructions when
-    there are enough. Templated ones are near-duplicates of training items and overstate agreement on new prompts (draft v3:
-    0.54 top-1 on a mixed split against 0.34 accepted per pass on dev.jsonl)."""
+    """(held-out, training) sample indices: 1 in 20 held out, from the self-written or file-given instructions when
+    there are enough. Templated ones are near-duplicates of training items and overstate agreement on new prompts
+    (draft v3: 0.54 top-1 on a mixed split against 0.34 accepted per pass on dev.jsonl)."""
     order = list(range(len(samples)))
     rng.shuffle(order)
     n_eval = max(4, len(order) // 20)
@@ -633,14 +634,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gen-dtype", default="bf16",
                    help="dtype of the target copy that writes instructions and answers (bf16: 1.7x faster on an "
                         "AVX512-BF16 CPU); features and labels always come from the fp32 target")
-    p.add_argument("--self-instruct", type=int, default=3000,
-                   help="also answer this many instructions the target writes itself (Magpie-style; 0: none)")
+    p.add_argument("--self-instruct", type=int, default=0,
+                   help="also answer this many instructions the target writes itself (Magpie-style; the draft "
+                        "shipped until 2026-12-01 used 3000)")
     p.add_argument("--steered-instruct", type=int, default=0,
                    help="then this many self-written instructions that start with one of distill.OPENINGS "
                         "(translation, edits of a given text, extraction, formats; the target writes the rest)")
-    p.add_argument("--instructions", default="",
-                   help="also answer the instructions in these JSONL files (comma-separated; 'written': the project's "
-                        "file of 2,974 helper-written requests)")
+    p.add_argument("--instructions", default="written",
+                   help="also answer the instructions in these JSONL files (comma-separated; 'written', the default: "
+                        "the project's file of 2,974 helper-written requests; '': none)")
     p.add_argument("--subset-size", type=int, default=8192)
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--train-minutes", type=float, default=0,
