@@ -22,7 +22,7 @@
 # same stages on the CPU at toy sizes: a check of this script, not of the GPU.
 #
 #   bash scripts/gpu_check.sh prepare   here, not there: writes out/gpu/a (the first half, and the shipped draft's data
-#                                       cache if out/draft-v9/cache has one) and out/gpu/b (the second half, the gguf
+#                                       cache if out/draft-w/cache has one) and out/gpu/b (the second half, the gguf
 #                                       package that machine lacks, the evaluation prompts), and prints the two device
 #                                       calls; the second must follow the first within the machine's 30 s idle window
 #
