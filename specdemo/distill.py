@@ -338,23 +338,24 @@ def build_data(target, tokenizer, work: Path, seed: int, scale: float, max_new_t
     return samples
 
 
+WRITTEN = Path(__file__).resolve().parent / "data" / "written_instructions.jsonl"
+
+
 def read_instructions(paths: str) -> list[str]:
-    """Instructions from JSONL files (comma-separated paths), one {"instruction": ...} per line, in file order,
-    duplicates dropped. The default file, `WRITTEN`, holds 2,974 requests written for the project by helpers that saw
-    neither evaluation set (specdemo/data/README.md)."""
+    """Instructions from JSONL files (comma-separated paths; "written" names `WRITTEN`), one {"instruction": ...} per
+    line, in file order, duplicates dropped. `WRITTEN` holds 2,974 requests written for the project by helpers that
+    saw neither evaluation set (specdemo/data/README.md)."""
     out, seen = [], set()
-    for path in (x.strip() for x in paths.split(",") if x.strip()):
-        if not Path(path).is_file():
+    for name in (x.strip() for x in paths.split(",") if x.strip()):
+        path = WRITTEN if name == "written" else Path(name)
+        if not path.is_file():
             raise FileNotFoundError(f"no instructions file at {path}")
-        for row in _jsonl_load(Path(path)):
+        for row in _jsonl_load(path):
             text = row["instruction"].strip()
             if text and text not in seen:
                 seen.add(text)
                 out.append(text)
     return out
-
-
-WRITTEN = Path(__file__).resolve().parent / "data" / "written_instructions.jsonl"
 
 
 def _run_stage(name, convs, target, tokenizer, max_new_tokens, batch_size, temp, seed, path, samples, log_fn,
@@ -718,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
     writer = target if args.gen_dtype == "fp32" else load_model(args.target, device=args.device, dtype=args.gen_dtype).model
     samples = build_data(writer, tokenizer, work, args.seed, args.scale, args.max_new_tokens, args.gen_batch_size,
                          log_fn, args.max_sequences, args.self_instruct, args.steered_instruct,
-                         read_instructions(str(WRITTEN) if args.instructions == "written" else args.instructions))
+                         read_instructions(args.instructions))
     t = time.perf_counter()
     layers = tuple(int(x) for x in args.fuse_layers.split(",") if x.strip())
     data = build_features(target, samples, work, layers=layers)

@@ -110,6 +110,8 @@ def test_instructions_files_are_read_in_order_without_duplicates(tmp_path):
     b.write_text(json.dumps({"instruction": "Name a tree."}) + "\n" + json.dumps({"instruction": "Sort these: 3, 1"}) + "\n")
     assert distill.read_instructions(f"{a}, {b}") == ["Name a bird.", "Sort these: 3, 1", "Name a tree."]
     assert distill.read_instructions("") == []
+    assert distill.read_instructions(f"written,{b}") == [*distill.read_instructions(str(distill.WRITTEN)), "Name a tree.",
+                                                          "Sort these: 3, 1"]  # "written" names the project's file
     args = distill.parse_args(["--target", "x", "--out", "y"])  # the shipped recipe's data by default
     assert (args.self_instruct, args.instructions) == (0, "written") and distill.WRITTEN.is_file()
     with pytest.raises(FileNotFoundError, match="no instructions file"):
