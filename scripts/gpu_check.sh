@@ -12,7 +12,7 @@
 #                                    `distill --device cuda` from scratch, the hybrid, and the benchmark of the new draft
 #                                    (LIMIT: prompts per benchmark; DRAFT_KS; TRAIN_MINUTES; SAMPLES: a folder with a
 #                                    distill cache's samples.jsonl (and any instructions.jsonl), to train without generating;
-#                                    distill runs the shipped recipe, written instructions only; DISTILL_ARGS: more
+#                                    distill runs the shipped recipe (its defaults); DISTILL_ARGS: more
 #                                    distill options, e.g. "--self-instruct 12000" to add the target's own
 #                                    instructions to the cache on the GPU first, or "--draft-layers 2" for the deeper
 #                                    head; DISTILL_CAP: the distill stage's cap in seconds, default 280)
@@ -149,9 +149,9 @@ print(max(7, min(30, int(150 / (4.7 * 128 / tps)))))
 EOF
 )}
 KS=${DRAFT_KS:-1,2,4}; TOKENS=128
-DISTILL=(--gen-batch-size 512 --self-instruct 0 --instructions written --steps 3000 --train-minutes "${TRAIN_MINUTES:-1.5}")
+DISTILL=(--gen-batch-size 512 --steps 3000 --train-minutes "${TRAIN_MINUTES:-1.5}")
 if [ "$DRY" = 1 ]; then
-  N=1; TOKENS=8; DISTILL=(--gen-batch-size 8 --scale 0.02 --self-instruct 0 --instructions written --max-sequences 24 --steps 4 --eval-every 2)
+  N=1; TOKENS=8; DISTILL=(--gen-batch-size 8 --scale 0.02 --max-sequences 24 --steps 4 --eval-every 2)
 fi
 # SAMPLES: a folder with a distill cache's samples.jsonl (and instructions.jsonl) to train from, skipping generation
 mkdir -p "$KEEP/distill-cache"
