@@ -339,15 +339,17 @@ def build_data(target, tokenizer, work: Path, seed: int, scale: float, max_new_t
 
 
 WRITTEN = Path(__file__).resolve().parent / "data" / "written_instructions.jsonl"
+WRITTEN_2 = WRITTEN.with_name("written_instructions_2.jsonl")
+NAMED = {"written": WRITTEN, "written2": WRITTEN_2}
 
 
 def read_instructions(paths: str) -> list[str]:
-    """Instructions from JSONL files (comma-separated paths; "written" names `WRITTEN`), one {"instruction": ...} per
+    """Instructions from JSONL files (comma-separated paths, or the names in `NAMED`), one {"instruction": ...} per
     line, in file order, duplicates dropped. `WRITTEN` holds 2,974 requests written for the project by helpers that
-    saw neither evaluation set (specdemo/data/README.md)."""
+    saw neither evaluation set, `WRITTEN_2` 2,978 more written the same way (specdemo/data/README.md)."""
     out, seen = [], set()
     for name in (x.strip() for x in paths.split(",") if x.strip()):
-        path = WRITTEN if name == "written" else Path(name)
+        path = NAMED.get(name, Path(name))
         if not path.is_file():
             raise FileNotFoundError(f"no instructions file at {path}")
         for row in _jsonl_load(path):
@@ -643,7 +645,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(translation, edits of a given text, extraction, formats; the target writes the rest)")
     p.add_argument("--instructions", default="written",
                    help="also answer the instructions in these JSONL files (comma-separated; 'written', the default: "
-                        "the project's file of 2,974 helper-written requests; '': none)")
+                        "the project's file of 2,974 helper-written requests; 'written2': its second batch of 2,978, "
+                        "which the shipped draft also used (142 min here in all); '': none)")
     p.add_argument("--subset-size", type=int, default=8192)
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--train-minutes", type=float, default=0,

@@ -112,6 +112,8 @@ def test_instructions_files_are_read_in_order_without_duplicates(tmp_path):
     assert distill.read_instructions("") == []
     assert distill.read_instructions(f"written,{b}") == [*distill.read_instructions(str(distill.WRITTEN)), "Name a tree.",
                                                           "Sort these: 3, 1"]  # "written" names the project's file
+    both = distill.read_instructions("written,written2")  # and "written2" its second batch
+    assert both == [*distill.read_instructions(str(distill.WRITTEN)), *distill.read_instructions(str(distill.WRITTEN_2))]
     args = distill.parse_args(["--target", "x", "--out", "y"])  # the shipped recipe's data by default
     assert (args.self_instruct, args.instructions) == (0, "written") and distill.WRITTEN.is_file()
     with pytest.raises(FileNotFoundError, match="no instructions file"):
@@ -334,7 +336,7 @@ def test_steered_self_instructions_start_with_an_opening_and_continue_it(tmp_pat
 def test_training_instructions_never_contain_an_evaluation_prompt():
     """The project's own training instructions share at most 60% of their words with any prompt of the evaluation
     sets (dev.jsonl beside the clone, when present, and prompts/independent.jsonl): the templated ones at the default
-    seed and scale, every templated stage, and below 45% for the helper-written file. A shared template such as
+    seed and scale, every templated stage, and below 45% for both helper-written files. A shared template such as
     "Write a short poem about X" scores 0.56; the JSON-of-a-book instruction that nearly copied a dev prompt, and was
     removed, scored 0.71; helper-written requests at 0.45 or more were dropped from their file (the closest, a git
     question, scored 0.86). The paragraphs the target writes for the extractive and multi-turn instructions are left
@@ -359,12 +361,15 @@ def test_training_instructions_never_contain_an_evaluation_prompt():
     assert len(convs) == 612
     templated = [turn["content"] for m in convs for turn in m if turn["role"] == "user"]
     written = distill.read_instructions(str(distill.WRITTEN))
-    assert len(written) == 2974
+    second = distill.read_instructions(str(distill.WRITTEN_2))
+    assert (len(written), len(second)) == (2974, 2978)
+    assert not set(written) & set(second)
     words = lambda text: set(re.findall(r"[a-z0-9]+", text.lower()))  # noqa: E731
     closest = lambda training: max(  # noqa: E731
         (len(words(t) & words(e)) / len(words(t) | words(e)), t, e) for t in training for e in evaluation)
     assert closest(templated)[0] < 0.6, closest(templated)
     assert closest(written)[0] < 0.45, closest(written)
+    assert closest(second)[0] < 0.45, closest(second)
 
 
 def test_batched_answers_are_each_prompts_own_greedy_answer_without_a_pad_token():
