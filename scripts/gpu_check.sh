@@ -12,7 +12,7 @@
 #                                    `distill --device cuda` from scratch, the hybrid, and the benchmark of the new draft
 #                                    (LIMIT: prompts per benchmark; DRAFT_KS; TRAIN_MINUTES; SAMPLES: a folder with a
 #                                    distill cache's samples.jsonl (and any instructions.jsonl), to train without generating;
-#                                    distill runs the shipped recipe (its defaults); DISTILL_ARGS: more
+#                                    distill runs the shipped recipe's data (--instructions written,written2); DISTILL_ARGS: more
 #                                    distill options, e.g. "--self-instruct 12000" to add the target's own
 #                                    instructions to the cache on the GPU first, or "--draft-layers 2" for the deeper
 #                                    head; DISTILL_CAP: the distill stage's cap in seconds, default 280)
@@ -22,7 +22,7 @@
 # same stages on the CPU at toy sizes: a check of this script, not of the GPU.
 #
 #   bash scripts/gpu_check.sh prepare   here, not there: writes out/gpu/a (the first half, and the shipped draft's data
-#                                       cache if out/draft-w/cache has one) and out/gpu/b (the second half, the gguf
+#                                       cache if out/draft-w2/cache has one) and out/gpu/b (the second half, the gguf
 #                                       package that machine lacks, the evaluation prompts), and prints the two device
 #                                       calls; the second must follow the first within the machine's 30 s idle window
 #
@@ -46,7 +46,7 @@ if [ "${1:-basic}" = prepare ]; then
   SITE=$($V -c "import gguf, pathlib; print(pathlib.Path(gguf.__file__).parent.parent)")
   cp -r "$SITE/gguf" "$SITE"/gguf-*.dist-info out/gpu/b/site/ && rm -rf out/gpu/b/site/gguf/__pycache__
   cp "${PROMPTS:-../shared/prompts/dev.jsonl}" out/gpu/b/dev.jsonl
-  CACHE=${SAMPLES_FROM:-out/draft-w/cache}; S=""  # the shipped draft's distill cache, where this machine still has it
+  CACHE=${SAMPLES_FROM:-out/draft-w2/cache}; S=""  # the shipped draft's distill cache, where this machine still has it
   if [ -f "$CACHE/samples.jsonl" ]; then
     mkdir -p out/gpu/a/samples && cp "$CACHE"/*.jsonl out/gpu/a/samples/
     S=" SAMPLES=$KEEP/samples"
@@ -160,7 +160,7 @@ note "prompts per benchmark: $N, new tokens: $TOKENS, k: $KS, distill data: ${SA
 B=($PY -m specdemo bench --prompts "$R/prompts.jsonl" --limit "$N" --max-new-tokens "$TOKENS" --device "$DEV" --quiet)
 stage bench_draft 200 "${B[@]}" --drafter model --k "$KS" --anchors --out "$R/bench-draft"
 stage distill "${DISTILL_CAP:-280}" $PY -m specdemo distill --target smollm2-135m --out "$R/draft-cuda" --work "$KEEP/distill-cache" \
-  --device "$DEV" --train-dtype bf16 --min-confidence 0.8 "${DISTILL[@]}" ${DISTILL_ARGS:-}
+  --device "$DEV" --instructions written,written2 --train-dtype bf16 --min-confidence 0.8 "${DISTILL[@]}" ${DISTILL_ARGS:-}
 stage bench_hybrid 70 "${B[@]}" --drafter hybrid --k 8 --out "$R/bench-hybrid"
 [ -f "$R/draft-cuda/eagle_config.json" ] && \
   stage bench_cuda_draft 70 "${B[@]}" --draft "$R/draft-cuda" --k 1,2 --out "$R/bench-cuda-draft"
