@@ -3,17 +3,21 @@
 Stages, each cached in the work folder so a rerun skips what is done: (1) the target answers instructions built
 here from templates, the requests written for the project (specdemo/data; by default) and, on request, instructions
 it writes itself (Magpie-style); never the evaluation prompts; (2) its final hidden states and greedy tokens are
-recorded, (3) the head is trained and the asset written to --out.
+recorded (by a pass of the fp32 target over the finished sequences, or with --features writer by the passes that
+write the answers), (3) the head is trained and the asset written to --out.
 Usage: python -m specdemo.distill --target ID --out DIR
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import logging
 import math
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -207,6 +211,151 @@ def _generate(target, tokenizer, convs, max_new_tokens: int, batch_size: int, sa
     return results
 
 
+def _prompt_ids(tokenizer, convs) -> list[list[int]]:
+    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in convs]
+    return [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+
+
+# Many rows decoded at once on a CPU (`_generate_recorded`, bf16). Profiled on 64 decoding steps of a batch of 64
+# written requests (53-token prompts) with SmolLM2-135M, a step took about 107 ms in the weights' products, 85 ms in
+# sdpa's CPU flash kernel (which runs a single query on the 3 key/value heads, but at 2.7 ms a layer) and 65 ms
+# concatenating the KV cache. A buffer made once for the whole answer removes the copies, and plain products with
+# the 3 query heads of each key/value head grouped take 0.56 ms a layer instead of 1.23 (0.72 instead of 1.59 at
+# 300 positions). The whole batch (128 new tokens) then takes 21 s instead of `generate`'s 32 s.
+
+
+@functools.cache
+def _preallocated_layer():
+    """A KV-cache layer (transformers' DynamicLayer) that writes into a buffer of `capacity` positions instead of
+    concatenating; keys and values are views of its first positions."""
+    from transformers.cache_utils import DynamicLayer
+
+    class PreallocatedLayer(DynamicLayer):
+        def __init__(self, capacity: int):
+            super().__init__()
+            self.capacity = capacity
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            t = key_states.shape[-2]
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+                b, h, _, d = key_states.shape
+                self.k_buf = key_states.new_empty(b, h, max(self.capacity, t), d)
+                self.v_buf = value_states.new_empty(b, h, max(self.capacity, t), value_states.shape[-1])
+                self.n = 0
+            self.k_buf[:, :, self.n : self.n + t] = key_states
+            self.v_buf[:, :, self.n : self.n + t] = value_states
+            self.n += t
+            self.keys, self.values = self.k_buf[:, :, : self.n], self.v_buf[:, :, : self.n]
+            return self.keys, self.values
+
+    return PreallocatedLayer
+
+
+def _grouped_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """sdpa's attention, for one query token as plain products over the key/value heads (`_generate_recorded`)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if query.shape[2] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    b, hq, _, d = query.shape
+    q = query.reshape(b, key.shape[1], hq // key.shape[1], d)
+    scores = torch.matmul(q, key.transpose(-1, -2)).float() * (scaling if scaling is not None else d ** -0.5)
+    if attention_mask is not None:  # sdpa's mask: (B, 1, 1, L), True where a row attends
+        scores = (scores.masked_fill(~attention_mask, float("-inf")) if attention_mask.dtype == torch.bool
+                  else scores + attention_mask)
+    out = torch.matmul(torch.softmax(scores, -1).to(value.dtype), value)
+    return out.reshape(b, hq, 1, d).transpose(1, 2).contiguous(), None
+
+
+GROUPED = "specdemo_grouped"
+
+
+class _grouped_attention_on:
+    """Within the block, `model` attends with `_grouped_attention` (and sdpa's masks)."""
+
+    def __init__(self, model):
+        self.config = model.config
+
+    def __enter__(self):
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+        AttentionInterface.register(GROUPED, _grouped_attention)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED, sdpa_mask)
+        self.before = self.config._attn_implementation
+        if self.before == "sdpa":  # others (eager on request, a GPU's kernels) are left alone
+            self.config._attn_implementation = GROUPED
+
+    def __exit__(self, *exc):
+        self.config._attn_implementation = self.before
+
+
+@torch.inference_mode()
+def _generate_recorded(model, tokenizer, convs, max_new_tokens: int, sample_temp: float = 0.0,
+                       seed: int = 0) -> tuple[list[dict], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """One batch answered as `_generate` does, decoded here step by step, so that the passes that write the answers
+    also give what `build_features` would record: the final hidden state (fp16) and the greedy token (the label,
+    also where a token was sampled) at every position. Returns ({ids, prompt_len} per conversation, in order, and
+    (features (n, H), top1 (n,)) for each). One pass more than `generate`: the last token is fed too."""
+    from transformers import DynamicCache
+
+    stops = set(_eos_list(model)) | {tokenizer.eos_token_id}
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    prompts = _prompt_ids(tokenizer, convs)
+    b, width, dev = len(prompts), max(map(len, prompts)), model.device
+    x = torch.tensor([[pad] * (width - len(r)) + r for r in prompts], device=dev)  # left padding
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in prompts], device=dev)
+    cache = DynamicCache(config=model.config)
+    if dev.type == "cpu":
+        cache.layers = [_preallocated_layer()(width + max_new_tokens + 1) for _ in cache.layers]
+    head = model.get_output_embeddings()
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    attention = _grouped_attention_on(model) if dev.type == "cpu" else contextlib.nullcontext()
+    with attention:
+        return _decode_recorded(model, x, mask, width, prompts, cache, head, gen, stops, max_new_tokens, sample_temp)
+
+
+def _decode_recorded(model, x, mask, width, prompts, cache, head, gen, stops, max_new_tokens, sample_temp):
+    from .drafters import with_cache
+
+    b, dev = len(prompts), model.device
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    h = model.model(input_ids=x, attention_mask=mask, position_ids=pos, use_cache=True,
+                    **with_cache(model.model, cache)).last_hidden_state
+    feats = [h.half().cpu()]
+    tops = [torch.stack([head(h[r]).argmax(-1) for r in range(b)]).int().cpu()]  # row by row: (T, V) logits each
+    logits = head(h[:, -1]).float()
+    answers: list[list[int]] = [[] for _ in range(b)]
+    done = [False] * b
+    for step in range(max_new_tokens):
+        if sample_temp > 0:
+            tok = torch.multinomial(torch.softmax(logits / sample_temp, -1), 1, generator=gen)[:, 0]
+        else:
+            tok = logits.argmax(-1)
+        for r, t in enumerate(tok.tolist()):
+            if not done[r]:
+                answers[r].append(t)
+                done[r] = t in stops or len(answers[r]) == max_new_tokens
+        mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=dev)], dim=1)  # finished rows: fed, unused
+        pos = pos[:, -1:] + 1
+        h = model.model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, use_cache=True,
+                        **with_cache(model.model, cache)).last_hidden_state
+        logits = head(h[:, -1]).float()
+        feats.append(h.half().cpu())
+        tops.append(logits.argmax(-1, keepdim=True).int().cpu())
+        if all(done):  # every answer's last token has been fed
+            break
+    feats_all, tops_all = torch.cat(feats, dim=1), torch.cat(tops, dim=1)
+    samples, recorded = [], []
+    for r, (p, a) in enumerate(zip(prompts, answers)):
+        lo, hi = width - len(p), width + len(a)
+        samples.append({"ids": p + a, "prompt_len": len(p)})
+        recorded.append((feats_all[r, lo:hi].clone(), tops_all[r, lo:hi].clone()))
+    return samples, recorded
+
+
 def _jsonl_load(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.open()] if path.exists() else []
 
@@ -311,15 +460,16 @@ def templated_prompts(rng: random.Random, seed: int, scale: float):
 
 def build_data(target, tokenizer, work: Path, seed: int, scale: float, max_new_tokens: int, batch_size: int,
                log_fn, max_sequences: int = 0, n_self: int = 0, n_steered: int = 0,
-               written: list[str] | None = None) -> list[dict]:
+               written: list[str] | None = None, record: bool = False) -> list[dict]:
     """All training sequences (prompt + target answer), generated once and cached batch by batch in work/samples.jsonl.
-    `written`: instructions read from a file (`read_instructions`), answered greedily as the stage "written"."""
+    `written`: instructions read from a file (`read_instructions`), answered greedily as the stage "written".
+    `record`: also keep the features and labels of the answering passes (`_run_stage`)."""
     path = work / "samples.jsonl"
     samples = _jsonl_load(path)
     rng = random.Random(seed)
     simple, sampled = templated_prompts(rng, seed, scale)
     gen = lambda stage, convs, tokens, temp: _run_stage(  # noqa: E731
-        stage, convs, target, tokenizer, tokens, batch_size, temp, seed, path, samples, log_fn, max_sequences)
+        stage, convs, target, tokenizer, tokens, batch_size, temp, seed, path, samples, log_fn, max_sequences, record)
     gen("paragraph", paragraph_prompts(), PARAGRAPH_TOKENS, 0.0)
     paragraphs = [tokenizer.decode(s["ids"][s["prompt_len"]:], skip_special_tokens=True).strip()
                   for s in samples if s["stage"] == "paragraph"]
@@ -361,15 +511,31 @@ def read_instructions(paths: str) -> list[str]:
 
 
 def _run_stage(name, convs, target, tokenizer, max_new_tokens, batch_size, temp, seed, path, samples, log_fn,
-               max_sequences=0):
-    """Generate answers for the conversations of a stage that are not cached yet, saving after each batch."""
+               max_sequences=0, record=False):
+    """Generate answers for the conversations of a stage that are not cached yet, saving after each batch.
+
+    With `record`, the batches go shortest prompt first (left padding then wastes little: the written requests,
+    64 tokens on average, were padded to 164 in file order, and the prefill is half of a batch's time on a CPU), and
+    each batch's features and labels are saved beside the samples (`RECORDED`), for `build_features` to read."""
     have = sum(s["stage"] == name for s in samples)
+    order = list(range(len(convs)))
+    if record:
+        lengths = [len(ids) for ids in _prompt_ids(tokenizer, convs)]
+        order.sort(key=lambda i: lengths[i])  # stable: ties stay in file order, so a resumed run sees the same order
     for start in range(have, len(convs), batch_size):
         if max_sequences and len(samples) >= max_sequences:  # a time budget: stop at a batch boundary
             return
         t0 = time.perf_counter()
-        new = _generate(target, tokenizer, convs[start : start + batch_size], max_new_tokens, batch_size, temp,
-                        seed + start)
+        batch = [convs[i] for i in order[start : start + batch_size]]
+        if record:
+            new, recorded = _generate_recorded(target, tokenizer, batch, max_new_tokens, temp, seed + start)
+            (path.parent / RECORDED).mkdir(exist_ok=True)
+            file = f"{name}-{start:06d}.pt"
+            torch.save(recorded, path.parent / RECORDED / file)
+            for row, s in enumerate(new):
+                s["recorded"] = [file, row]
+        else:
+            new = _generate(target, tokenizer, batch, max_new_tokens, batch_size, temp, seed + start)
         with path.open("a") as f:
             for s in new:
                 s["stage"] = name
@@ -380,6 +546,9 @@ def _run_stage(name, convs, target, tokenizer, max_new_tokens, batch_size, temp,
                 "answer_tokens": sum(len(s["ids"]) - s["prompt_len"] for s in new)})
 
 
+RECORDED = "recorded"  # per-batch features and labels of a --features writer run, until features.pt holds them
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Stage 2: the target's features and greedy tokens at every position
 
@@ -387,7 +556,8 @@ def _run_stage(name, convs, target, tokenizer, max_new_tokens, batch_size, temp,
 @torch.inference_mode()
 def build_features(target, samples: list[dict], work: Path, batch_size: int = 8, layers: tuple[int, ...] = ()) -> dict:
     """Target features (fp16: the final hidden state, then each of `layers`' hidden states) and the target's greedy
-    next token at every position; cached in work/features.pt."""
+    next token at every position; cached in work/features.pt. Those recorded while answering (`RECORDED`) are read,
+    not computed again; `target` computes the rest."""
     path = work / "features.pt"
     cached = torch.load(path) if path.exists() else None
     have_layers = tuple(cached.get("layers", ())) if cached is not None else ()
@@ -404,8 +574,15 @@ def build_features(target, samples: list[dict], work: Path, batch_size: int = 8,
         return {k: (v[: len(samples)] if isinstance(v, list) else v) for k, v in cached.items()}
     head = target.get_output_embeddings().weight
     feats, top1 = cached["features"], cached["top1"]
-    order = sorted(range(have, len(samples)), key=lambda i: len(samples[i]["ids"]))
     out: dict[int, tuple] = {}
+    files: dict[str, list] = {}
+    for i in range(have, len(samples)):  # recorded while answering (--features writer)
+        if "recorded" in samples[i] and not layers and (work / RECORDED / samples[i]["recorded"][0]).is_file():
+            file, row = samples[i]["recorded"]
+            if file not in files:
+                files[file] = torch.load(work / RECORDED / file)
+            out[i] = files[file][row]
+    order = sorted((i for i in range(have, len(samples)) if i not in out), key=lambda i: len(samples[i]["ids"]))
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
         width = max(len(samples[i]["ids"]) for i in idx)
@@ -423,6 +600,8 @@ def build_features(target, samples: list[dict], work: Path, batch_size: int = 8,
         top1.append(out[i][1])
     data = {"features": feats, "top1": top1, "layers": tuple(layers)}
     torch.save(data, path)
+    if files:  # features.pt holds them now
+        shutil.rmtree(work / RECORDED, ignore_errors=True)
     return data
 
 
@@ -632,23 +811,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scale", type=float, default=1.6, help="multiplies the number of generated answers")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--gen-batch-size", type=int, default=64)
+    p.add_argument("--gen-batch-size", type=int, default=128,
+                   help="conversations answered at once (128: 0.29 s per answer here with --features writer, "
+                        "against 0.33 s at 64)")
     p.add_argument("--max-sequences", type=int, default=0, help="stop generating at this many sequences (0: all)")
     p.add_argument("--gen-dtype", default="bf16",
                    help="dtype of the target copy that writes instructions and answers (bf16: 1.7x faster on an "
-                        "AVX512-BF16 CPU); features and labels always come from the fp32 target")
+                        "AVX512-BF16 CPU); with --features target, features and labels come from the fp32 target")
     p.add_argument("--self-instruct", type=int, default=0,
                    help="also answer this many instructions the target writes itself (Magpie-style; the draft "
                         "shipped until 2026-12-01 used 3000)")
     p.add_argument("--steered-instruct", type=int, default=0,
                    help="then this many self-written instructions that start with one of distill.OPENINGS "
                         "(translation, edits of a given text, extraction, formats; the target writes the rest)")
-    p.add_argument("--instructions", default="written",
-                   help="also answer the instructions in these JSONL files (comma-separated; 'written', the default: "
-                        "the project's file of 2,974 helper-written requests; 'written2': its second batch of 2,978, "
-                        "which the shipped draft also used (142 min here in all); '': none)")
+    p.add_argument("--features", default="writer", choices=["writer", "target"],
+                   help="where the features and labels come from: 'writer' (the default), the passes that write the "
+                        "answers (the --gen-dtype copy; shortest prompts batched together, no pass of its own: the "
+                        "shipped recipe's data took 34 min here, against 88 before); 'target', a pass of the fp32 "
+                        "target over every sequence once all are answered (the drafts shipped before 2026-12-01 noon)")
+    p.add_argument("--instructions", default="written,written2",
+                   help="also answer the instructions in these JSONL files (comma-separated; 'written': the "
+                        "project's file of 2,974 helper-written requests; 'written2': its second batch of 2,978; both "
+                        "by default, as for the shipped draft; '': none)")
     p.add_argument("--subset-size", type=int, default=8192)
-    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--train-minutes", type=float, default=0,
                    help="time budget for training: fewer steps (same schedule shape) if the pace needs it")
     p.add_argument("--total-minutes", type=float, default=0,
@@ -679,7 +865,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-confidence", type=float, default=0.0,
                    help="confidence gate written into the asset's config (see EagleDrafter; tune with scripts/gate_sim.py)")
     p.add_argument("--log-every", type=int, default=20)
-    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=500, help="held-out evaluation every N steps (17 s each here)")
     p.add_argument("--data-only", action="store_true", help="stop after generating data and features")
     return p.parse_args(argv)
 
@@ -722,10 +908,10 @@ def main(argv: list[str] | None = None) -> int:
     writer = target if args.gen_dtype == "fp32" else load_model(args.target, device=args.device, dtype=args.gen_dtype).model
     samples = build_data(writer, tokenizer, work, args.seed, args.scale, args.max_new_tokens, args.gen_batch_size,
                          log_fn, args.max_sequences, args.self_instruct, args.steered_instruct,
-                         read_instructions(args.instructions))
+                         read_instructions(args.instructions), record=args.features == "writer")
     t = time.perf_counter()
     layers = tuple(int(x) for x in args.fuse_layers.split(",") if x.strip())
-    data = build_features(target, samples, work, layers=layers)
+    data = build_features(writer if args.features == "writer" else target, samples, work, layers=layers)
     log_fn({"event": "features", "positions": sum(len(f) for f in data["features"]),
             "seconds": round(time.perf_counter() - t, 1)})
     if args.data_only:

@@ -114,8 +114,9 @@ def test_instructions_files_are_read_in_order_without_duplicates(tmp_path):
                                                           "Sort these: 3, 1"]  # "written" names the project's file
     both = distill.read_instructions("written,written2")  # and "written2" its second batch
     assert both == [*distill.read_instructions(str(distill.WRITTEN)), *distill.read_instructions(str(distill.WRITTEN_2))]
-    args = distill.parse_args(["--target", "x", "--out", "y"])  # the shipped recipe's data by default
-    assert (args.self_instruct, args.instructions) == (0, "written") and distill.WRITTEN.is_file()
+    args = distill.parse_args(["--target", "x", "--out", "y"])  # the shipped recipe by default
+    assert (args.self_instruct, args.instructions, args.features, args.steps) == (0, "written,written2", "writer", 4000)
+    assert distill.WRITTEN.is_file() and distill.WRITTEN_2.is_file()
     with pytest.raises(FileNotFoundError, match="no instructions file"):
         distill.read_instructions(str(tmp_path / "nothing.jsonl"))
 
@@ -418,3 +419,39 @@ def test_time_budget_uses_the_pace_after_warm_up(tmp_path, monkeypatch):
     assert budget["seconds_per_step"] == 0.1
     assert 100 <= budget["steps"] <= 110  # 52 s spent by step 30, 8 s left at 0.1 s a step: 30 + 80
     assert calls[0] == budget["steps"]
+
+
+def test_features_recorded_while_answering_are_those_of_a_separate_pass(tmp_path):
+    """--features writer: the passes that answer also give the features and greedy labels, the same (to fp16
+    rounding) as build_features' own pass over the finished sequences; answers are `_generate`'s, shortest prompt
+    first, some ended by EOS; the sampled stage still labels each position with the greedy token."""
+    target = tiny_llama(VOCAB, seed=5, sharpness=6.0)
+    with torch.no_grad():
+        target.lm_head.weight[0] = target.lm_head.weight[31] * 1.05  # EOS where w31 would win: some answers end early
+    tok = tiny_tokenizer([f"w{i}" for i in range(1, VOCAB)])
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    contents = ["w3 w5 w7 w9 w11 w2", "w4", "w8 w8 w1", "w12 w30 w31 w2 w6", "w20 w21", "w9 w1 w3 w3"]
+    convs = [[{"role": "user", "content": c}] for c in contents]
+    path, samples, log = tmp_path / "samples.jsonl", [], []
+    distill._run_stage("s", convs, target, tok, 8, 4, 0.0, 0, path, samples, log.append, record=True)
+    reference = distill._generate(target, tok, convs, 8, batch_size=6)
+    order = sorted(range(len(convs)), key=lambda i: reference[i]["prompt_len"])
+    assert [{"ids": s["ids"], "prompt_len": s["prompt_len"]} for s in samples] == [reference[i] for i in order]
+    assert any(s["ids"][-1] == 0 for s in samples) and any(len(s["ids"]) - s["prompt_len"] == 8 for s in samples)
+    assert len(list((tmp_path / distill.RECORDED).iterdir())) == 2  # a file per batch until features.pt holds them
+    data = distill.build_features(target, samples, tmp_path)
+    assert not (tmp_path / distill.RECORDED).exists()
+    plain = [{"ids": s["ids"], "prompt_len": s["prompt_len"]} for s in samples]
+    (tmp_path / "separate").mkdir()
+    separate = distill.build_features(target, plain, tmp_path / "separate")
+    for s, a, b, la, lb in zip(samples, data["features"], separate["features"], data["top1"], separate["top1"]):
+        assert a.shape == b.shape == (len(s["ids"]), 32) and torch.allclose(a.float(), b.float(), atol=2e-3)
+        assert torch.equal(la, lb)
+    assert distill.build_features(target, samples, tmp_path)["top1"][0].tolist() == data["top1"][0].tolist()  # cached
+
+    sampled, _ = distill._generate_recorded(target, tok, convs[:2], 8, sample_temp=1.5, seed=3)
+    again, recorded = distill._generate_recorded(target, tok, convs[:2], 8, sample_temp=1.5, seed=3)
+    assert sampled == again  # seeded
+    (tmp_path / "sampled").mkdir()
+    greedy = distill.build_features(target, [{**s, "stage": "x"} for s in again], tmp_path / "sampled")
+    assert all(torch.equal(top, g) for (_, top), g in zip(recorded, greedy["top1"]))
