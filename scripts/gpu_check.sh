@@ -11,8 +11,9 @@
 #                                    the benchmark of the shipped draft (k = 1, 2, 4, with generate's anchor),
 #                                    `distill --device cuda` from scratch, the hybrid, and the benchmark of the new draft
 #                                    (LIMIT: prompts per benchmark; DRAFT_KS; TRAIN_MINUTES; SAMPLES: a folder with a
-#                                    distill cache's samples.jsonl (and any instructions.jsonl), to train without generating;
-#                                    distill runs the shipped recipe's data (--instructions written,written2); DISTILL_ARGS: more
+#                                    distill cache's samples.jsonl (and any instructions.jsonl), to train without generating
+#                                    (their features then come from a pass of the bf16 copy, as --features writer records
+#                                    them while answering); distill runs the shipped recipe (its defaults); DISTILL_ARGS: more
 #                                    distill options, e.g. "--self-instruct 12000" to add the target's own
 #                                    instructions to the cache on the GPU first, or "--draft-layers 2" for the deeper
 #                                    head; DISTILL_CAP: the distill stage's cap in seconds, default 280)
