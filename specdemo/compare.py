@@ -57,8 +57,9 @@ def default_draft(target_name: str) -> str | None:
 
 # What hybrid_model_k assumes of a draft that carries no held-out figures of its own: the chance that its first and its
 # first two drafted tokens are accepted (the held-out chain of the self-written draft shipped until 2026-12-01; the
-# one shipped now has 0.50 / 0.26 on harder held-out requests, and both choose one token per step here), and its cost per
-# drafted token over a 1-token target pass where none was measured (the shipped draft's, bench/cpu-trained-draft).
+# one shipped now has 0.51 / 0.26 on harder held-out requests, and both choose one token per step here when the
+# load-time timing is steady), and its cost per drafted token over a 1-token target pass where none was measured (the
+# shipped draft's, bench/cpu-trained-draft).
 DEFAULT_CHAIN = (0.53, 0.30)
 DEFAULT_DRAFT_COST = 0.07
 PROBE_TEXT = "Speculative decoding lets a small draft propose tokens that the target checks in one pass."
