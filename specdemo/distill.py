@@ -293,60 +293,54 @@ class _grouped_attention_on:
 
 
 @torch.inference_mode()
-def _generate_recorded(model, tokenizer, convs, max_new_tokens: int, sample_temp: float = 0.0,
+def _generate_recorded(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, sample_temp: float = 0.0,
                        seed: int = 0) -> tuple[list[dict], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """One batch answered as `_generate` does, decoded here step by step, so that the passes that write the answers
-    also give what `build_features` would record: the final hidden state (fp16) and the greedy token (the label,
-    also where a token was sampled) at every position. Returns ({ids, prompt_len} per conversation, in order, and
-    (features (n, H), top1 (n,)) for each). One pass more than `generate`: the last token is fed too."""
+    """One batch of prompts (token ids, `_prompt_ids`) answered as `_generate` does, decoded here step by step, so
+    that the passes that write the answers also give what `build_features` would record: the final hidden state
+    (fp16) and the greedy token (the label, also where a token was sampled) at every position. Returns ({ids,
+    prompt_len} per prompt, in order, and (features (n, H), top1 (n,)) for each). One pass more than `generate`: the
+    last token is fed too."""
     from transformers import DynamicCache
+
+    from .drafters import with_cache
 
     stops = set(_eos_list(model)) | {tokenizer.eos_token_id}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    prompts = _prompt_ids(tokenizer, convs)
     b, width, dev = len(prompts), max(map(len, prompts)), model.device
     x = torch.tensor([[pad] * (width - len(r)) + r for r in prompts], device=dev)  # left padding
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in prompts], device=dev)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     if dev.type == "cpu":
         cache.layers = [_preallocated_layer()(width + max_new_tokens + 1) for _ in cache.layers]
     head = model.get_output_embeddings()
     gen = torch.Generator(device=dev).manual_seed(seed)
-    attention = _grouped_attention_on(model) if dev.type == "cpu" else contextlib.nullcontext()
-    with attention:
-        return _decode_recorded(model, x, mask, width, prompts, cache, head, gen, stops, max_new_tokens, sample_temp)
-
-
-def _decode_recorded(model, x, mask, width, prompts, cache, head, gen, stops, max_new_tokens, sample_temp):
-    from .drafters import with_cache
-
-    b, dev = len(prompts), model.device
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    h = model.model(input_ids=x, attention_mask=mask, position_ids=pos, use_cache=True,
-                    **with_cache(model.model, cache)).last_hidden_state
-    feats = [h.half().cpu()]
-    tops = [torch.stack([head(h[r]).argmax(-1) for r in range(b)]).int().cpu()]  # row by row: (T, V) logits each
-    logits = head(h[:, -1]).float()
     answers: list[list[int]] = [[] for _ in range(b)]
     done = [False] * b
-    for step in range(max_new_tokens):
-        if sample_temp > 0:
-            tok = torch.multinomial(torch.softmax(logits / sample_temp, -1), 1, generator=gen)[:, 0]
-        else:
-            tok = logits.argmax(-1)
-        for r, t in enumerate(tok.tolist()):
-            if not done[r]:
-                answers[r].append(t)
-                done[r] = t in stops or len(answers[r]) == max_new_tokens
-        mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=dev)], dim=1)  # finished rows: fed, unused
-        pos = pos[:, -1:] + 1
-        h = model.model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, use_cache=True,
+    with _grouped_attention_on(model) if dev.type == "cpu" else contextlib.nullcontext():
+        h = model.model(input_ids=x, attention_mask=mask, position_ids=pos, use_cache=True,
                         **with_cache(model.model, cache)).last_hidden_state
+        feats = [h.half().cpu()]
+        tops = [torch.stack([head(h[r]).argmax(-1) for r in range(b)]).int().cpu()]  # row by row: (T, V) logits each
         logits = head(h[:, -1]).float()
-        feats.append(h.half().cpu())
-        tops.append(logits.argmax(-1, keepdim=True).int().cpu())
-        if all(done):  # every answer's last token has been fed
-            break
+        for _ in range(max_new_tokens):
+            if sample_temp > 0:
+                tok = torch.multinomial(torch.softmax(logits / sample_temp, -1), 1, generator=gen)[:, 0]
+            else:
+                tok = logits.argmax(-1)
+            for r, t in enumerate(tok.tolist()):
+                if not done[r]:
+                    answers[r].append(t)
+                    done[r] = t in stops or len(answers[r]) == max_new_tokens
+            mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=dev)], dim=1)  # finished rows: unused
+            pos = pos[:, -1:] + 1
+            h = model.model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, use_cache=True,
+                            **with_cache(model.model, cache)).last_hidden_state
+            logits = head(h[:, -1]).float()
+            feats.append(h.half().cpu())
+            tops.append(logits.argmax(-1, keepdim=True).int().cpu())
+            if all(done):  # every answer's last token has been fed
+                break
     feats_all, tops_all = torch.cat(feats, dim=1), torch.cat(tops, dim=1)
     samples, recorded = [], []
     for r, (p, a) in enumerate(zip(prompts, answers)):
@@ -520,22 +514,24 @@ def _run_stage(name, convs, target, tokenizer, max_new_tokens, batch_size, temp,
     have = sum(s["stage"] == name for s in samples)
     order = list(range(len(convs)))
     if record:
-        lengths = [len(ids) for ids in _prompt_ids(tokenizer, convs)]
-        order.sort(key=lambda i: lengths[i])  # stable: ties stay in file order, so a resumed run sees the same order
+        ids = _prompt_ids(tokenizer, convs)
+        order.sort(key=lambda i: len(ids[i]))  # stable: ties stay in file order, so a resumed run sees the same order
     for start in range(have, len(convs), batch_size):
         if max_sequences and len(samples) >= max_sequences:  # a time budget: stop at a batch boundary
             return
         t0 = time.perf_counter()
-        batch = [convs[i] for i in order[start : start + batch_size]]
+        batch = order[start : start + batch_size]
         if record:
-            new, recorded = _generate_recorded(target, tokenizer, batch, max_new_tokens, temp, seed + start)
+            new, recorded = _generate_recorded(target, tokenizer, [ids[i] for i in batch], max_new_tokens, temp,
+                                               seed + start)
             (path.parent / RECORDED).mkdir(exist_ok=True)
             file = f"{name}-{start:06d}.pt"
             torch.save(recorded, path.parent / RECORDED / file)
             for row, s in enumerate(new):
                 s["recorded"] = [file, row]
         else:
-            new = _generate(target, tokenizer, batch, max_new_tokens, batch_size, temp, seed + start)
+            new = _generate(target, tokenizer, [convs[i] for i in batch], max_new_tokens, batch_size, temp,
+                            seed + start)
         with path.open("a") as f:
             for s in new:
                 s["stage"] = name

@@ -449,8 +449,9 @@ def test_features_recorded_while_answering_are_those_of_a_separate_pass(tmp_path
         assert torch.equal(la, lb)
     assert distill.build_features(target, samples, tmp_path)["top1"][0].tolist() == data["top1"][0].tolist()  # cached
 
-    sampled, _ = distill._generate_recorded(target, tok, convs[:2], 8, sample_temp=1.5, seed=3)
-    again, recorded = distill._generate_recorded(target, tok, convs[:2], 8, sample_temp=1.5, seed=3)
+    two = distill._prompt_ids(tok, convs[:2])
+    sampled, _ = distill._generate_recorded(target, tok, two, 8, sample_temp=1.5, seed=3)
+    again, recorded = distill._generate_recorded(target, tok, two, 8, sample_temp=1.5, seed=3)
     assert sampled == again  # seeded
     (tmp_path / "sampled").mkdir()
     greedy = distill.build_features(target, [{**s, "stage": "x"} for s in again], tmp_path / "sampled")
