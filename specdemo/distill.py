@@ -512,15 +512,19 @@ def _run_stage(name, convs, target, tokenizer, max_new_tokens, batch_size, temp,
     64 tokens on average, were padded to 164 in file order, and the prefill is half of a batch's time on a CPU), and
     each batch's features and labels are saved beside the samples (`RECORDED`), for `build_features` to read."""
     have = sum(s["stage"] == name for s in samples)
-    order = list(range(len(convs)))
+    todo = list(range(have, len(convs)))  # in file order, the cached answers are a prefix
     if record:
+        # Shortest first, and what is cached is found by its prompt, not its count: a stage whose list grew (a new
+        # instructions file) sorts differently, so the cached answers are no longer a prefix of its order.
         ids = _prompt_ids(tokenizer, convs)
-        order.sort(key=lambda i: len(ids[i]))  # stable: ties stay in file order, so a resumed run sees the same order
-    for start in range(have, len(convs), batch_size):
+        cached = {tuple(s["ids"][: s["prompt_len"]]) for s in samples if s["stage"] == name}
+        todo = sorted((i for i in range(len(convs)) if tuple(ids[i]) not in cached), key=lambda i: len(ids[i]))
+    for j in range(0, len(todo), batch_size):
         if max_sequences and len(samples) >= max_sequences:  # a time budget: stop at a batch boundary
             return
         t0 = time.perf_counter()
-        batch = order[start : start + batch_size]
+        start = have + j  # sequences of the stage before this batch: names its file and seeds its sampling
+        batch = todo[j : j + batch_size]
         if record:
             new, recorded = _generate_recorded(target, tokenizer, [ids[i] for i in batch], max_new_tokens, temp,
                                                seed + start)

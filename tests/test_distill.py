@@ -421,17 +421,22 @@ def test_time_budget_uses_the_pace_after_warm_up(tmp_path, monkeypatch):
     assert calls[0] == budget["steps"]
 
 
-def test_features_recorded_while_answering_are_those_of_a_separate_pass(tmp_path):
-    """--features writer: the passes that answer also give the features and greedy labels, the same (to fp16
-    rounding) as build_features' own pass over the finished sequences; answers are `_generate`'s, shortest prompt
-    first, some ended by EOS; the sampled stage still labels each position with the greedy token."""
+def _recording_setup():
+    """A tiny target whose greedy answers sometimes end at EOS, its tokenizer, and six conversations of 1-6 words."""
     target = tiny_llama(VOCAB, seed=5, sharpness=6.0)
     with torch.no_grad():
         target.lm_head.weight[0] = target.lm_head.weight[31] * 1.05  # EOS where w31 would win: some answers end early
     tok = tiny_tokenizer([f"w{i}" for i in range(1, VOCAB)])
     tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     contents = ["w3 w5 w7 w9 w11 w2", "w4", "w8 w8 w1", "w12 w30 w31 w2 w6", "w20 w21", "w9 w1 w3 w3"]
-    convs = [[{"role": "user", "content": c}] for c in contents]
+    return target, tok, [[{"role": "user", "content": c}] for c in contents]
+
+
+def test_features_recorded_while_answering_are_those_of_a_separate_pass(tmp_path):
+    """--features writer: the passes that answer also give the features and greedy labels, the same (to fp16
+    rounding) as build_features' own pass over the finished sequences; answers are `_generate`'s, shortest prompt
+    first, some ended by EOS; the sampled stage still labels each position with the greedy token."""
+    target, tok, convs = _recording_setup()
     path, samples, log = tmp_path / "samples.jsonl", [], []
     distill._run_stage("s", convs, target, tok, 8, 4, 0.0, 0, path, samples, log.append, record=True)
     reference = distill._generate(target, tok, convs, 8, batch_size=6)
@@ -456,3 +461,25 @@ def test_features_recorded_while_answering_are_those_of_a_separate_pass(tmp_path
     (tmp_path / "sampled").mkdir()
     greedy = distill.build_features(target, [{**s, "stage": "x"} for s in again], tmp_path / "sampled")
     assert all(torch.equal(top, g) for (_, top), g in zip(recorded, greedy["top1"]))
+
+
+def test_a_recorded_stage_whose_list_grew_answers_only_the_new_prompts(tmp_path):
+    """A cache recorded for a stage's first four conversations, then the stage run with six (a new instructions
+    file appended): the new ones sort between the cached ones by length, yet only they are answered, once each, and
+    the features cached for the first four stay valid for the grown list."""
+    target, tok, convs = _recording_setup()
+    path, samples, log = tmp_path / "samples.jsonl", [], []
+    distill._run_stage("s", convs[:4], target, tok, 8, 3, 0.0, 0, path, samples, log.append, record=True)
+    first = distill.build_features(target, samples, tmp_path)
+    distill._run_stage("s", convs, target, tok, 8, 3, 0.0, 0, path, samples, log.append, record=True)
+    assert [r["sequences"] for r in log] == [3, 4, 6]  # one batch of the two new prompts
+    reference = distill._generate(target, tok, convs, 8, batch_size=6)
+    assert sorted(s["ids"] for s in samples) == sorted(r["ids"] for r in reference)  # each prompt answered once
+    assert distill._jsonl_load(path) == samples
+    grown = distill.build_features(target, samples, tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(first["features"], grown["features"][:4]))
+    (tmp_path / "separate").mkdir()  # the new ones were read from their file: a pass of the target agrees
+    separate = distill.build_features(target, [{"ids": s["ids"], "prompt_len": s["prompt_len"]} for s in samples[4:]],
+                                      tmp_path / "separate")
+    for f, top, g, gtop in zip(grown["features"][4:], grown["top1"][4:], separate["features"], separate["top1"]):
+        assert torch.allclose(f.float(), g.float(), atol=2e-3) and torch.equal(top, gtop)
