@@ -484,13 +484,15 @@ def build_data(target, tokenizer, work: Path, seed: int, scale: float, max_new_t
 
 WRITTEN = Path(__file__).resolve().parent / "data" / "written_instructions.jsonl"
 WRITTEN_2 = WRITTEN.with_name("written_instructions_2.jsonl")
-NAMED = {"written": WRITTEN, "written2": WRITTEN_2}
+WRITTEN_3 = WRITTEN.with_name("written_instructions_3.jsonl")
+NAMED = {"written": WRITTEN, "written2": WRITTEN_2, "written3": WRITTEN_3}
 
 
 def read_instructions(paths: str) -> list[str]:
     """Instructions from JSONL files (comma-separated paths, or the names in `NAMED`), one {"instruction": ...} per
     line, in file order, duplicates dropped. `WRITTEN` holds 2,974 requests written for the project by helpers that
-    saw neither evaluation set, `WRITTEN_2` 2,978 more written the same way (specdemo/data/README.md)."""
+    saw neither evaluation set, `WRITTEN_2` 2,978 and `WRITTEN_3` 2,989 more written the same way
+    (specdemo/data/README.md)."""
     out, seen = [], set()
     for name in (x.strip() for x in paths.split(",") if x.strip()):
         path = NAMED.get(name, Path(name))

@@ -337,7 +337,7 @@ def test_steered_self_instructions_start_with_an_opening_and_continue_it(tmp_pat
 def test_training_instructions_never_contain_an_evaluation_prompt():
     """The project's own training instructions share at most 60% of their words with any prompt of the evaluation
     sets (dev.jsonl beside the clone, when present, and prompts/independent.jsonl): the templated ones at the default
-    seed and scale, every templated stage, and below 45% for both helper-written files. A shared template such as
+    seed and scale, every templated stage, and below 45% for the three helper-written files. A shared template such as
     "Write a short poem about X" scores 0.56; the JSON-of-a-book instruction that nearly copied a dev prompt, and was
     removed, scored 0.71; helper-written requests at 0.45 or more were dropped from their file (the closest, a git
     question, scored 0.86). The paragraphs the target writes for the extractive and multi-turn instructions are left
@@ -363,8 +363,9 @@ def test_training_instructions_never_contain_an_evaluation_prompt():
     templated = [turn["content"] for m in convs for turn in m if turn["role"] == "user"]
     written = distill.read_instructions(str(distill.WRITTEN))
     second = distill.read_instructions(str(distill.WRITTEN_2))
-    assert (len(written), len(second)) == (2974, 2978)
-    assert not set(written) & set(second)
+    third = distill.read_instructions(str(distill.WRITTEN_3))
+    assert (len(written), len(second), len(third)) == (2974, 2978, 2989)
+    assert not set(written) & set(second) and not (set(written) | set(second)) & set(third)
     words = lambda text: set(re.findall(r"[a-z0-9]+", text.lower()))  # noqa: E731
     evaluation_words = [(e, words(e)) for e in evaluation]  # each text split into words once, not once per pair
 
@@ -375,6 +376,7 @@ def test_training_instructions_never_contain_an_evaluation_prompt():
     assert closest(templated)[0] < 0.6, closest(templated)
     assert closest(written)[0] < 0.45, closest(written)
     assert closest(second)[0] < 0.45, closest(second)
+    assert closest(third)[0] < 0.45, closest(third)
 
 
 def test_batched_answers_are_each_prompts_own_greedy_answer_without_a_pad_token():
