@@ -834,7 +834,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--instructions", default="written,written2",
                    help="also answer the instructions in these JSONL files (comma-separated; 'written': the "
                         "project's file of 2,974 helper-written requests; 'written2': its second batch of 2,978; both "
-                        "by default, as for the shipped draft; '': none)")
+                        "by default, as for the shipped draft; 'written3': a third batch of 2,989, not in the default "
+                        "(docs/draft-experiments.md); '': none)")
     p.add_argument("--subset-size", type=int, default=8192)
     p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--train-minutes", type=float, default=0,
