@@ -11,6 +11,7 @@ Usage: python -m specdemo.distill --target ID --out DIR
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import functools
 import json
@@ -514,13 +515,19 @@ def _run_stage(name, convs, target, tokenizer, max_new_tokens, batch_size, temp,
     64 tokens on average, were padded to 164 in file order, and the prefill is half of a batch's time on a CPU), and
     each batch's features and labels are saved beside the samples (`RECORDED`), for `build_features` to read."""
     have = sum(s["stage"] == name for s in samples)
-    todo = list(range(have, len(convs)))  # in file order, the cached answers are a prefix
+    # What is cached is found by its prompt, not its count: a stage whose list grew (a new instructions file) sorts
+    # differently shortest first, and a stage cached by one --features mode may be resumed by the other. Copies are
+    # counted, since a templated stage may hold the same conversation twice.
+    ids = _prompt_ids(tokenizer, convs)
+    cached = collections.Counter(tuple(s["ids"][: s["prompt_len"]]) for s in samples if s["stage"] == name)
+    todo = []
+    for i, p in enumerate(map(tuple, ids)):
+        if cached[p]:
+            cached[p] -= 1
+        else:
+            todo.append(i)
     if record:
-        # Shortest first, and what is cached is found by its prompt, not its count: a stage whose list grew (a new
-        # instructions file) sorts differently, so the cached answers are no longer a prefix of its order.
-        ids = _prompt_ids(tokenizer, convs)
-        cached = {tuple(s["ids"][: s["prompt_len"]]) for s in samples if s["stage"] == name}
-        todo = sorted((i for i in range(len(convs)) if tuple(ids[i]) not in cached), key=lambda i: len(ids[i]))
+        todo.sort(key=lambda i: len(ids[i]))  # stable: ties stay in file order
     for j in range(0, len(todo), batch_size):
         if max_sequences and len(samples) >= max_sequences:  # a time budget: stop at a batch boundary
             return

@@ -468,7 +468,8 @@ def test_features_recorded_while_answering_are_those_of_a_separate_pass(tmp_path
 def test_a_recorded_stage_whose_list_grew_answers_only_the_new_prompts(tmp_path):
     """A cache recorded for a stage's first four conversations, then the stage run with six (a new instructions
     file appended): the new ones sort between the cached ones by length, yet only they are answered, once each, and
-    the features cached for the first four stay valid for the grown list."""
+    the features cached for the first four stay valid for the grown list. Copies of a conversation are counted, and
+    the other --features mode resumes the same cache."""
     target, tok, convs = _recording_setup()
     path, samples, log = tmp_path / "samples.jsonl", [], []
     distill._run_stage("s", convs[:4], target, tok, 8, 3, 0.0, 0, path, samples, log.append, record=True)
@@ -485,3 +486,13 @@ def test_a_recorded_stage_whose_list_grew_answers_only_the_new_prompts(tmp_path)
                                       tmp_path / "separate")
     for f, top, g, gtop in zip(grown["features"][4:], grown["top1"][4:], separate["features"], separate["top1"]):
         assert torch.allclose(f.float(), g.float(), atol=2e-3) and torch.equal(top, gtop)
+
+    # Cut short after its first batch (the three shortest prompts), a stage resumes in the other mode, in file order;
+    # a conversation listed twice is answered twice, also when one copy was cached.
+    listed = [convs[1], *convs, convs[4]]
+    path, samples = tmp_path / "cut.jsonl", []
+    distill._run_stage("c", listed, target, tok, 8, 3, 0.0, 0, path, samples, [].append, max_sequences=3, record=True)
+    assert sorted(s["ids"] for s in samples) == sorted(reference[i]["ids"] for i in (1, 1, 4))
+    distill._run_stage("c", listed, target, tok, 8, 3, 0.0, 0, path, samples, [].append, record=False)
+    assert sorted(s["ids"] for s in samples) == sorted(r["ids"] for r in [*reference, reference[1], reference[4]])
+    assert [s["ids"] for s in samples[3:]] == [reference[i]["ids"] for i in (0, 2, 3, 5, 4)]  # the cached copy of 4 first
