@@ -23,7 +23,7 @@
 # same stages on the CPU at toy sizes: a check of this script, not of the GPU.
 #
 #   bash scripts/gpu_check.sh prepare   here, not there: writes out/gpu/a (the first half, and the shipped draft's data
-#                                       cache if out/draft-w2/cache has one) and out/gpu/b (the second half, the gguf
+#                                       cache if out/draft-rec/cache has one) and out/gpu/b (the second half, the gguf
 #                                       package that machine lacks, the evaluation prompts), and prints the two device
 #                                       calls; the second must follow the first within the machine's 30 s idle window
 #
@@ -47,7 +47,7 @@ if [ "${1:-basic}" = prepare ]; then
   SITE=$($V -c "import gguf, pathlib; print(pathlib.Path(gguf.__file__).parent.parent)")
   cp -r "$SITE/gguf" "$SITE"/gguf-*.dist-info out/gpu/b/site/ && rm -rf out/gpu/b/site/gguf/__pycache__
   cp "${PROMPTS:-../shared/prompts/dev.jsonl}" out/gpu/b/dev.jsonl
-  CACHE=${SAMPLES_FROM:-out/draft-w2/cache}; S=""  # the shipped draft's distill cache, where this machine still has it
+  CACHE=${SAMPLES_FROM:-out/draft-rec/cache}; S=""  # the shipped draft's distill cache, where this machine still has it
   if [ -f "$CACHE/samples.jsonl" ]; then
     mkdir -p out/gpu/a/samples && cp "$CACHE"/*.jsonl out/gpu/a/samples/
     S=" SAMPLES=$KEEP/samples"
