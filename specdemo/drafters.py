@@ -171,8 +171,7 @@ class HybridDrafter(Drafter):
 
     A suffix match of at least `min_match` tokens is strong evidence (copying from the prompt, a list, code); there
     the lookup's copy costs nothing to draft, and it proposes up to k tokens. Elsewhere the model drafts, at most
-    `model_k` tokens (None: k; compare.hybrid_model_k chooses it from `verify_costs`, the measured cost of a verify
-    pass by width, and `draft_cost`, the model's measured cost per drafted token; both kept for reports). The choice
+    `model_k` tokens (None: k; hybrid.calibrate chooses it from this machine's measured costs). The choice
     depends only on the committed context, so each step still has one well-defined proposal distribution and
     rejection sampling stays exact. The model drafter must follow along when
     skipped: ModelDrafter catches up from `ids`, EagleDrafter keeps the target features of skipped passes pending.
@@ -180,12 +179,9 @@ class HybridDrafter(Drafter):
 
     name = "hybrid"
 
-    def __init__(self, model: Drafter, min_match: int = 3, model_k: int | None = None,
-                 verify_costs: dict[int, float] | None = None, draft_cost: float | None = None):
+    def __init__(self, model: Drafter, min_match: int = 3, model_k: int | None = None):
         self.model = model
         self.model_k = model_k
-        self.verify_costs = verify_costs or {}
-        self.draft_cost = draft_cost
         # a match of min_match tokens or more proposes up to k tokens; a shorter one proposes nothing
         self.lookup = NgramDrafter(min_ngram=min_match, full_ngram=min_match)
         self.needs_target_hidden = model.needs_target_hidden

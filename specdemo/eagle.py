@@ -8,7 +8,6 @@ never saved; the asset holds only the layer, the input projection and the subset
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -125,6 +124,8 @@ class EagleHead(nn.Module):
     predictions (drafting steps after the first) are already H wide.
     """
 
+    fast_linear = True  # the output head's product through specdemo.kernels on a float32 CPU (off: F.linear)
+
     def __init__(self, c: EagleConfig, embed: torch.Tensor, head: torch.Tensor, subset: torch.Tensor):
         super().__init__()
         self.c = c
@@ -180,7 +181,7 @@ class EagleHead(nn.Module):
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (..., S) logits over the subset."""
-        if kernels.enabled_for(features.device, features.dtype):
+        if self.fast_linear and kernels.enabled_for(features.device, features.dtype):
             return kernels.linear(features, self.head_weight)
         return features @ self.head_weight.T
 
@@ -253,7 +254,8 @@ def load_trained_draft(path: str | Path, target_loaded) -> EagleDrafter:
     head = build_head(model, tensors["subset"].long(), meta["config"].get("fuse_layers", ()),
                       meta["config"].get("num_layers", 1))
     head.load_state_dict({k: v for k, v in tensors.items()})
-    if kernels.enabled_for(head.subset.device, head.head_weight.dtype):
+    head.fast_linear = getattr(target_loaded, "fast_linear", True)  # the head's products follow the target's (config.Runtime)
+    if head.fast_linear and kernels.enabled_for(head.subset.device, head.head_weight.dtype):
         kernels.patch_linears(head)
     chain = meta.get("metrics", {}).get("chain") or []
     return EagleDrafter(head.eval(), min_confidence=float(meta.get("min_confidence", 0.0)),

@@ -6,7 +6,6 @@ and to hand each event its text delta. No UI code, no metrics beyond per-step ti
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -15,6 +14,7 @@ import torch
 from .config import MAX_K_ENGINE, GenerationConfig
 from .drafters import Drafter, DraftRequest, Verdict, crop_cache, with_cache
 from .text import IncrementalDetokenizer, find_stop
+from .timing import Clock
 from .verify import choose, greedy_accept, logits_to_probs, rejection_accept
 
 
@@ -45,28 +45,6 @@ class StepEvent:
     def rejected(self) -> list[int]:
         """Drafted tokens that were thrown away (the first one is replaced by `correction`)."""
         return self.drafted[self.num_accepted :]
-
-
-class _Clock:
-    """Accumulates compute time between `start` and `stop`; synchronizes CUDA so the numbers are real."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.total = 0.0
-        self._t0 = 0.0
-
-    def now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    def start(self) -> None:
-        self._t0 = self.now()
-
-    def stop(self) -> float:
-        dt = self.now() - self._t0
-        self.total += dt
-        return dt
 
 
 class _Committer:
@@ -177,7 +155,7 @@ def _new_cache(model):
 def autoregressive(target, tokenizer, prompt_ids: list[int], config: GenerationConfig) -> Iterator[StepEvent]:
     """Plain decoding with a KV cache: one target pass per token."""
     _check(prompt_ids, config)
-    clock = _Clock(target.device)
+    clock = Clock(target.device)
     gen = _generator(target.device, config.seed)
     out = _Committer(tokenizer, prompt_ids, config, eos_ids(target, tokenizer))
     cache = _new_cache(target)
@@ -199,7 +177,7 @@ def speculative(
 ) -> Iterator[StepEvent]:
     """Draft k tokens, verify them in one target pass, keep the agreed prefix plus the target's own next token."""
     _check(prompt_ids, config)
-    clock = _Clock(target.device)
+    clock = Clock(target.device)
     gen = _generator(target.device, config.seed)
     eos = eos_ids(target, tokenizer)
     out = _Committer(tokenizer, prompt_ids, config, eos)

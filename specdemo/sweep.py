@@ -1,12 +1,12 @@
 """The k sweep: autoregressive once per prompt, speculative at each k, measured speedups beside the theory.
 
 Shared by `python -m specdemo bench` and the app's "Tune k" tab. Knows decoders and metrics; no text, no UI.
+Pass costs are measured by specdemo.timing.
 Theory: Leviathan et al. 2023 (metrics.expected_speedup) with alpha fitted from the measured mean accepted length.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
@@ -16,12 +16,7 @@ from .compare import Pair, warmup
 from .config import MAX_K, GenerationConfig
 from .engine import StepEvent, autoregressive, encode_prompt, generated_ids, speculative
 from .metrics import RunStats, alpha_from_mean_accepted, best_k, expected_speedup, run_stats
-
-
-def sync(device: torch.device | str | None) -> None:
-    """Wait for queued GPU work, so that perf_counter readings mean something."""
-    if device is not None and torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+from .timing import timed_call, verify_costs_for
 
 
 @dataclass
@@ -43,19 +38,11 @@ class Run:
     def tokens(self) -> int:
         return self.events[-1].num_generated if self.events else 0
 
-    def ar_pass_seconds(self) -> float:
-        """Mean seconds of one 1-token target pass (autoregressive steps after the prefill)."""
-        steps = [e.verify_seconds for e in self.events if e.kind == "ar"]
-        return sum(steps) / len(steps) if steps else 0.0
 
 
 def timed(events: Iterator[StepEvent], device: torch.device | str | None = None) -> Run:
     """Drain a decoder, timing the whole call with the same clock as the transformers anchors."""
-    sync(device)
-    t0 = time.perf_counter()
-    out = list(events)
-    sync(device)
-    return Run(out, time.perf_counter() - t0)
+    return Run(*timed_call(lambda: list(events), device))
 
 
 def run_ar(pair: Pair, prompt_ids: list[int], config: GenerationConfig) -> Run:
@@ -136,45 +123,6 @@ def point(k: int, ar_runs: Sequence[Run], sd_runs: Sequence[Run]) -> SweepPoint:
     )
 
 
-def forward_costs(model, prompt_ids: list[int], widths: Sequence[int], repeats: int = 3) -> dict[int, float]:
-    """Seconds of a `w`-token forward after the prompt's cache, over a 1-token forward: {w: ratio}.
-
-    A (k+1)-token verify pass costs forward_costs[k+1]; on a GPU this is ~1, on a CPU it grows with w.
-    """
-    seconds = forward_seconds(model, prompt_ids, widths, repeats)
-    return {w: s / seconds[1] for w, s in seconds.items()}
-
-
-@torch.inference_mode()
-def forward_seconds(model, prompt_ids: list[int], widths: Sequence[int], repeats: int = 3) -> dict[int, float]:
-    """{w: the best seconds of a `w`-token forward after the prompt's cache} for each width and 1.
-
-    The widths take turns (a warm-up round, then `repeats` rounds of one pass each), so a slow spell of a shared
-    machine slows one pass of every width rather than all of one width's: measured one width after the other, a
-    hybrid load on a noisy 2-core machine timed a 3-token pass at 0.85x a 1-token one (1.10x in a quiet sitting)."""
-    from .drafters import crop_cache, with_cache
-    from .engine import _new_cache
-
-    device = next(model.parameters()).device
-    cache = _new_cache(model)
-    model(input_ids=torch.tensor([prompt_ids], device=device), **with_cache(model, cache), use_cache=True,
-          logits_to_keep=1)
-    n = len(prompt_ids)
-    order = sorted(set(widths) | {1})
-    seconds = {w: float("inf") for w in order}
-    for round_ in range(repeats + 1):  # round 0 warms up each shape and is not counted
-        for w in order:
-            x = torch.tensor([prompt_ids[-1:] * w], device=device)  # the content does not change the cost
-            sync(device)
-            t0 = time.perf_counter()
-            model(input_ids=x, **with_cache(model, cache), use_cache=True, logits_to_keep=w)
-            sync(device)
-            if round_:
-                seconds[w] = min(seconds[w], time.perf_counter() - t0)
-            crop_cache(cache, n)
-    return seconds
-
-
 def summarize(points: Sequence[SweepPoint], verify_costs: dict[int, float], k_max: int = MAX_K) -> Sweep:
     """Pool alpha and c over points and draw the theoretical curve for k = 1..k_max.
 
@@ -191,23 +139,6 @@ def summarize(points: Sequence[SweepPoint], verify_costs: dict[int, float], k_ma
         best_k=best_k(alpha, c, k_max, verify_costs),
         best_measured_k=max(points, key=lambda p: p.speedup).k if points else 1,
     )
-
-
-def verify_costs_for(model, prompt_ids: list[int], k_max: int = MAX_K, repeats: int = 2) -> dict[int, float]:
-    """{k: cost of a (k+1)-token pass / a 1-token pass} for k = 1..k_max (a micro-benchmark, see forward_costs).
-
-    Widths 2..5 are measured, wider ones at roughly doubling steps and interpolated linearly between them.
-    """
-    widths = sorted({w for w in (2, 3, 4, 5, 7, 9, 13, 17, 25, 33, 49, 65) if w <= k_max + 1} | {k_max + 1})
-    ratios = forward_costs(model, prompt_ids, widths, repeats)
-    known = sorted(ratios.items())
-    out = {}
-    for k in range(1, k_max + 1):
-        w = k + 1
-        lo = max((x for x in known if x[0] <= w), key=lambda x: x[0])
-        hi = min((x for x in known if x[0] >= w), key=lambda x: x[0])
-        out[k] = lo[1] if hi[0] == lo[0] else lo[1] + (hi[1] - lo[1]) * (w - lo[0]) / (hi[0] - lo[0])
-    return out
 
 
 def encode_all(pair: Pair, prompts: str | Sequence[str] | Sequence[list[int]], config: GenerationConfig) -> list[list[int]]:
@@ -269,3 +200,14 @@ def sweep(
         first = encode_all(pair, prompts, config)[0]
         costs = verify_costs_for(pair.target.model, first, max([k_max] + list(ks)))
     return summarize(points, costs, k_max)
+
+
+def iter_sweep_summaries(pair: Pair, prompts: str | Sequence[str] | Sequence[list[int]], ks: Sequence[int],
+                         config: GenerationConfig, k_max: int = MAX_K, do_warmup: bool = True,
+                         on_run: Callable[[str, int | None, int], None] | None = None) -> Iterator[Sweep]:
+    """The Sweep so far after each k, its theory drawn with each k's verify cost as measured in its own runs (no
+    micro-benchmark, so a live view can show every k as soon as it is done)."""
+    points: list[SweepPoint] = []
+    for p in iter_sweep(pair, prompts, ks, config, do_warmup, on_run):
+        points.append(p)
+        yield summarize(points, {q.k: q.verify_cost for q in points}, k_max)

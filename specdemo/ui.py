@@ -16,9 +16,9 @@ import gradio as gr
 import torch
 
 from . import charts
-from .compare import (DRAFTER_KINDS, describe_hybrid_cap, load_pair, result_dict, stream_pair, trained_draft_path,
-                      warmup)
-from .config import BUNDLED_ID, MAX_K, MIN_K, PRESETS, TRAINED_DRAFT_ID, GenerationConfig, SamplingConfig
+from .compare import load_pair, result_dict, stream_pair, trained_draft_path, warmup
+from .config import BUNDLED_ID, DRAFTER_KINDS, MAX_K, MIN_K, PRESETS, TRAINED_DRAFT_ID, GenerationConfig, SamplingConfig
+from .hybrid import describe_hybrid_cap
 from .engine import GenerationError, StepEvent, encode_prompt
 from .loading import BUNDLED_ALIASES, ModelLoadError, TokenizerMismatchError
 from .metrics import run_stats

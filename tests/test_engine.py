@@ -3,11 +3,9 @@
 import pytest
 import torch
 
-from specdemo.compare import hybrid_model_k, measured_hybrid
 from specdemo.config import GenerationConfig, SamplingConfig
 from specdemo.drafters import HybridDrafter, ModelDrafter, NgramDrafter, with_cache
 from specdemo.engine import GenerationError, autoregressive, encode_prompt, generated_ids, speculative
-from specdemo.loading import LoadedModel
 
 PROMPT = [3, 5, 7, 3, 5, 9, 2]
 
@@ -23,50 +21,6 @@ def make(kind, draft):
     if kind == "ngram":
         return NgramDrafter()
     return HybridDrafter(ModelDrafter(draft), min_match=2)
-
-
-def test_hybrid_caps_the_model_not_the_lookup(tiny_target, tiny_draft, tiny_tok):
-    """model_k=1: the draft model proposes one token per step, prompt lookup up to k; the output is the target's."""
-    config = GenerationConfig(max_new_tokens=60, num_draft_tokens=4)
-    prompt = [3, 5, 7, 9, 11, 3, 5, 7, 9, 11, 3, 5]
-    ar = generated_ids(run(autoregressive(tiny_target, tiny_tok, prompt, config)))
-    hybrid = HybridDrafter(ModelDrafter(tiny_draft), min_match=2, model_k=1)
-    widths = {"lookup": [], "model": []}
-    events = []
-    for event in speculative(tiny_target, tiny_tok, hybrid, prompt, config):
-        events.append(event)
-        if event.kind == "spec" and event.drafted:
-            widths[hybrid.last_source].append(len(event.drafted))
-    assert generated_ids(events) == ar
-    assert widths["model"] and max(widths["model"]) == 1
-    assert widths["lookup"] and max(widths["lookup"]) > 1
-
-
-def test_hybrid_model_k_follows_the_verify_costs():
-    """1 where a 3-token verify pass costs much more than a 2-token one (the 2-core CPU), k where it hardly does."""
-    assert hybrid_model_k({1: 1.0, 2: 1.07, 3: 1.30}) == 1  # this CPU, measured
-    assert hybrid_model_k({1: 1.0, 2: 1.01, 3: 1.02}) is None  # a GPU: a few more tokens are about free
-    # the break-even 3-token cost is 1.22 for the shipped draft's held-out chain (0.53, 0.30); below it the second
-    # token pays, unless the draft's second token is rarely accepted
-    assert hybrid_model_k({1: 1.0, 2: 1.07, 3: 1.20}) is None
-    assert hybrid_model_k({1: 1.0, 2: 1.07, 3: 1.20}, chain=(0.4, 0.1)) == 1
-    # a draft that costs a third of a target pass per token: its second token does not pay even where passes are free
-    assert hybrid_model_k({1: 1.0, 2: 1.01, 3: 1.02}, c=0.35) == 1
-
-
-def test_measured_hybrid_records_the_costs_it_chose_from(tiny_target, tiny_draft, tiny_tok):
-    """The cap comes from verify passes timed at load; the costs it used are kept for the benchmark report."""
-    target = LoadedModel("tiny", tiny_target, tiny_tok, torch.device("cpu"), torch.float32, "folder")
-    hybrid = measured_hybrid(ModelDrafter(tiny_draft), target, "tiny-draft", PROMPT)
-    assert set(hybrid.verify_costs) == {1, 2, 3} and hybrid.verify_costs[1] == 1.0
-    assert all(v > 0 for v in hybrid.verify_costs.values())
-    # the draft's own cost per token, timed in a short run: a 1-layer draft against a 2-layer target costs less
-    # than a target pass, and more than nothing
-    assert 0.0 < hybrid.draft_cost < 1.0
-    assert hybrid.model_k == hybrid_model_k(hybrid.verify_costs, c=hybrid.draft_cost)
-    # measured once per target and draft: a second hybrid reuses the costs rather than timing again
-    again = measured_hybrid(ModelDrafter(tiny_draft), target, "tiny-draft", PROMPT)
-    assert again.verify_costs is hybrid.verify_costs and again.draft_cost == hybrid.draft_cost
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
@@ -204,45 +158,3 @@ def test_bad_inputs_are_refused_with_clear_messages(tiny_target, tiny_tok):
         run(autoregressive(tiny_target, tiny_tok, PROMPT, GenerationConfig(sampling=SamplingConfig(1.0, top_p=0))))
 
 
-def test_prompt_lookup_match_rules():
-    """Longest suffix match wins; ties go to the earliest (default) or latest occurrence; short matches propose
-    at most their own length, and nothing is proposed past an EOS."""
-    from specdemo.config import SamplingConfig as S
-    from specdemo.drafters import DraftRequest
-
-    ids = [1, 2, 9, 4, 1, 2, 8, 5, 1, 2]
-    assert NgramDrafter().match(ids) == (2, 1)
-    assert NgramDrafter(latest=True).match(ids) == (2, 5)
-    request = lambda seq, k: DraftRequest(seq, k, S(), None, frozenset([0]))  # noqa: E731
-    assert NgramDrafter().propose(request(ids, 4)).tokens == [9, 4]  # a 2-token match proposes at most 2
-    longer = [7, 1, 2, 3, 6, 0, 5, 7, 1, 2, 3]
-    assert NgramDrafter().propose(request(longer, 4)).tokens == [6, 0]  # 3+ match: up to k, cut after EOS
-
-
-def test_the_cache_goes_by_the_keyword_the_forward_takes(tiny_target, tiny_tok):
-    """transformers 5.17 names the cache `past_key_values` and takes an unknown `cache=` into **kwargs (decoding with
-    no cache, silently); a forward that drops the cache it is given is refused with a clear message."""
-    from transformers import LlamaForCausalLM
-
-    class OldNames(LlamaForCausalLM):  # the forward of earlier transformers 5 releases
-        def forward(self, input_ids=None, past_key_values=None, use_cache=None, logits_to_keep=0, **kwargs):
-            return super().forward(input_ids=input_ids, **with_cache(tiny_target, past_key_values),  # the real name
-                                   use_cache=use_cache, logits_to_keep=logits_to_keep)
-
-    class DropsCache(LlamaForCausalLM):
-        def forward(self, input_ids=None, past_key_values=None, **kwargs):
-            return super().forward(input_ids=input_ids, **kwargs)
-
-    assert list(with_cache(OldNames(tiny_target.config), None)) == ["past_key_values"]
-    config = GenerationConfig(max_new_tokens=12, num_draft_tokens=3)
-    ar = generated_ids(run(autoregressive(tiny_target, tiny_tok, PROMPT, config)))
-    for cls in (OldNames, DropsCache):
-        model = cls(tiny_target.config).to(tiny_target.device).eval()
-        model.load_state_dict(tiny_target.state_dict())
-        model.generation_config.eos_token_id = 0
-        if cls is OldNames:
-            assert generated_ids(run(speculative(model, tiny_tok, NgramDrafter(), PROMPT, config))) == ar
-            assert generated_ids(run(autoregressive(model, tiny_tok, PROMPT, config))) == ar
-        else:
-            with pytest.raises(GenerationError, match="did not fill the KV cache"):
-                run(autoregressive(model, tiny_tok, PROMPT, config))

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from specdemo.compare import make_drafter
+from specdemo.config import Runtime
 from specdemo.loading import (
     ModelLoadError, TokenizerMismatchError, bundled_gguf_path, cache_root, check_tokenizers, load_model,
     parse_dtype, resolve_device,
@@ -34,10 +35,9 @@ def test_bundled_model_is_cached_after_conversion(bundled):
     assert bundled.model.config.num_hidden_layers == 30 and bundled.model.config.vocab_size == 49152
 
 
-def test_unknown_model_offline_says_hub_unreachable_and_lists_choices(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_unknown_model_offline_says_hub_unreachable_and_lists_choices():
     with pytest.raises(ModelLoadError) as err:
-        load_model("no-such-org/no-such-model")
+        load_model("no-such-org/no-such-model", runtime=Runtime(hub_offline=True))
     assert "unreachable" in str(err.value) and "smollm2-135m" in str(err.value)
 
 
@@ -56,3 +56,17 @@ def test_draft_model_with_other_tokenizer_is_refused(bundled, tiny_target, tiny_
     tiny_tok.save_pretrained(folder)
     with pytest.raises(TokenizerMismatchError, match="different tokenizers"):
         make_drafter(bundled, "model", str(folder), device="cpu")
+
+
+def test_runtime_switches_reach_the_loaded_model(tiny_target, tiny_tok, tmp_path):
+    """The fast CPU products are applied at load unless the runtime (the app's or CLI's environment) turns them off;
+    the loading module itself reads no environment."""
+    folder = tmp_path / "tiny"
+    tiny_target.save_pretrained(folder)
+    tiny_tok.save_pretrained(folder)
+    fast = load_model(str(folder), device="cpu")
+    plain = load_model(str(folder), device="cpu", runtime=Runtime(fast_linear=False))
+    assert fast is not plain and fast.fast_linear and not plain.fast_linear
+    assert getattr(fast.model.lm_head, "_specdemo_fast", False)
+    assert not getattr(plain.model.lm_head, "_specdemo_fast", False)
+    assert cache_root(Runtime(cache_dir=str(tmp_path))) == tmp_path

@@ -8,7 +8,7 @@ from specdemo.config import GenerationConfig
 from specdemo.drafters import ModelDrafter, NgramDrafter
 from specdemo.loading import LoadedModel
 from specdemo.metrics import best_k, expected_speedup
-from specdemo.sweep import SweepPoint, forward_costs, point, summarize, sweep
+from specdemo.sweep import SweepPoint, point, summarize, sweep
 
 PROMPTS = ["w3 w5 w7 w3 w5 w9 w2", "w1 w2 w3 w4 w1 w2 w3"]
 
@@ -72,30 +72,3 @@ def test_point_speedup_is_total_time_ratio(tiny_target, tiny_tok):
     assert p.speedup == pytest.approx(sum(r.wall_seconds for r in ar) / sum(r.wall_seconds for r in sd))
 
 
-def test_forward_costs_are_relative_to_one_token(tiny_target):
-    """forward_costs reports 1.0 for width 1 and leaves the cache usable (positive ratios for every width)."""
-    costs = forward_costs(tiny_target, [3, 5, 7, 3], [2, 5], repeats=1)
-    assert costs[1] == 1.0 and set(costs) == {1, 2, 5}
-    assert all(v > 0 for v in costs.values())
-
-
-def test_forward_costs_survive_a_slow_spell(tiny_target):
-    """The widths take turns, so a slow spell (here the first four passes after the prompt, 50 ms each) costs every
-    width one pass, not all the passes of the width measured first: timed one width after the other, the 1-token
-    passes all fell in it and the wider ones came out 'cheaper' than one token, as a noisy hybrid load once did."""
-    import time
-
-    calls = []
-
-    def slow_spell(module, args, kwargs):
-        calls.append(1)
-        if 2 <= len(calls) <= 5:  # call 1 fills the prompt's cache
-            time.sleep(0.05)
-
-    handle = tiny_target.register_forward_pre_hook(slow_spell, with_kwargs=True)
-    try:
-        costs = forward_costs(tiny_target, [3, 5, 7, 3], [2, 3], repeats=3)
-    finally:
-        handle.remove()
-    assert len(calls) == 1 + 4 * 3  # the prompt, then a warm-up round and 3 rounds of widths 1, 2, 3
-    assert all(0.3 < v < 3 for v in costs.values()), costs

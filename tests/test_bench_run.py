@@ -1,17 +1,19 @@
-"""The benchmark: prompt files, report keys and aggregates, honest transformers anchors, forward timing."""
+"""The benchmark run on tiny models: result rows, report keys and pooled aggregates, the anchors beside ours."""
 
 import json
 
 import pytest
 import torch
 
-from specdemo.bench import (ForwardTimer, assistant_k, bench_prompt, build_report, main, markdown, parse_ks,
-                            target_modules, write_outputs)
+from specdemo.bench.report import build_report, markdown, write_outputs
+from specdemo.bench.run import bench_prompt, parse_ks
+from specdemo.bench.timing import target_modules
 from specdemo.compare import Pair
 from specdemo.config import GenerationConfig
 from specdemo.drafters import ModelDrafter, NgramDrafter
 from specdemo.loading import LoadedModel
-from specdemo.prompts import PromptItem, read_prompts
+from specdemo.prompts import PromptItem
+from specdemo.timing import ForwardTimer
 
 REQUIRED_ROW = {"id", "category", "k", "ar_tokens_per_s", "sd_tokens_per_s", "speedup", "mean_accepted",
                 "acceptance_rate", "identical"}
@@ -34,18 +36,6 @@ def tiny_rows(pair, ks, anchors=True):
     finally:
         timers[0].remove()
     return rows, runs
-
-
-def test_read_prompts_both_shapes(tmp_path):
-    """`prompt` strings and MT-Bench `turns` lists (first turn) both read; blank lines skipped; limit honoured."""
-    path = tmp_path / "p.jsonl"
-    path.write_text('{"id": 7, "category": "chat", "prompt": "hello"}\n\n'
-                    '{"question_id": 81, "category": "writing", "turns": ["first turn", "second"]}\n'
-                    '{"prompt": "third"}\n')
-    items = read_prompts(path)
-    assert [(i.id, i.category, i.prompt) for i in items] == [
-        ("7", "chat", "hello"), ("81", "writing", "first turn"), ("4", "uncategorized", "third")]
-    assert len(read_prompts(path, limit=2)) == 2
 
 
 def test_parse_ks():
@@ -100,49 +90,3 @@ def test_assisted_anchor_rows(tiny_target, tiny_draft, tiny_tok):
     assert report["anchors"]["hf_assisted_speedup"] > 0 and report["anchors"]["hf_prompt_lookup_speedup"] is None
 
 
-def test_assistant_config_gives_constant_k(tiny_draft):
-    """assistant_k sets k, a constant schedule and no confidence stop where transformers reads them, then restores."""
-    from transformers import GenerationConfig as HFConfig
-    from transformers.generation.candidate_generator import AssistedCandidateGenerator
-
-    gc = tiny_draft.generation_config
-    before = (gc.num_assistant_tokens, gc.num_assistant_tokens_schedule, gc.assistant_confidence_threshold)
-    with assistant_k(tiny_draft, 3):
-        assert (gc.num_assistant_tokens, gc.num_assistant_tokens_schedule, gc.assistant_confidence_threshold) == (
-            3, "constant", 0.0)
-        gen = AssistedCandidateGenerator(torch.tensor([[1, 2, 3]]), tiny_draft, HFConfig(max_length=20), {})
-        assert gen.num_assistant_tokens == 3
-        assert not gen.assistant_generation_config.assistant_confidence_threshold
-        assert gen.assistant_generation_config.num_assistant_tokens_schedule == "constant"
-    assert (gc.num_assistant_tokens, gc.num_assistant_tokens_schedule, gc.assistant_confidence_threshold) == before
-
-
-def test_forward_timer_counts_nested_calls_once(tiny_target):
-    """A CausalLM call runs its base model and head inside; the timer counts one call."""
-    timer = ForwardTimer(target_modules(tiny_target))
-    try:
-        with torch.inference_mode():
-            tiny_target(input_ids=torch.tensor([[1, 2, 3]]))
-            tiny_target.model(input_ids=torch.tensor([[1, 2, 3]]))
-    finally:
-        timer.remove()
-    assert timer.calls == 2 and timer.seconds > 0
-    tiny_target(input_ids=torch.tensor([[1]]))
-    assert timer.calls == 2  # hooks removed
-
-
-def test_main_refuses_bad_k(capsys):
-    assert main(["--k", "0", "--limit", "1", "--out", "/nonexistent/never"]) == 2
-    assert "--k" in capsys.readouterr().err
-
-
-@pytest.mark.slow
-def test_bench_cli_on_the_bundled_model(tmp_path):
-    """The real CLI on 2 prompts: files written, greedy outputs identical, anchors present."""
-    assert main(["--limit", "2", "--max-new-tokens", "16", "--k", "2", "--anchors", "--out", str(tmp_path),
-                 "--quiet"]) == 0
-    report = json.loads((tmp_path / "bench.json").read_text())
-    assert len(report["results"]) == 2
-    assert report["overall"]["identical_fraction"] == 1.0
-    assert report["anchors"]["hf_generate_identical_fraction"] == 1.0
-    assert (tmp_path / "bench.md").exists() and (tmp_path / "bench.html").exists()

@@ -1,0 +1,93 @@
+"""`python -m specdemo bench` flags, turned once into a BenchConfig; the one-line summary. argv and the environment
+are read here (the flags' defaults come from BenchConfig and config.DRAFTER_KINDS)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from ..config import DRAFTER_KINDS, runtime_from_env
+from ..engine import GenerationError
+from ..loading import ModelLoadError, TokenizerMismatchError
+from .report import baseline_warning
+from .run import BenchConfig, run_bench
+
+D = BenchConfig()
+
+
+def parser() -> argparse.ArgumentParser:
+    from . import __doc__ as doc
+
+    p = argparse.ArgumentParser(prog="python -m specdemo bench", description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", default=D.prompts, help="JSONL prompt file (default: the in-repo dev set, %(default)s)")
+    p.add_argument("--limit", type=int, default=D.limit, help="only the first N prompts")
+    p.add_argument("--target", default=D.target)
+    p.add_argument("--draft", help="draft model id or folder (implies --drafter model unless hybrid is asked for)")
+    p.add_argument("--drafter", choices=DRAFTER_KINDS, default=D.drafter,
+                   help="'ngram' is prompt lookup (the default without --draft); 'model' uses --draft or the shipped "
+                        "trained draft; 'hybrid' is that draft with prompt lookup where the context repeats")
+    p.add_argument("--k", default=D.k, help="draft tokens per step: N, a list like 1,2,4,8, or 'auto'")
+    p.add_argument("--temperature", type=float, default=D.temperature, help="0 is greedy")
+    p.add_argument("--max-new-tokens", type=int, default=D.max_new_tokens)
+    p.add_argument("--seed", type=int, default=D.seed)
+    p.add_argument("--anchors", action="store_true", help="also time transformers' generate on the same inputs")
+    p.add_argument("--out", default=D.out, help="output folder for bench.json, bench.md, bench.html "
+                                                "(default %(default)s, git-ignored)")
+    p.add_argument("--device", default=D.device)
+    p.add_argument("--dtype", default=D.dtype)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--no-chat-template", action="store_true")
+    p.add_argument("--no-theory", action="store_true", help="skip the verify-cost micro-benchmark and theory curve")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def bench_config(args: argparse.Namespace, env=os.environ) -> BenchConfig:
+    """The flags as a BenchConfig (the only place a Namespace is read)."""
+    return BenchConfig(prompts=args.prompts, limit=args.limit, target=args.target, draft=args.draft,
+                       drafter=args.drafter, k=args.k, temperature=args.temperature,
+                       max_new_tokens=args.max_new_tokens, seed=args.seed, anchors=args.anchors, out=args.out,
+                       device=args.device, dtype=args.dtype, chat_template=not args.no_chat_template,
+                       theory=not args.no_theory, quiet=args.quiet, runtime=runtime_from_env(env))
+
+
+def summary_line(report: dict) -> str:
+    """Speedup, acceptance, identical outputs, the anchors and the overheads, in one line."""
+    o, a, ov = report["overall"], report.get("anchors") or {}, report.get("overhead") or {}
+    line = (f"speedup {o['speedup']:.2f}x  mean accepted {o['mean_accepted']:.2f}  acceptance {o['acceptance_rate']:.2f}"
+            f"  identical {o['identical_fraction']:.2f}")
+    if a:
+        line += f"  | AR/HF generate {a['ar_vs_hf_generate']:.3f}"
+        for n in ("hf_prompt_lookup", "hf_assisted"):
+            if a.get(f"{n}_speedup") is not None:
+                line += f"  {n} speedup {a[f'{n}_speedup']:.2f}x"
+    if "sd_ms_per_step" in ov:
+        line += f"  | overhead AR {ov['ar_ms_per_step']:.2f} ms/step, SD {ov['sd_ms_per_step']:.2f} ms/step"
+    return line
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not Path(args.prompts).exists():
+        print(f"error: the prompt file {args.prompts} does not exist", file=sys.stderr)
+        return 2
+    try:
+        report = run_bench(bench_config(args))
+    except (ModelLoadError, TokenizerMismatchError, GenerationError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(summary_line(report))
+    warning = baseline_warning(report.get("anchors") or {})
+    if warning:
+        print(warning.replace("**", ""), file=sys.stderr, end="")
+    print(f"wrote {Path(args.out) / 'bench.json'}, bench.md, bench.html")
+    return 0

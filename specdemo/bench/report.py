@@ -1,0 +1,280 @@
+"""The benchmark's report: pooled figures over result rows (overall, by category, by k, the anchors, overheads),
+and bench.json, bench.md and bench.html. Pure functions of the rows; nothing here runs a model."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from ..hybrid import describe_hybrid_cap
+from .timing import ratio
+
+log = logging.getLogger(__name__)
+
+HONEST_BASELINE = 0.95  # our AR loop's speed over generate's below which a report's speedups are not figures
+
+
+def aggregate(rows: list[dict]) -> dict:
+    """Pooled figures over result rows: speedup = total AR seconds / total SD seconds; acceptance over all drafts."""
+    ar_s = sum(r["ar_seconds"] for r in rows)
+    sd_s = sum(r["sd_seconds"] for r in rows)
+    steps = sum(r["steps"] for r in rows)
+    drafted = sum(r["drafted"] for r in rows)
+    out = {
+        "speedup": ratio(ar_s, sd_s),
+        "mean_accepted": ratio(sum(r["spec_tokens"] for r in rows), steps),
+        "acceptance_rate": ratio(sum(r["accepted"] for r in rows), drafted),
+        "identical_fraction": ratio(sum(bool(r["identical"]) for r in rows), len(rows)),
+        "ar_seconds": ar_s, "sd_seconds": sd_s,
+        "ar_tokens_per_s": ratio(sum(r["ar_tokens"] for r in rows), ar_s),
+        "sd_tokens_per_s": ratio(sum(r["sd_tokens"] for r in rows), sd_s),
+        "prompts": len(rows),
+    }
+    for name in ("hf_generate", "hf_assisted", "hf_prompt_lookup"):
+        have = [r for r in rows if f"{name}_seconds" in r]
+        if have and name != "hf_generate":
+            base = sum(r["hf_generate_seconds"] for r in have)
+            out[f"{name}_speedup"] = ratio(base, sum(r[f"{name}_seconds"] for r in have))
+            out[f"{name}_tokens_per_s"] = ratio(sum(r[f"{name}_tokens"] for r in have),
+                                                 sum(r[f"{name}_seconds"] for r in have))
+    return out
+
+
+def anchors_summary(rows: list[dict]) -> dict:
+    """The transformers comparisons, pooled over rows that have them."""
+    have = [r for r in rows if "hf_generate_seconds" in r]
+    if not have:
+        return {}
+    hf_s = sum(r["hf_generate_seconds"] for r in have)
+    hf_tok = sum(r["hf_generate_tokens"] for r in have)
+    ar_tps = ratio(sum(r["ar_tokens"] for r in have), sum(r["ar_seconds"] for r in have))
+    out = {
+        "hf_generate_tokens_per_s": ratio(hf_tok, hf_s),
+        "ar_tokens_per_s": ar_tps,
+        "ar_vs_hf_generate": ratio(ar_tps, ratio(hf_tok, hf_s)),
+        "hf_generate_identical_fraction": ratio(sum(bool(r["hf_generate_identical"]) for r in have), len(have)),
+        "hf_assisted_speedup": None,
+        "hf_prompt_lookup_speedup": None,
+    }
+    for name in ("hf_assisted", "hf_prompt_lookup"):
+        sub = [r for r in have if f"{name}_seconds" in r]
+        if sub:
+            base = sum(r["hf_generate_seconds"] for r in sub)
+            out[f"{name}_speedup"] = ratio(base, sum(r[f"{name}_seconds"] for r in sub))
+            out[f"{name}_tokens_per_s"] = ratio(sum(r[f"{name}_tokens"] for r in sub),
+                                                 sum(r[f"{name}_seconds"] for r in sub))
+            out[f"{name}_identical_fraction"] = ratio(sum(bool(r[f"{name}_identical"]) for r in sub), len(sub))
+            ours = aggregate(sub)
+            out[f"ours_vs_{name}_tokens_per_s"] = ratio(ours["sd_tokens_per_s"], out[f"{name}_tokens_per_s"])
+    return out
+
+
+def overhead_summary(rows: list[dict]) -> dict:
+    """Milliseconds per target pass spent outside every model forward, for each decoder measured."""
+    out = {}
+    for name in ("ar", "sd", "hf_generate", "hf_assisted", "hf_prompt_lookup"):
+        have = [r for r in rows if f"{name}_overhead_s" in r]
+        calls = sum(r[f"{name}_target_calls"] for r in have)
+        if have and calls:
+            out[f"{name}_ms_per_step"] = 1000 * sum(r[f"{name}_overhead_s"] for r in have) / calls
+            out[f"{name}_forward_fraction"] = ratio(
+                sum(r[f"{name}_target_forward_s"] + r.get(f"{name}_draft_forward_s", 0.0) for r in have),
+                sum(r[f"{name}_seconds"] for r in have))
+    sd = [r for r in rows if "sd_draft_logic_s" in r]
+    steps = sum(r["sd_target_calls"] for r in sd)
+    if steps:
+        out["sd_draft_logic_ms_per_step"] = 1000 * sum(r["sd_draft_logic_s"] for r in sd) / steps
+        out["sd_verify_logic_ms_per_step"] = 1000 * sum(r["sd_verify_logic_s"] for r in sd) / steps
+        out["sd_outside_engine_clock_ms_per_step"] = 1000 * sum(r["sd_outside_clock_s"] for r in sd) / steps
+    return out
+
+
+def build_report(config: dict, machine: dict, rows: list[dict], theory: dict | None = None) -> dict:
+    """The bench.json object from result rows."""
+    categories = sorted({r["category"] for r in rows}, key=[r["category"] for r in rows].index)
+    ks = sorted({r["k"] for r in rows})
+    report = {
+        "config": config,
+        "machine": machine,
+        "results": rows,
+        "by_category": {c: aggregate([r for r in rows if r["category"] == c]) for c in categories},
+        "by_k": {str(k): aggregate([r for r in rows if r["k"] == k]) for k in ks},
+        "overall": aggregate(rows),
+        "anchors": anchors_summary(rows),
+        "overhead": overhead_summary(rows),
+    }
+    if report["anchors"]:
+        report["anchors"]["by_category"] = {c: anchors_summary([r for r in rows if r["category"] == c])
+                                            for c in categories}
+        report["anchors"]["by_k"] = {str(k): anchors_summary([r for r in rows if r["k"] == k]) for k in ks}
+    if theory:
+        report["theory"] = theory
+    mism = [r["mismatch"] for r in rows if r.get("mismatch")]
+    if mism:
+        report["mismatch_top2_logit_gaps"] = [m["top2_logit_gap"] for m in mism]
+    return report
+
+
+def write_outputs(report: dict, out: Path) -> None:
+    """bench.json, bench.md and bench.html in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    (out / "bench.md").write_text(markdown(report), encoding="utf-8")
+    try:
+        (out / "bench.html").write_text(html(report), encoding="utf-8")
+    except ImportError:
+        log.warning("plotly is not installed; skipped bench.html")
+
+
+def _f(x, digits: int = 2) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_f(x) for x in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _hybrid_line(c: dict) -> str:
+    if "hybrid_model_k" not in c:
+        return ""
+    cap = describe_hybrid_cap(c["hybrid_model_k"], c.get("hybrid_verify_costs") or {}, c.get("hybrid_draft_cost"))
+    return f"; hybrid: {cap}"
+
+
+def baseline_warning(anchors: dict) -> str:
+    """A loud line when our autoregressive loop ran slower than transformers' generate on the same inputs."""
+    ratio = (anchors or {}).get("ar_vs_hf_generate")
+    if ratio is None or ratio >= HONEST_BASELINE:
+        return ""
+    return (f"**Baseline check failed:** our autoregressive loop ran at {ratio:.2f}× the speed of transformers' "
+            f"`generate` on the same inputs (at least {HONEST_BASELINE} is required), so this report's speedups are "
+            f"measured against a slow baseline and are not figures to report.\n")
+
+
+def markdown(report: dict) -> str:
+    """Markdown tables: overall, by category, by k, overhead, the transformers anchors, per prompt."""
+    cfg, mach, o = report["config"], report["machine"], report["overall"]
+    anchors = report.get("anchors") or {}
+    warning = baseline_warning(anchors)
+    c = {"target": "?", "drafter": "?", "draft": None, "k": "?", "temperature": "?", "max_new_tokens": "?",
+         "num_prompts": len(report["results"]), "prompts": "?", **cfg}
+    m = {"cpu": "?", "cores": "?", "torch_threads": "?", "device": "?", "dtype": "?", "torch": "?",
+         "transformers": "?", **mach}
+    parts = [
+        f"# Speculative decoding benchmark\n\n"
+        f"target `{c['target']}`, drafter `{c['drafter']}`{' (' + str(c['draft']) + ')' if c['draft'] else ''}, "
+        f"k = {c['k']}, temperature {c['temperature']}, {c['max_new_tokens']} new tokens, "
+        f"{c['num_prompts']} prompts from `{Path(str(c['prompts'])).name}`"
+        f"{_hybrid_line(c)}\n\n"
+        f"machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), "
+        f"{m['device']} {m['dtype']}, torch {m['torch']}, transformers {m['transformers']}; "
+        f"load average {_f((m.get('load_average_start') or [None])[0])} at start, "
+        f"{_f((m.get('load_average_end') or [None])[0])} at end\n\n"
+        f"Speedup = total autoregressive seconds / total speculative seconds (wall clock, perf_counter); "
+        f"mean accepted = tokens per verify pass, bonus included.\n",
+        *([warning] if warning else []),
+        "## Overall\n\n" + _table(
+            ["speedup", "AR tok/s", "SD tok/s", "mean accepted", "acceptance", "identical"],
+            [[o["speedup"], o["ar_tokens_per_s"], o["sd_tokens_per_s"], o["mean_accepted"], o["acceptance_rate"],
+              o["identical_fraction"]]]),
+    ]
+    anchor_cols = [n for n in ("hf_prompt_lookup", "hf_assisted") if anchors.get(f"{n}_speedup") is not None]
+    cat_rows = []
+    for c, a in report["by_category"].items():
+        cat_rows.append([c, a["prompts"], a["speedup"], *[a.get(f"{n}_speedup") for n in anchor_cols],
+                         a["mean_accepted"], a["acceptance_rate"], a["identical_fraction"]])
+    parts.append("## By category\n\n" + _table(
+        ["category", "rows", "speedup (ours)", *[f"speedup ({n})" for n in anchor_cols], "mean accepted",
+         "acceptance", "identical"], cat_rows))
+    theory = report.get("theory")
+    by_point = {p["k"]: p for p in theory["points"]} if theory else {}
+    k_rows = []
+    for k, a in report["by_k"].items():
+        p = by_point.get(int(k), {})
+        k_rows.append([k, a["speedup"], *[a.get(f"{n}_speedup") for n in anchor_cols], a["mean_accepted"],
+                       a["acceptance_rate"], p.get("alpha"), p.get("c"), p.get("verify_cost"),
+                       p.get("expected_speedup")])
+    parts.append("## By k\n\n" + _table(
+        ["k", "speedup (ours)", *[f"speedup ({n})" for n in anchor_cols], "mean accepted", "acceptance", "alpha",
+         "c", "verify cost", "theory speedup"], k_rows))
+    if theory:
+        parts.append(
+            f"Theory (Leviathan et al.): pooled alpha {theory['alpha']:.3f}, c {theory['c']:.3f}; best k "
+            f"{theory['best_k']} (measured best {theory['best_measured_k']}). Verify cost = seconds per verify step "
+            f"over seconds per autoregressive step, as measured in the runs; the curve uses a forward-pass "
+            f"micro-benchmark: " + ", ".join(f"k={k}: {v:.2f}" for k, v in list(theory["verify_costs"].items())[:8])
+            + ".\n")
+    if anchors:
+        rows = [["our AR tok/s / HF generate tok/s", anchors["ar_vs_hf_generate"]],
+                ["HF generate tok/s", anchors["hf_generate_tokens_per_s"]],
+                ["our AR tok/s", anchors["ar_tokens_per_s"]],
+                ["HF generate tokens identical to ours", anchors["hf_generate_identical_fraction"]]]
+        for n in anchor_cols:
+            rows += [[f"{n} speedup (over HF generate)", anchors[f"{n}_speedup"]],
+                     [f"{n} tok/s", anchors[f"{n}_tokens_per_s"]],
+                     [f"our SD tok/s / {n} tok/s", anchors[f"ours_vs_{n}_tokens_per_s"]],
+                     [f"{n} tokens identical to our AR", anchors[f"{n}_identical_fraction"]]]
+        parts.append("## transformers anchors (same ids, k, max_new_tokens, clock)\n\n" + _table(["", "value"], rows))
+    ov = report.get("overhead") or {}
+    if ov:
+        parts.append("## Per-step time outside model forwards\n\n" + _table(
+            ["measure", "ms per target pass"], [[k.replace("_ms_per_step", ""), v] for k, v in ov.items()
+                                                if k.endswith("_ms_per_step")])
+            + "\nForward fraction (time inside forwards / wall): " + ", ".join(
+                f"{k.replace('_forward_fraction', '')} {v:.3f}" for k, v in ov.items() if k.endswith("_forward_fraction"))
+            + "\n")
+    prompt_rows = [[r["id"], r["category"], r["k"], r["ar_tokens_per_s"], r["sd_tokens_per_s"], r["speedup"],
+                    r.get("hf_prompt_lookup_tokens_per_s", r.get("hf_assisted_tokens_per_s")),
+                    r["mean_accepted"], r["acceptance_rate"], r["identical"]] for r in report["results"]]
+    parts.append("## Per prompt\n\n" + _table(
+        ["id", "category", "k", "AR tok/s", "SD tok/s", "speedup", "HF assisted/PLD tok/s", "mean accepted",
+         "acceptance", "identical"], prompt_rows))
+    gaps = report.get("mismatch_top2_logit_gaps")
+    if gaps:
+        parts.append(f"Greedy mismatches: {len(gaps)}; target top-2 logit gaps at the first difference: "
+                     + ", ".join(f"{g:.4f}" for g in gaps) + "\n")
+    return "\n".join(parts)
+
+
+def html(report: dict) -> str:
+    """Plotly figures: speedup by category; speedup and acceptance against k beside the theoretical curve."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    anchors = report.get("anchors") or {}
+    cats = list(report["by_category"])
+    fig1 = go.Figure(go.Bar(name="ours", x=cats, y=[report["by_category"][c]["speedup"] for c in cats]))
+    for n in ("hf_prompt_lookup", "hf_assisted"):
+        if anchors.get(f"{n}_speedup") is not None:
+            fig1.add_bar(name=n, x=cats, y=[report["by_category"][c].get(f"{n}_speedup") for c in cats])
+    fig1.add_hline(y=1.0, line_dash="dot")
+    fig1.update_layout(title="Speedup by category (total AR time / total SD time)", barmode="group",
+                       yaxis_title="speedup")
+
+    fig2 = make_subplots(rows=1, cols=2, subplot_titles=("speedup vs k", "acceptance vs k"))
+    ks = [int(k) for k in report["by_k"]]
+    by_k = list(report["by_k"].values())
+    fig2.add_scatter(x=ks, y=[a["speedup"] for a in by_k], mode="markers+lines", name="measured", row=1, col=1)
+    theory = report.get("theory")
+    if theory:
+        tk = [int(k) for k in theory["theory"]]
+        fig2.add_scatter(x=tk, y=list(theory["theory"].values()), mode="lines", line_dash="dash",
+                         name=f"theory (alpha {theory['alpha']:.2f}, c {theory['c']:.2f})", row=1, col=1)
+    fig2.add_scatter(x=ks, y=[a["acceptance_rate"] for a in by_k], mode="markers+lines", name="acceptance rate",
+                     row=1, col=2)
+    fig2.add_scatter(x=ks, y=[a["mean_accepted"] for a in by_k], mode="markers+lines",
+                     name="mean accepted (tokens/pass)", row=1, col=2)
+    fig2.update_xaxes(title_text="k (draft tokens per step)")
+    body = fig1.to_html(full_html=False, include_plotlyjs=True) + fig2.to_html(full_html=False, include_plotlyjs=False)
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>specdemo bench</title></head><body>"
+            f"<h1>Speculative decoding benchmark</h1><pre>{json.dumps(report['overall'], indent=1)}</pre>{body}"
+            f"</body></html>\n")

@@ -1,0 +1,241 @@
+"""The benchmark run: load the pair once, warm every code path, then per prompt our autoregressive run, our
+speculative run at each k and the transformers anchors, one after the other (never sharing the hardware)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from ..compare import Pair, first_mismatch, load_pair, warmup
+from ..config import BUNDLED_ID, MAX_K, MAX_K_ENGINE, GenerationConfig, Runtime, SamplingConfig
+from ..engine import encode_prompt, eos_ids
+from ..prompts import DEFAULT_PROMPTS, PromptItem, read_prompts
+from ..sweep import point, run_ar, run_sd, summarize, sweep
+from ..timing import ForwardTimer, verify_costs_for
+from .anchors import assistant_k, hf_assistant, hf_generate, hf_kwargs, measure_hf
+from .report import build_report, write_outputs
+from .timing import drafter_modules, measure_ours, put, ratio, target_modules
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_KS = (1, 2, 3, 4, 6, 8)
+DEFAULT_OUT = "out/bench"  # git-ignored; reports cited by the docs are copied to bench/
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark run's settings (the CLI's flags, converted once)."""
+
+    prompts: str = str(DEFAULT_PROMPTS)
+    limit: int | None = None
+    target: str = BUNDLED_ID
+    draft: str | None = None
+    drafter: str | None = None  # None: "model" with a draft, else "ngram"
+    k: str = "4"  # N, a list like 1,2,4,8, or "auto"
+    temperature: float = 0.0
+    max_new_tokens: int = 128
+    seed: int = 0
+    anchors: bool = False
+    out: str = DEFAULT_OUT
+    device: str | None = None
+    dtype: str | None = None
+    chat_template: bool = True
+    theory: bool = True
+    quiet: bool = False
+    runtime: Runtime = Runtime()
+
+    @property
+    def drafter_kind(self) -> str:
+        return self.drafter or ("model" if self.draft else "ngram")
+
+
+def parse_ks(text: str) -> list[int] | str:
+    """'4' -> [4]; '1,2,4,8' -> [1, 2, 4, 8]; 'auto' -> 'auto'."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    ks = [int(x) for x in text.replace(" ", "").split(",") if x]
+    if not ks or any(not 1 <= k <= MAX_K_ENGINE for k in ks):
+        raise ValueError(f"--k must be 'auto' or integers in 1..{MAX_K_ENGINE}, got '{text}'")
+    return ks
+
+
+def machine_info(device: torch.device, dtype: torch.dtype) -> dict:
+    """CPU model, cores, threads, library versions, device and dtype."""
+    import transformers
+
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(), "python": platform.python_version(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    if hasattr(os, "getloadavg"):
+        info["load_average_start"] = list(os.getloadavg())
+    return info
+
+
+def bench_prompt(pair, item: PromptItem, prompt_ids: list[int], ks: list[int], config: GenerationConfig,
+                 timers, anchors: bool, runs: dict, progress=None) -> list[dict]:
+    """All runs for one prompt: AR once, SD per k, and the anchors; one result row per k.
+
+    runs[k] gets (ar_run, sd_run) appended, for the sweep module's per-k figures.
+    """
+    ar = measure_ours(lambda: run_ar(pair, prompt_ids, config), timers)
+    model, tok = pair.target.model, pair.target.tokenizer
+    kwargs = hf_kwargs(config.sampling, config.max_new_tokens, sorted(eos_ids(model, tok)))
+    hf = measure_hf(model, prompt_ids, kwargs, timers, config.seed) if anchors else None
+    rows = []
+    for k in ks:
+        k_config = replace(config, num_draft_tokens=k)
+        sd = measure_ours(lambda: run_sd(pair, prompt_ids, k_config), timers)
+        runs.setdefault(k, []).append((ar.run, sd.run))
+        s, a = sd.run.stats, ar.run.stats
+        spec = [e for e in sd.run.events if e.kind == "spec"]
+        row = {
+            "id": item.id, "category": item.category, "k": k,
+            "prompt_tokens": len(prompt_ids),
+            "ar_tokens_per_s": ratio(ar.tokens, ar.seconds), "sd_tokens_per_s": ratio(sd.tokens, sd.seconds),
+            "speedup": ratio(ar.seconds, sd.seconds),
+            "mean_accepted": s.mean_accepted, "acceptance_rate": s.acceptance_rate,
+            "identical": ar.ids == sd.ids,
+            "steps": s.steps, "drafted": s.drafted, "accepted": s.accepted,
+            "spec_tokens": sum(len(e.tokens) for e in spec),
+            "accepted_histogram": s.accepted_histogram,
+            "draft_seconds": s.draft_seconds, "verify_seconds": s.verify_seconds,
+            "ar_engine_seconds": a.seconds, "sd_engine_seconds": s.seconds,
+        }
+        put(row, "ar", ar)
+        put(row, "sd", sd)
+        # where the non-forward time of a speculative run goes
+        row["sd_draft_logic_s"] = max(0.0, s.draft_seconds - sd.draft_forward_s)
+        row["sd_outside_clock_s"] = max(0.0, sd.seconds - s.seconds)  # generator setup, outside the engine clock
+        # acceptance, cache rollback, drafter.update, detokenization (the rest of the non-forward time)
+        row["sd_verify_logic_s"] = max(0.0, sd.overhead_s - row["sd_draft_logic_s"] - row["sd_outside_clock_s"])
+        if config.sampling.greedy and not row["identical"]:
+            row["mismatch"] = first_mismatch(pair.target, prompt_ids, ar.ids, sd.ids)
+        if hf is not None:
+            put(row, "hf_generate", hf, ar.ids)
+            run_anchors(row, pair, prompt_ids, kwargs, k, timers, config.seed, ar.ids)
+        rows.append(row)
+        if progress is not None:
+            progress.update(1)
+    return rows
+
+
+def run_anchors(row: dict, pair: Pair, prompt_ids: list[int], kwargs: dict, k: int, timers, seed: int,
+                reference: list[int]) -> None:
+    """transformers' own speculative decoding at the same k: prompt lookup for our lookup, assisted generation with
+    the same draft model for ours (none for a drafter generate() cannot use, such as the EAGLE head)."""
+    model = pair.target.model
+    if pair.drafter_kind == "ngram":
+        put(row, "hf_prompt_lookup", measure_hf(model, prompt_ids, {**kwargs, "prompt_lookup_num_tokens": k}, timers,
+                                                seed), reference)
+    elif (assistant := hf_assistant(pair)) is not None:
+        with assistant_k(assistant, k):
+            m = measure_hf(model, prompt_ids, {**kwargs, "assistant_model": assistant}, timers, seed)
+        put(row, "hf_assisted", m, reference)
+
+
+def calibrate_k(pair: Pair, prompts: list[list[int]], config: GenerationConfig, k_max: int = MAX_K) -> tuple[int, dict]:
+    """--k auto: a short sweep on a few prompts, then metrics.best_k with measured verify costs."""
+    short = replace(config, max_new_tokens=min(config.max_new_tokens, 48))
+    result = sweep(pair, prompts[:3], CALIBRATION_KS, short, k_max=k_max, do_warmup=False)
+    return result.best_k, result.as_dict()
+
+
+def warm(pair: Pair, prompt_ids: list[int], config: GenerationConfig, ks: list[int], anchors: bool) -> None:
+    """Untimed runs of every code path before the clock starts."""
+    for k in sorted(set(ks)):
+        warmup(pair, prompt_ids, replace(config, num_draft_tokens=k))
+    if anchors:
+        model, tok = pair.target.model, pair.target.tokenizer
+        kwargs = hf_kwargs(config.sampling, 4, sorted(eos_ids(model, tok)))
+        hf_generate(model, prompt_ids, kwargs)
+        if pair.drafter_kind == "ngram":
+            hf_generate(model, prompt_ids, {**kwargs, "prompt_lookup_num_tokens": ks[0]})
+        elif (assistant := hf_assistant(pair)) is not None:
+            with assistant_k(assistant, ks[0]):
+                hf_generate(model, prompt_ids, {**kwargs, "assistant_model": assistant})
+
+
+def run_bench(bc: BenchConfig) -> dict:
+    """Load once, warm up, run every prompt, return the report (also written to bc.out)."""
+    from tqdm.auto import tqdm
+
+    items = read_prompts(bc.prompts, bc.limit)
+    if not items:
+        raise ValueError(f"no prompts in {bc.prompts}")
+    ks = parse_ks(bc.k)
+    kind = bc.drafter_kind
+    if kind == "ngram" and bc.draft:
+        raise ValueError("--draft names a draft model, but --drafter ngram (prompt lookup) uses none")
+    config = GenerationConfig(max_new_tokens=bc.max_new_tokens, sampling=SamplingConfig(bc.temperature),
+                              seed=bc.seed, use_chat_template=bc.chat_template)
+    config.validate()
+    pair = load_pair(bc.target, kind, bc.draft, bc.device, bc.dtype, runtime=bc.runtime)
+    tok = pair.target.tokenizer
+    prompt_ids = [encode_prompt(tok, it.prompt, config.use_chat_template) for it in items]
+    calibration = None
+    if ks == "auto":
+        warm(pair, prompt_ids[0], config, list(CALIBRATION_KS), False)
+        best, calibration = calibrate_k(pair, prompt_ids, config)
+        ks = [best]
+        log.info("calibrated k = %d", best)
+    warm(pair, prompt_ids[0], config, ks, bc.anchors)
+
+    device = pair.target.device
+    draft_mods = list({id(m): m for m in drafter_modules(pair.drafter)}.values())  # an assistant is one of these
+    timers = (ForwardTimer(target_modules(pair.target.model), device),
+              ForwardTimer(draft_mods, device) if draft_mods else None)
+    machine = machine_info(device, pair.target.dtype)
+    rows: list[dict] = []
+    runs: dict[int, list] = {}
+    try:
+        with tqdm(total=len(items) * len(ks), desc="bench", file=sys.stderr, disable=bc.quiet) as bar:
+            for item, ids in zip(items, prompt_ids):
+                rows += bench_prompt(pair, item, ids, ks, config, timers, bc.anchors, runs, bar)
+    finally:
+        for t in timers:
+            if t:
+                t.remove()
+    if hasattr(os, "getloadavg"):
+        machine["load_average_end"] = list(os.getloadavg())
+
+    theory = None
+    if bc.theory:
+        # the sweep module's view of the same runs: per-k alpha, c, verify cost, and the expected-speedup curve
+        k_max = max([MAX_K] + ks)
+        points = [point(k, [a for a, _ in runs[k]], [s for _, s in runs[k]]) for k in ks]
+        theory = summarize(points, verify_costs_for(pair.target.model, prompt_ids[0], k_max), k_max).as_dict()
+    cfg = {
+        "prompts": str(bc.prompts), "limit": bc.limit, "num_prompts": len(items), "target": pair.target.name,
+        "drafter": kind, "draft": pair.draft_name, "k": ks, "k_arg": bc.k, "temperature": bc.temperature,
+        "max_new_tokens": bc.max_new_tokens, "seed": bc.seed, "anchors": bc.anchors,
+        "chat_template": config.use_chat_template,
+        "speedup": "total autoregressive seconds / total speculative seconds, wall clock around each run",
+        "mean_accepted": "tokens per verify pass, bonus/correction included",
+        "overhead": "wall seconds outside every target/draft forward call, per target forward call",
+    }
+    if calibration:
+        cfg["calibration"] = calibration
+    if pair.calibration is not None:  # what the hybrid model's cap was chosen from (hybrid.calibrate)
+        cfg.update(pair.calibration.as_dict())
+    report = build_report(cfg, machine, rows, theory)
+    write_outputs(report, Path(bc.out))
+    return report

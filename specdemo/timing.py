@@ -1,0 +1,145 @@
+"""Every clock in the project: the decoders' compute clock, wall time around a call, forward-pass hooks, and the
+forward-pass cost measurements (verify cost by width) that compare, sweep, bench and the hybrid calibration share.
+
+All readings are `time.perf_counter` after a CUDA synchronise, so queued GPU work is counted where it ran.
+Knows models only as callables with a KV cache; no decoding, no metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch
+
+from .config import MAX_K
+from .drafters import crop_cache, with_cache
+
+T = TypeVar("T")
+
+
+def sync(device: torch.device | str | None) -> None:
+    """Wait for queued GPU work, so that perf_counter readings mean something."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def now(device: torch.device | str | None = None) -> float:
+    """perf_counter after the device's queued work is done."""
+    sync(device)
+    return time.perf_counter()
+
+
+class Clock:
+    """Accumulates compute time between `start` and `stop`; the decoders stop it before each `yield`, so time spent
+    by whoever consumes their events (a UI, a benchmark) is never counted."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.total = 0.0
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        self._t0 = now(self.device)
+
+    def stop(self) -> float:
+        dt = now(self.device) - self._t0
+        self.total += dt
+        return dt
+
+
+def timed_call(fn: Callable[[], T], device: torch.device | str | None = None) -> tuple[T, float]:
+    """(fn(), wall seconds around it), synchronised on both sides."""
+    t0 = now(device)
+    out = fn()
+    return out, now(device) - t0
+
+
+class ForwardTimer:
+    """Seconds spent inside a model's outermost forward calls, and how many calls; hooks on the given modules.
+
+    Nested calls (CausalLM -> base model -> lm_head) count once, so hooking every entry point is safe.
+    """
+
+    def __init__(self, modules: Sequence[torch.nn.Module], device: torch.device | str | None = None):
+        self.device = device
+        self.seconds = 0.0
+        self.calls = 0
+        self._depth = 0
+        self._t0 = 0.0
+        self._handles = []
+        for m in modules:
+            self._handles.append(m.register_forward_pre_hook(self._enter))
+            self._handles.append(m.register_forward_hook(self._exit))
+
+    def _enter(self, module, args) -> None:
+        if self._depth == 0:
+            self._t0 = now(self.device)
+        self._depth += 1
+
+    def _exit(self, module, args, output) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self.seconds += now(self.device) - self._t0
+            self.calls += 1
+
+    def read(self) -> tuple[float, int]:
+        return self.seconds, self.calls
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+@torch.inference_mode()
+def forward_seconds(model, prompt_ids: list[int], widths: Sequence[int], repeats: int = 3) -> dict[int, float]:
+    """{w: the best seconds of a `w`-token forward after the prompt's cache} for each width and 1.
+
+    The widths take turns (a warm-up round, then `repeats` rounds of one pass each), so a slow spell of a shared
+    machine slows one pass of every width rather than all of one width's: measured one width after the other, a
+    hybrid load on a noisy 2-core machine timed a 3-token pass at 0.85x a 1-token one (1.10x in a quiet sitting)."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.tensor([prompt_ids], device=device), **with_cache(model, cache), use_cache=True,
+          logits_to_keep=1)
+    n = len(prompt_ids)
+    order = sorted(set(widths) | {1})
+    seconds = {w: float("inf") for w in order}
+    for round_ in range(repeats + 1):  # round 0 warms up each shape and is not counted
+        for w in order:
+            x = torch.tensor([prompt_ids[-1:] * w], device=device)  # the content does not change the cost
+            _, dt = timed_call(lambda: model(input_ids=x, **with_cache(model, cache), use_cache=True,
+                                              logits_to_keep=w), device)
+            if round_:
+                seconds[w] = min(seconds[w], dt)
+            crop_cache(cache, n)
+    return seconds
+
+
+def forward_costs(model, prompt_ids: list[int], widths: Sequence[int], repeats: int = 3) -> dict[int, float]:
+    """Seconds of a `w`-token forward after the prompt's cache, over a 1-token forward: {w: ratio}.
+
+    A (k+1)-token verify pass costs forward_costs[k+1]; on a GPU this is ~1, on a CPU it grows with w.
+    """
+    seconds = forward_seconds(model, prompt_ids, widths, repeats)
+    return {w: s / seconds[1] for w, s in seconds.items()}
+
+
+def verify_costs_for(model, prompt_ids: list[int], k_max: int = MAX_K, repeats: int = 2) -> dict[int, float]:
+    """{k: cost of a (k+1)-token pass / a 1-token pass} for k = 1..k_max (a micro-benchmark, see forward_costs).
+
+    Widths 2..5 are measured, wider ones at roughly doubling steps and interpolated linearly between them.
+    """
+    widths = sorted({w for w in (2, 3, 4, 5, 7, 9, 13, 17, 25, 33, 49, 65) if w <= k_max + 1} | {k_max + 1})
+    known = sorted(forward_costs(model, prompt_ids, widths, repeats).items())
+    out = {}
+    for k in range(1, k_max + 1):
+        w = k + 1
+        lo = max((x for x in known if x[0] <= w), key=lambda x: x[0])
+        hi = min((x for x in known if x[0] >= w), key=lambda x: x[0])
+        out[k] = lo[1] if hi[0] == lo[0] else lo[1] + (hi[1] - lo[1]) * (w - lo[0]) / (hi[0] - lo[0])
+    return out

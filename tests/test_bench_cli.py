@@ -1,0 +1,42 @@
+"""`python -m specdemo bench` from the command line: flags, defaults, errors, and a real run."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from specdemo.bench import main
+from specdemo.bench.cli import bench_config, parser
+from specdemo.config import DRAFTER_KINDS
+from specdemo.prompts import DEFAULT_PROMPTS
+
+
+def test_defaults_come_from_the_config_and_need_nothing_outside_the_repository():
+    """With no flags: the in-repo prompt set, a git-ignored output folder, the drafters config knows."""
+    args = parser().parse_args([])
+    bc = bench_config(args, env={})
+    assert Path(bc.prompts) == DEFAULT_PROMPTS and DEFAULT_PROMPTS.exists()
+    assert Path(__file__).resolve().parent.parent in DEFAULT_PROMPTS.resolve().parents  # inside the repository
+    assert bc.out == "out/bench"
+    ignored = subprocess.run(["git", "check-ignore", "-q", "out/bench/bench.json"], cwd=Path(__file__).parent.parent)
+    assert ignored.returncode == 0
+    assert parser()._option_string_actions["--drafter"].choices == DRAFTER_KINDS
+    assert bench_config(args, env={"SPECDEMO_FAST_LINEAR": "0"}).runtime.fast_linear is False
+
+
+def test_main_refuses_bad_k(capsys):
+    assert main(["--k", "0", "--limit", "1", "--out", "/nonexistent/never"]) == 2
+    assert "--k" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_cli_on_the_bundled_model(tmp_path):
+    """The real CLI on 2 prompts: files written, greedy outputs identical, anchors present."""
+    assert main(["--limit", "2", "--max-new-tokens", "16", "--k", "2", "--anchors", "--out", str(tmp_path),
+                 "--quiet"]) == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert len(report["results"]) == 2
+    assert report["overall"]["identical_fraction"] == 1.0
+    assert report["anchors"]["hf_generate_identical_fraction"] == 1.0
+    assert (tmp_path / "bench.md").exists() and (tmp_path / "bench.html").exists()

@@ -1,0 +1,81 @@
+"""The clocks: the decoders' compute clock, forward hooks, and the pass-cost micro-benchmark."""
+
+import torch
+
+from specdemo import timing
+from specdemo.bench.timing import target_modules
+from specdemo.timing import Clock, ForwardTimer, forward_costs, verify_costs_for
+
+
+def test_forward_costs_are_relative_to_one_token(tiny_target):
+    """forward_costs reports 1.0 for width 1 and leaves the cache usable (positive ratios for every width)."""
+    costs = forward_costs(tiny_target, [3, 5, 7, 3], [2, 5], repeats=1)
+    assert costs[1] == 1.0 and set(costs) == {1, 2, 5}
+    assert all(v > 0 for v in costs.values())
+
+
+def test_forward_costs_survive_a_slow_spell(tiny_target):
+    """The widths take turns, so a slow spell (here the first four passes after the prompt, 50 ms each) costs every
+    width one pass, not all the passes of the width measured first: timed one width after the other, the 1-token
+    passes all fell in it and the wider ones came out 'cheaper' than one token, as a noisy hybrid load once did."""
+    import time
+
+    calls = []
+
+    def slow_spell(module, args, kwargs):
+        calls.append(1)
+        if 2 <= len(calls) <= 5:  # call 1 fills the prompt's cache
+            time.sleep(0.05)
+
+    handle = tiny_target.register_forward_pre_hook(slow_spell, with_kwargs=True)
+    try:
+        costs = forward_costs(tiny_target, [3, 5, 7, 3], [2, 3], repeats=3)
+    finally:
+        handle.remove()
+    assert len(calls) == 1 + 4 * 3  # the prompt, then a warm-up round and 3 rounds of widths 1, 2, 3
+    assert all(0.3 < v < 3 for v in costs.values()), costs
+def test_forward_timer_counts_nested_calls_once(tiny_target):
+    """A CausalLM call runs its base model and head inside; the timer counts one call."""
+    timer = ForwardTimer(target_modules(tiny_target))
+    try:
+        with torch.inference_mode():
+            tiny_target(input_ids=torch.tensor([[1, 2, 3]]))
+            tiny_target.model(input_ids=torch.tensor([[1, 2, 3]]))
+    finally:
+        timer.remove()
+    assert timer.calls == 2 and timer.seconds > 0
+    tiny_target(input_ids=torch.tensor([[1]]))
+    assert timer.calls == 2  # hooks removed
+
+
+def test_clock_counts_only_between_start_and_stop(monkeypatch):
+    """The decoders' clock adds up start..stop spans; time outside them (a consumer at a `yield`) is not counted."""
+    readings = iter([10.0, 10.5, 99.0, 99.25])  # start, stop, (a long pause), start, stop
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(readings))
+    clock = Clock(torch.device("cpu"))
+    clock.start()
+    assert clock.stop() == 0.5
+    clock.start()
+    assert clock.stop() == 0.25
+    assert clock.total == 0.75
+
+
+def test_timed_call_returns_the_result_and_its_wall_time(monkeypatch):
+    readings = iter([1.0, 3.5])
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(readings))
+    assert timing.timed_call(lambda: "done") == ("done", 2.5)
+
+
+def test_verify_costs_interpolate_between_measured_widths(monkeypatch):
+    """Widths 2..5 are measured, wider ones at doubling steps; k between them is interpolated linearly."""
+    measured = {}
+
+    def fake_costs(model, prompt_ids, widths, repeats):
+        measured["widths"] = list(widths)
+        return {1: 1.0, **{w: 1.0 + 0.1 * (w - 1) for w in widths}}  # linear in width
+
+    monkeypatch.setattr(timing, "forward_costs", fake_costs)
+    costs = verify_costs_for(None, [1, 2], k_max=8)
+    assert measured["widths"] == [2, 3, 4, 5, 7, 9]
+    assert sorted(costs) == list(range(1, 9))
+    assert all(abs(costs[k] - (1.0 + 0.1 * k)) < 1e-9 for k in costs)  # k + 1 tokens: 1 + 0.1 k, even where interpolated
