@@ -5,6 +5,8 @@ SPECDEMO_MODEL_ALLOWLIST comma-separated model ids users may load (default: any;
 SPECDEMO_DEVICE          cpu, cuda, ... (default: CUDA when present)
 SPECDEMO_CONCURRENCY     concurrent handlers (default 4; timed runs still take turns on the hardware)
 SPECDEMO_QUEUE_SIZE      requests waiting in the queue (default 32)
+SPECDEMO_CACHE, SPECDEMO_FAST_LINEAR, SPECDEMO_CUDNN_SDPA, HF_HUB_OFFLINE, HF_ENDPOINT: the loading Runtime, read by
+                         config.runtime_from_env(os.environ) here and passed to the handlers, which give it to load_pair
 GRADIO_SERVER_NAME / GRADIO_SERVER_PORT are read by Gradio itself. trust_remote_code is never enabled.
 """
 
@@ -13,7 +15,9 @@ from __future__ import annotations
 import logging
 import os
 
-from specdemo.ui import AppLimits, build_demo, launch_options
+from specdemo.config import runtime_from_env
+from specdemo.handlers import AppLimits
+from specdemo.ui import build_demo, launch_options
 
 
 def limits_from_env(env=os.environ) -> AppLimits:
@@ -34,7 +38,7 @@ def zero_gpu():
 
 def make_app(env=os.environ):
     """The queued Blocks, ready to launch."""
-    demo = build_demo(limits_from_env(env), gpu=zero_gpu())
+    demo = build_demo(limits_from_env(env), runtime_from_env(env), gpu=zero_gpu())
     return demo.queue(default_concurrency_limit=int(env.get("SPECDEMO_CONCURRENCY", "4")),
                       max_size=int(env.get("SPECDEMO_QUEUE_SIZE", "32")))
 
