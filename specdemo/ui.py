@@ -109,8 +109,8 @@ def build_demo(limits: AppLimits = AppLimits(), runtime: Runtime = Runtime(),
             with gr.Row():
                 tokens_plot = gr.Plot(label="tokens vs time")
                 speedup_plot = gr.Plot(label="running speedup")
-                hist_plot = gr.Plot(label="accepted length")
-            result_json = gr.JSON(label="result (same keys as `python -m specdemo generate --json`)")
+                hist_plot = gr.Plot(label="accepted drafts per step")
+            result_json = gr.JSON(label="result (same keys as `python -m specdemo generate --json`)", elem_id="result")
             segments_state = gr.State([])
         with gr.Tab("Tune k"):
             gr.Markdown("Sweeps k on the current prompt and settings: one autoregressive baseline, then one "
