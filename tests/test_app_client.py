@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from specdemo.config import Runtime
+from specdemo.handlers import AppLimits, Handlers
 from specdemo.ui import EXAMPLES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,6 +23,18 @@ RESULT_KEYS = {"target", "draft", "drafter", "k", "dynamic_k", "temperature", "t
                "dtype", "ar", "sd", "speedup", "identical"}
 
 pytestmark = pytest.mark.slow
+
+
+def test_app_reads_the_environment_and_hands_it_to_the_handlers():
+    """make_app builds AppLimits and config.Runtime from the env it is given; the handlers hold exactly those."""
+    import app
+
+    env = {"SPECDEMO_MAX_NEW_TOKENS": "64", "SPECDEMO_MODEL_ALLOWLIST": "org/a, org/b", "SPECDEMO_DEVICE": "cpu",
+           "SPECDEMO_CACHE": "/nowhere", "SPECDEMO_FAST_LINEAR": "0"}
+    demo = app.make_app(env)
+    (h,) = {fn.fn.__self__ for fn in demo.fns.values() if isinstance(getattr(fn.fn, "__self__", None), Handlers)}
+    assert h.limits == AppLimits(max_new_tokens=64, allowlist=("org/a", "org/b"), device="cpu")
+    assert h.runtime == Runtime(cache_dir="/nowhere", fast_linear=False)
 
 
 def free_port() -> int:
