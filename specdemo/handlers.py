@@ -53,8 +53,14 @@ class AppLimits:
 
 # ---- the components the handlers update, built by ui.build_demo; field order is each event's outputs order ----
 
+class _Ordered:
+    def order(self) -> list[Component]:
+        """The components in field order: the event's outputs list."""
+        return [getattr(self, f.name) for f in fields(self)]
+
+
 @dataclass(frozen=True)
-class RaceOutputs:
+class RaceOutputs(_Ordered):
     """The Race tab, in the /compare event's outputs order (API clients read result_json as outputs[7])."""
 
     ar_html: Component
@@ -67,21 +73,15 @@ class RaceOutputs:
     result_json: Component
     segments_state: Component  # the finished run's segments, so hiding rejected drafts needs no new run
 
-    def order(self) -> list[Component]:
-        return [getattr(self, f.name) for f in fields(self)]
-
 
 @dataclass(frozen=True)
-class SweepOutputs:
+class SweepOutputs(_Ordered):
     """The Tune-k tab, in the /sweep_k event's outputs order."""
 
     plot: Component
     table: Component  # status line, then the sweep table
     best: Component  # state: the best measured k, for the apply button
     apply: Component  # the "Use best k" button
-
-    def order(self) -> list[Component]:
-        return [getattr(self, f.name) for f in fields(self)]
 
 
 @dataclass(frozen=True)
