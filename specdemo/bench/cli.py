@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(summary_line(report))
+    for f in (report["config"].get("vllm") or {}).get("failed") or []:
+        print(f"warning: vLLM {f['name']} (k = {f['k']}) failed: {f['error']}", file=sys.stderr)
     warning = baseline_warning(report.get("anchors") or {})
     if warning:
         print(warning.replace("**", ""), file=sys.stderr, end="")

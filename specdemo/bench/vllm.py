@@ -112,7 +112,7 @@ def driver_env(options: VllmOptions, env: Mapping[str, str]) -> dict[str, str]:
 def run_driver(python: Path, request: dict, workdir: Path, env: Mapping[str, str], timeout_s: float) -> dict:
     """Run the driver to completion (its engines exit before this returns); its log goes to workdir/vllm.log."""
     workdir.mkdir(parents=True, exist_ok=True)
-    req, res, log_path = workdir / "vllm_request.json", workdir / "vllm_result.json", workdir / "vllm.log"
+    req, res, log_path = workdir / "request.json", workdir / "result.json", workdir / "vllm.log"
     req.write_text(json.dumps(request))
     res.unlink(missing_ok=True)
     with open(log_path, "w") as fh:
@@ -186,7 +186,7 @@ def run_vllm(rows: list[dict], target: LoadedModel, prompts: list[tuple[str, lis
     log.info("vLLM: %d engines (%s) on %d prompts; each loads for about a minute", len(methods),
              ", ".join(m["name"] + (f"@k={m['k']}" if m["k"] else "") for m in methods), len(prompts))
     load_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    result = run_driver(python, request, workdir, driver_env(options, env), options.timeout_s)
+    result = run_driver(python, request, workdir / "vllm", driver_env(options, env), options.timeout_s)
     load_end = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     failed = attach(rows, result, ours, mismatch)
     return {"python": str(python), "model": request["model"], "machine": result.get("machine", {}),
