@@ -166,4 +166,16 @@ stage bench_hybrid 70 "${B[@]}" --drafter hybrid --k 8 --out "$R/bench-hybrid"
 [ -f "$R/draft-cuda/eagle_config.json" ] && \
   stage bench_cuda_draft 70 "${B[@]}" --draft "$R/draft-cuda" --k 1,2 --out "$R/bench-cuda-draft"
 stage bench_fp32 70 "${B[@]}" --drafter model --k 3 --dtype fp32 --out "$R/bench-draft-fp32"  # greedy without bf16 ties
+# --- stage: vllm (issue 32) ---
+# vLLM's plain and ngram decoding beside ours on the same prompt ids (bench --anchors vllm, docs/vllm.md), where the
+# machine already has vLLM: it cannot be installed there (no package index is reachable). VLLM_PY names its python,
+# else .venv-vllm/bin/python (carry it when it was built for that machine: `bash run.sh vllm` picks upstream vllm
+# where CUDA answers). Two engine loads; on the CPU (DRY=1) about a minute each.
+VPY=${VLLM_PY:-.venv-vllm/bin/python}
+if [ -x "$VPY" ] && "$VPY" -c "import vllm" >/dev/null 2>&1; then
+  SPECDEMO_VLLM_PYTHON=$VPY stage bench_vllm 240 "${B[@]}" --drafter ngram --k 4 --anchors vllm --out "$R/bench-vllm"
+else
+  note "bench_vllm: skipped, no vLLM at $VPY"
+fi
+# --- end stage: vllm ---
 exit 0
