@@ -13,18 +13,16 @@ from pathlib import Path
 import torch
 
 from ..compare import Pair, first_mismatch, load_pair, warmup
-from ..drafters import ModelDrafter
-from ..loading import BUNDLED_ALIASES, load_model
 from ..config import BUNDLED_ID, MAX_K, MAX_K_ENGINE, GenerationConfig, Runtime, SamplingConfig
 from ..engine import encode_prompt, eos_ids
 from ..prompts import DEFAULT_PROMPTS, PromptItem, read_prompts
-from ..serving import Lookup, eagle3_export
+from ..serving import Lookup, eagle3_export, serve_target
 from ..sweep import point, run_ar, run_sd, summarize, sweep
 from ..timing import ForwardTimer, verify_costs_for
 from .anchors import assistant_k, hf_assistant, hf_generate, hf_kwargs, measure_hf
 from .report import build_report, write_outputs
 from .timing import drafter_modules, measure_ours, put, ratio, target_modules
-from .vllm import VllmOptions, model_source, require_python, run_vllm
+from .vllm import VllmOptions, require_python, run_vllm
 
 log = logging.getLogger(__name__)
 
@@ -200,10 +198,8 @@ def vllm_anchor(bc: BenchConfig, pair: Pair, items: list[PromptItem], prompt_ids
     reference = {it.id: runs[ks[0]][i][0].ids for i, it in enumerate(items)}
     eagle3 = bc.vllm_options.eagle3 or (bc.draft if eagle3_export(bc.draft) else None)
     draft_model = None  # a draft LLM (not an EAGLE head) for vLLM's draft_model method
-    if isinstance(pair.drafter, ModelDrafter) and hasattr(pair.drafter.model, "generate"):
-        draft_model = pair.draft_name
-        if draft_model and draft_model.lower() in BUNDLED_ALIASES:
-            draft_model = model_source(load_model(draft_model, runtime=bc.runtime), bc.runtime)
+    if hf_assistant(pair) is not None and pair.draft_name:
+        draft_model = serve_target(pair.draft_name, bc.runtime)[0]  # the bundled draft: its converted folder
     options = replace(bc.vllm_options, eagle3=eagle3, draft_model=draft_model)
 
     def mismatch(pid: str, ids: list[int]) -> dict | None:
@@ -258,9 +254,6 @@ def run_bench(bc: BenchConfig) -> dict:
                 t.remove()
     if hasattr(os, "getloadavg"):
         machine["load_average_end"] = list(os.getloadavg())
-    vllm_meta = None
-    if bc.vllm:  # after all our timed runs: vLLM's processes never share the CPU with our decoders
-        vllm_meta = vllm_anchor(bc, pair, items, prompt_ids, ks, config, rows, runs)
 
     theory = None
     if bc.theory:
@@ -268,6 +261,9 @@ def run_bench(bc: BenchConfig) -> dict:
         k_max = max([MAX_K] + ks)
         points = [point(k, [a for a, _ in runs[k]], [s for _, s in runs[k]]) for k in ks]
         theory = summarize(points, verify_costs_for(pair.target.model, prompt_ids[0], k_max), k_max).as_dict()
+    vllm_meta = None
+    if bc.vllm:  # after all our timing: vLLM's processes never share the CPU with our decoders
+        vllm_meta = vllm_anchor(bc, pair, items, prompt_ids, ks, config, rows, runs)
     cfg = {
         "prompts": str(bc.prompts), "limit": bc.limit, "num_prompts": len(items), "target": pair.target.name,
         "drafter": kind, "draft": pair.draft_name, "k": ks, "k_arg": bc.k, "temperature": bc.temperature,
