@@ -483,9 +483,9 @@ def build_data(target, tokenizer, work: Path, seed: int, scale: float, max_new_t
     return samples
 
 
-WRITTEN = Path(__file__).resolve().parent / "data" / "written_instructions.jsonl"
-WRITTEN_2 = WRITTEN.with_name("written_instructions_2.jsonl")
-WRITTEN_3 = WRITTEN.with_name("written_instructions_3.jsonl")
+WRITTEN = Path(__file__).resolve().parent / "data" / "instructions" / "written.jsonl"
+WRITTEN_2 = WRITTEN.with_name("written2.jsonl")
+WRITTEN_3 = WRITTEN.with_name("written3.jsonl")
 NAMED = {"written": WRITTEN, "written2": WRITTEN_2, "written3": WRITTEN_3}
 
 

@@ -336,24 +336,21 @@ def test_steered_self_instructions_start_with_an_opening_and_continue_it(tmp_pat
 
 def test_training_instructions_never_contain_an_evaluation_prompt():
     """The project's own training instructions share at most 60% of their words with any prompt of the evaluation
-    sets (dev.jsonl beside the clone, when present, and prompts/independent.jsonl): the templated ones at the default
-    seed and scale, every templated stage, and below 45% for the three helper-written files. A shared template such as
+    sets (specdemo/data/prompts: dev.jsonl and independent.jsonl): the templated ones at the default seed and scale,
+    every templated stage, and below 45% for the three helper-written files. A shared template such as
     "Write a short poem about X" scores 0.56; the JSON-of-a-book instruction that nearly copied a dev prompt, and was
     removed, scored 0.71; helper-written requests at 0.45 or more were dropped from their file (the closest, a git
     question, scored 0.86). The paragraphs the target writes for the extractive and multi-turn instructions are left
     empty: only the templates' own words are compared."""
     import random
     import re
-    from pathlib import Path
+    from specdemo.prompts import DEFAULT_PROMPTS, INDEPENDENT_PROMPTS, read_prompts
 
-    from specdemo.prompts import read_prompts
-
-    root = Path(__file__).resolve().parent.parent
-    evaluation = [p.prompt for p in read_prompts(root / "prompts" / "independent.jsonl")]
+    evaluation = [p.prompt for p in read_prompts(INDEPENDENT_PROMPTS)]
     assert len(evaluation) == 30
-    dev = root.parent / "shared" / "prompts" / "dev.jsonl"
-    if dev.exists():
-        evaluation += [p.prompt for p in read_prompts(dev)]
+    dev = [p.prompt for p in read_prompts(DEFAULT_PROMPTS)]  # in the repository: no ../shared needed
+    assert len(dev) == 30
+    evaluation += dev
     args = distill.parse_args(["--target", "x", "--out", "y"])  # the default seed and scale
     rng = random.Random(args.seed)
     simple, sampled = distill.templated_prompts(rng, args.seed, args.scale)
