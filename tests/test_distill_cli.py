@@ -1,5 +1,5 @@
-"""distill.cli: the flags become one frozen TrainConfig with TrainConfig's defaults, and a whole run on a tiny model
-folder writes a lossless asset."""
+"""distill.cli: the flags become one frozen TrainConfig with TrainConfig's defaults, a whole run on a tiny model folder
+writes a lossless asset, and `distill agreement` measures it on a prompt set and on the run's held-out split."""
 
 import dataclasses
 import json
@@ -8,14 +8,15 @@ import pytest
 import torch
 
 from specdemo.config import GenerationConfig
-from specdemo.distill import TrainConfig, cli, main
+from specdemo.distill import TrainConfig, agreement, cli, main, training
 from specdemo.eagle import load_trained_draft
-from specdemo.engine import autoregressive, generated_ids, speculative
+from specdemo.engine import autoregressive, encode_prompt, generated_ids, speculative
 from specdemo.loading import load_model
 
 from conftest import tiny_llama, tiny_tokenizer
 
 VOCAB = 40
+cells = lambda line: [c.strip() for c in line.strip().strip("|").split("|")]  # noqa: E731  (a markdown table row)
 TEMPLATE = ("{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}"
             "{% if add_generation_prompt %}w3 {% endif %}")
 
@@ -74,3 +75,45 @@ def test_a_run_logs_its_config_and_writes_a_lossless_asset(tiny_run):
     ar = generated_ids(list(autoregressive(loaded.model, loaded.tokenizer, prompt, config)))
     assert generated_ids(list(speculative(loaded.model, loaded.tokenizer, drafter, prompt, config))) == ar
 
+
+def test_agreement_on_a_prompt_set_by_category(tiny_run, tmp_path, capsys):
+    """`distill agreement` answers each prompt with the target's greedy output and scores the draft along it as
+    evaluate() does: one row for all prompts and one per category, with their counts."""
+    root, _ = tiny_run
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [("a", "w3 w5 w7"), ("a", "w9 w2"), ("b", "w12 w30 w31"), ("b", "w4 w4 w8"), ("b", "w20")]
+    prompts.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n" for c, p in rows))
+    md = tmp_path / "agreement.md"
+    assert main(["agreement", "--target", str(root / "target"), "--draft", str(root / "out"), "--prompts",
+                 str(prompts), "--max-new-tokens", "10", "--depth", "2", "--device", "cpu", "--out", str(md)]) == 0
+    printed = capsys.readouterr().out
+    text = md.read_text()
+    assert text.startswith("`python -m specdemo distill agreement --target") and printed in text
+    table = {cells(line)[0]: cells(line) for line in printed.splitlines()[2:]}
+    assert list(table) == ["all", "a", "b"] and [table[k][1] for k in table] == ["5", "2", "3"]
+
+    loaded = load_model(str(root / "target"), device="cpu", dtype="fp32")
+    head = load_trained_draft(root / "out", loaded).head
+    from specdemo.prompts import read_prompts
+
+    samples = agreement.target_answers(loaded.model, loaded.tokenizer, read_prompts(prompts), 10)
+    config = GenerationConfig(max_new_tokens=10)
+    for s, (_, p) in zip(samples, rows):  # the target's own greedy answers
+        ids = encode_prompt(loaded.tokenizer, p)
+        assert s["ids"] == ids + generated_ids(list(autoregressive(loaded.model, loaded.tokenizer, ids, config)))
+    data = agreement.answer_features(loaded.model, samples)
+    m = training.evaluate(head, samples, data, list(range(5)), training.subset_index(head), loaded.device, depth=2,
+                          batch_size=1, max_len=1 << 16, skip=0)
+    assert table["all"][2] == " / ".join(f"{x:.3f}" for x in m["top1_step"])
+    assert table["all"][3] == " / ".join(f"{x:.3f}" for x in m["chain"])
+
+
+def test_agreement_on_a_runs_held_out_split(tiny_run, capsys):
+    """--held-out CACHE scores each draft on the run's own held-out split, with distill's defaults."""
+    root, _ = tiny_run
+    assert main(["agreement", "--target", str(root / "target"), "--draft", str(root / "out"), "--held-out",
+                 str(root / "out" / "cache"), "--depth", "2", "--device", "cpu"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| draft | held-out top-1 agreement, steps 1..2 |") and len(lines) == 3
+    top1, chain = ([float(x) for x in cell.split(" / ")] for cell in cells(lines[2])[1:3])
+    assert len(top1) == len(chain) == 2 and all(0 <= c <= t <= 1 for t, c in zip(top1, chain))

@@ -1,6 +1,6 @@
-"""The command line: `python -m specdemo distill --target ID --out DIR [...]` trains a draft. The parser's defaults
-come from TrainConfig; the flags become a TrainConfig once, here, and only that (or explicit arguments) goes further
-down.
+"""The command line: `python -m specdemo distill --target ID --out DIR [...]` trains a draft, and `python -m specdemo
+distill agreement --draft DIR [...]` measures one. The parser's defaults come from TrainConfig; the flags become a
+TrainConfig once, here, and only that (or explicit arguments) goes further down.
 """
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ from pathlib import Path
 
 import torch
 
+from ..config import BUNDLED_ID
 from ..engine import eos_ids
+from ..prompts import DEFAULT_PROMPTS, read_prompts
+from .agreement import answer_features, held_out_table, prompt_table, target_answers
 from .answers import build_data
 from .config import LogFn, TrainConfig
 from .features import build_features, choose_subset
@@ -25,12 +28,14 @@ log = logging.getLogger(__name__)
 
 DESCRIPTION = ("Distil an EAGLE-style draft head (specdemo.eagle) from a target model, using only the target's own "
                "answers.")
+EPILOG = ("`python -m specdemo distill agreement --help`: a trained draft's teacher-forced agreement with its target "
+          "on a prompt set or on a distill cache's held-out split.")
 
 
 def train_parser() -> argparse.ArgumentParser:
     """The training command's flags, one per TrainConfig field, with TrainConfig's defaults."""
     D = TrainConfig  # noqa: N806  (the dataclass's class attributes are its defaults)
-    p = argparse.ArgumentParser(prog="python -m specdemo distill", description=DESCRIPTION)
+    p = argparse.ArgumentParser(prog="python -m specdemo distill", description=DESCRIPTION, epilog=EPILOG)
     p.add_argument("--target", required=True, help="target model id or folder (e.g. smollm2-135m)")
     p.add_argument("--out", required=True, help="asset folder to write (weights, config, train_log.jsonl)")
     p.add_argument("--work", default=D.work, help="cache folder for generated data (default: OUT/cache)")
@@ -109,9 +114,11 @@ def parse_config(argv: list[str]) -> TrainConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Train a draft as the flags say."""
+    """`distill agreement ...` measures a draft; anything else trains one."""
     argv = sys.argv[1:] if argv is None else list(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if argv and argv[0] == "agreement":
+        return agreement_main(argv[1:])
     return run(parse_config(argv))
 
 
@@ -170,3 +177,54 @@ def run(config: TrainConfig) -> int:
     log_fn({"event": "done", "total_seconds": round(time.perf_counter() - t_start, 1), **metrics})
     return 0
 
+
+def agreement_parser() -> argparse.ArgumentParser:
+    """The agreement command's flags (`python -m specdemo distill agreement ...`)."""
+    p = argparse.ArgumentParser(
+        prog="python -m specdemo distill agreement",
+        description="A trained draft's teacher-forced agreement with its target at draft steps 1..depth: the target "
+                    "writes its greedy answer to each prompt and the draft reads the target's true features along it, "
+                    "as distill scores its held-out split. Step 1 is the acceptance a k = 1 benchmark measures, "
+                    "without timing; a target token outside the draft's vocabulary subset counts as a miss.")
+    p.add_argument("--draft", nargs="+", default=None,
+                   help="trained draft folders, one table each over one set of answers (default: the shipped one)")
+    p.add_argument("--target", default=BUNDLED_ID, help="the target the drafts were trained for")
+    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL prompt file (default: the dev set)")
+    p.add_argument("--limit", type=int, default=None, help="the first N prompts only")
+    p.add_argument("--depth", type=int, default=3, help="draft steps measured")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers")
+    p.add_argument("--held-out", default=None,
+                   help="a distill cache folder: evaluate on its held-out split as distill does, not on prompts")
+    p.add_argument("--device", default=None, help="auto (default), cpu, cuda, ...")
+    p.add_argument("--out", default=None, help="also write the tables to this markdown file")
+    return p
+
+
+def agreement_main(argv: list[str]) -> int:
+    """Print (and with --out, write) the agreement tables for each draft."""
+    from ..compare import trained_draft_path
+    from ..eagle import load_trained_draft
+    from ..loading import load_model
+
+    args = agreement_parser().parse_args(argv)
+    drafts = args.draft or [str(trained_draft_path(args.target) or "")]
+    if not drafts[0]:
+        raise SystemExit(f"error: no shipped draft for {args.target}; name one with --draft")
+    loaded = load_model(args.target, device=args.device)
+    heads = [(folder, load_trained_draft(folder, loaded).head) for folder in drafts]
+    if args.held_out:
+        report = held_out_table(loaded.model, heads, Path(args.held_out), args.depth)
+    else:
+        items = read_prompts(args.prompts, args.limit)
+        samples = target_answers(loaded.model, loaded.tokenizer, items, args.max_new_tokens)
+        tables = []
+        for folder, head in heads:
+            data = answer_features(loaded.model, samples, head.c.fuse_layers)
+            tables.append((f"`{folder}`\n\n" if len(heads) > 1 else "")
+                          + prompt_table(head, samples, data, args.depth, loaded.device))
+        report = "\n".join(tables)
+    print(report, end="")
+    if args.out:
+        command = " ".join(["python -m specdemo distill agreement", *argv])
+        Path(args.out).write_text(f"`{command}`\n\n{report}")
+    return 0
