@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import BUNDLED_ID
+from ..config import BUNDLED_ID, Runtime
 from ..engine import eos_ids
 from ..prompts import DEFAULT_PROMPTS, read_prompts
 from .agreement import answer_features, held_out_table, prompt_table, target_answers
@@ -66,7 +66,7 @@ def train_parser() -> argparse.ArgumentParser:
                    help="also answer the instructions in these JSONL files (comma-separated; 'written': the "
                         "project's file of 2,974 helper-written requests; 'written2': its second batch of 2,978; both "
                         "by default, as for the shipped draft; 'written3': a third batch of 2,989, not in the default "
-                        "(docs/draft-experiments.md); '': none)")
+                        "(docs/draft.md); '': none)")
     p.add_argument("--subset-size", type=int, default=D.subset_size)
     p.add_argument("--steps", type=int, default=D.steps)
     p.add_argument("--train-minutes", type=float, default=D.train_minutes,
@@ -98,8 +98,8 @@ def train_parser() -> argparse.ArgumentParser:
                         "of its greedy token (EAGLE trains on the distribution: 1.0)")
     p.add_argument("--skip", type=int, default=D.skip, help="leading positions without loss (default: shared prefix)")
     p.add_argument("--min-confidence", type=float, default=D.min_confidence,
-                   help="confidence gate written into the asset's config (see EagleDrafter; tune with "
-                        "scripts/gate_sim.py)")
+                   help="confidence gate written into the asset's config (see EagleDrafter; docs/draft.md, "
+                        "'The confidence gate', says how 0.8 was chosen)")
     p.add_argument("--log-every", type=int, default=D.log_every)
     p.add_argument("--eval-every", type=int, default=D.eval_every,
                    help="held-out evaluation every N steps (17 s each here)")
@@ -113,13 +113,14 @@ def parse_config(argv: list[str]) -> TrainConfig:
     return TrainConfig(**vars(train_parser().parse_args(argv)))
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`distill agreement ...` measures a draft; anything else trains one."""
+def main(argv: list[str] | None = None, runtime: Runtime = Runtime()) -> int:
+    """`distill agreement ...` measures a draft; anything else trains one. `runtime` comes from the caller's
+    environment (config.runtime_from_env, read by `python -m specdemo`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if argv and argv[0] == "agreement":
-        return agreement_main(argv[1:])
-    return run(parse_config(argv))
+        return agreement_main(argv[1:], runtime)
+    return run(parse_config(argv), runtime)
 
 
 def _logger(path: Path, t_start: float) -> LogFn:
@@ -134,7 +135,7 @@ def _logger(path: Path, t_start: float) -> LogFn:
     return log_fn
 
 
-def run(config: TrainConfig) -> int:
+def run(config: TrainConfig, runtime: Runtime = Runtime()) -> int:
     """Generate data with the target, record its features, train the head and write the asset to config.out."""
     from ..eagle import build_head, init_from_target_layer, save_draft
     from ..loading import load_model
@@ -147,12 +148,12 @@ def run(config: TrainConfig) -> int:
     t_start = time.perf_counter()
     log_fn = _logger(out / "train_log.jsonl", t_start)
     log_fn({"event": "start", "args": asdict(config)})
-    loaded = load_model(config.target, device=config.device, dtype="fp32")
+    loaded = load_model(config.target, device=config.device, dtype="fp32", runtime=runtime)
     target, tokenizer = loaded.model, loaded.tokenizer
     for p in target.parameters():
         p.requires_grad_(False)
     writer = (target if config.gen_dtype == "fp32"
-              else load_model(config.target, device=config.device, dtype=config.gen_dtype).model)
+              else load_model(config.target, device=config.device, dtype=config.gen_dtype, runtime=runtime).model)
     samples = build_data(writer, tokenizer, work, config, log_fn)
     t = time.perf_counter()
     data = build_features(writer if config.features == "writer" else target, samples, work, layers=config.layers)
@@ -200,7 +201,7 @@ def agreement_parser() -> argparse.ArgumentParser:
     return p
 
 
-def agreement_main(argv: list[str]) -> int:
+def agreement_main(argv: list[str], runtime: Runtime = Runtime()) -> int:
     """Print (and with --out, write) the agreement tables for each draft."""
     from ..compare import trained_draft_path
     from ..eagle import load_trained_draft
@@ -210,7 +211,7 @@ def agreement_main(argv: list[str]) -> int:
     drafts = args.draft or [str(trained_draft_path(args.target) or "")]
     if not drafts[0]:
         raise SystemExit(f"error: no shipped draft for {args.target}; name one with --draft")
-    loaded = load_model(args.target, device=args.device)
+    loaded = load_model(args.target, device=args.device, runtime=runtime)
     heads = [(folder, load_trained_draft(folder, loaded).head) for folder in drafts]
     if args.held_out:
         report = held_out_table(loaded.model, heads, Path(args.held_out), args.depth)
