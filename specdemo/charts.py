@@ -87,12 +87,15 @@ def timeline(ar: Passes, sd: Passes, c: float, verify_cost: float) -> go.Figure:
     return _layout(fig, "Where the time goes<br><sup>" + cost_title(c, verify_cost) + "</sup>", "seconds", "")
 
 
-def position_acceptance(rates: list[float], alpha: float | None, c: float, verify_cost: float) -> go.Figure:
-    """Acceptance by draft position i = 1..k: the share of steps that drafted a token at i whose drafts 1..i were
-    all accepted (vLLM's spec_decode_num_accepted_tokens_per_pos over its drafts), beside alpha^i."""
+def position_acceptance(rates: list[float], drafted: list[int], alpha: float | None, c: float,
+                        verify_cost: float) -> go.Figure:
+    """Acceptance by draft position i = 1..k: the share of the steps that drafted a token at i (drafted[i - 1] of
+    them, written on each bar) whose drafts 1..i were all accepted (vLLM's spec_decode_num_accepted_tokens_per_pos
+    over its drafts), beside alpha^i."""
     positions = list(range(1, len(rates) + 1))
     fig = go.Figure(go.Bar(x=positions, y=rates, name="measured", marker_color=SD_COLOR,
-                           hovertemplate="position %{x}: %{y:.0%}<extra></extra>"))
+                           text=[f"of {n}" for n in drafted], textposition="outside",
+                           hovertemplate="position %{x}: %{y:.0%} %{text} steps<extra></extra>"))
     if alpha is not None and rates:
         fig.add_trace(go.Scatter(x=positions, y=[alpha**i for i in positions], name=f"α^i (α = {alpha:.2f})",
                                  mode="lines+markers", line=dict(color=THEORY_COLOR, dash="dash")))
@@ -100,6 +103,17 @@ def position_acceptance(rates: list[float], alpha: float | None, c: float, verif
     fig.update_yaxes(range=[0, 1.05], tickformat=".0%")
     return _layout(fig, "Acceptance by draft position<br><sup>" + cost_title(c, verify_cost) + "</sup>",
                    "draft position i", "drafts 1..i accepted")
+
+
+BLANK_TITLES = {"tokens": "Tokens vs time", "speedup": "Running speedup (tokens/s ratio)",
+                "histogram": "Accepted draft tokens per step", "timeline": "Where the time goes",
+                "positions": "Acceptance by draft position"}
+
+
+def blank(name: str) -> go.Figure:
+    """A blank figure for one of the race's plots (a key of BLANK_TITLES) before it has data. The page draws these
+    on load, so the browser loads plotly before a timed run rather than during one."""
+    return _layout(go.Figure(), BLANK_TITLES[name], "", "")
 
 
 def k_sweep(rows: list[dict], theory: list[tuple[int, float]], best_measured: int | None,

@@ -21,8 +21,8 @@ from .compare import iter_compare, load_pair
 from .config import MAX_K, MIN_K, Runtime
 from .engine import StepEvent, encode_prompt
 from .metrics import run_stats
-from .race import (KNOWN_ERRORS, AppLimits, RunRequest, Runs, Throttle, UserError, check_prompt_tokens, flag,
-                   final_stats_markdown, friendly_error, make_request, number, passes, points, preset_fields,
+from .race import (KNOWN_ERRORS, AppLimits, RunRequest, Runs, Throttle, UserError, check_prompt_tokens, drafted_at,
+                   final_stats_markdown, flag, friendly_error, make_request, number, passes, points, preset_fields,
                    replay_frames, run_point, sweep_table)
 from .render import Segment, event_segments, panel_stats, segments_html
 from .sweep import Sweep, iter_sweep_summaries
@@ -126,16 +126,33 @@ def sweep_k(request: RunRequest, limits: AppLimits, runtime: Runtime, k_max: int
     yield from iter_sweep_summaries(pair, [prompt_ids], range(MIN_K, k_max + 1), config, k_max)
 
 
+def blank_plots(out: RaceOutputs) -> dict:
+    """Blank figures for the race's plots, as on page load."""
+    names = {out.tokens_plot: "tokens", out.speedup_plot: "speedup", out.hist_plot: "histogram",
+             out.timeline_plot: "timeline", out.position_plot: "positions"}
+    return {component: charts.blank(name) for component, name in names.items()}
+
+
 def _panel(events: list[StepEvent], segments: list[list[Segment]], n: int, hide_rejected: bool,
            waiting: str = "waiting for the first token…") -> str:
     stats = panel_stats(events[n - 1].num_generated, events[n - 1].elapsed) if n else waiting
     return segments_html([s for step in segments[:n] for s in step], hide_rejected, stats)
 
 
-def _hold(lock: threading.Lock) -> Iterator[str]:
+def _hold(lock: threading.Lock, stopped: Callable[[], bool] = lambda: False) -> Iterator[str]:
     """Wait for the hardware, yielding so a Stop can end the wait."""
     while not lock.acquire(timeout=0.25):
+        if stopped():
+            raise Stopped
         yield "Waiting for another run to finish: timed runs never share the hardware…"
+
+
+class Stopped(Exception):
+    """The visitor pressed Stop: the run ends at the next decoder step and says so itself."""
+
+
+def _session(visitor: gr.Request | None, tab: str) -> tuple[str | None, str]:
+    return getattr(visitor, "session_hash", None), tab
 
 
 # ---- the handlers ----
@@ -153,40 +170,60 @@ class Handlers:
         self.limits = limits
         self.runtime = runtime
         self.hardware = threading.Lock()
+        # Stop is cooperative: the button marks the session's run, which ends at its next decoder step and writes
+        # "Stopped." as its own last frame, so no frame of the old run can land after it (an API client's
+        # job.cancel() still closes the generator through gradio)
+        self.running: set[tuple] = set()
+        self.stopping: set[tuple] = set()
         # spaces.GPU (ZeroGPU) wraps only the compute steps; the race replay runs without holding a GPU
         self.compute_step = gpu(compute) if gpu else compute
         self.sweep_step = gpu(sweep_k) if gpu else sweep_k
 
     def run_compare(self, prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max_new_tokens,
-                    hide_rejected, replay=True) -> Iterator[dict]:
+                    hide_rejected, replay=True, visitor: gr.Request = None) -> Iterator[dict]:
         """The main run (API: /compare): validate, wait for the hardware, stream both runs live, then race them."""
-        runs = Runs()
+        session, runs = _session(visitor, "race"), Runs()
+        self.running.add(session)
+        self.stopping.discard(session)
         try:
             request = make_request(prompt, target, drafter, draft, k, dynamic_k, temperature, top_p,
-                                   max_new_tokens, self.limits)
+                                    max_new_tokens, self.limits)
             hide, pace = flag(hide_rejected, "hide rejected drafts"), flag(replay, "replay")
-            yield from ({self.outputs.race.status: s} for s in _hold(self.hardware))
+            stopped = lambda: session in self.stopping  # noqa: E731
+            yield from ({self.outputs.race.status: s} for s in _hold(self.hardware, stopped))
             try:
                 check_prompt_tokens(request, self.limits, self.runtime)  # the tokenizer only: no weights yet
                 yield self._reset()
-                yield from self._live(request, runs, hide)
+                yield from self._live(request, runs, hide, stopped)
             finally:
                 self.hardware.release()
+            yield from self._race(runs, hide, pace, stopped)
+        except Stopped:
+            yield {self.outputs.race.status: "Stopped."}
         except KNOWN_ERRORS as exc:
             yield self._error(friendly_error(exc))
-            return
         except Exception as exc:  # the app keeps serving; the log has the traceback
             log.exception("run failed")
             yield self._error(f"Unexpected error: {exc}")
-            return
-        yield from self._race(runs, hide, pace)
+        finally:
+            self.running.discard(session)
+            self.stopping.discard(session)
 
-    def replay_race(self, runs: Runs | None, hide_rejected) -> Iterator[dict]:
+    def replay_race(self, runs: Runs | None, hide_rejected, visitor: gr.Request = None) -> Iterator[dict]:
         """Race the finished runs again from t = 0, without computing anything."""
         if not isinstance(runs, Runs) or not runs.done:
             yield {self.outputs.race.status: "Nothing to replay yet: press Run first."}
             return
-        yield from self._race(runs, bool(hide_rejected), True)
+        session = _session(visitor, "race")
+        self.running.add(session)
+        self.stopping.discard(session)
+        try:
+            yield from self._race(runs, bool(hide_rejected), True, lambda: session in self.stopping)
+        except Stopped:
+            yield {self.outputs.race.status: "Stopped."}
+        finally:
+            self.running.discard(session)
+            self.stopping.discard(session)
 
     def _error(self, text: str) -> dict:
         gr.Warning(text)
@@ -199,14 +236,15 @@ class Handlers:
         return {out.ar_html: segments_html([], stats="starts after the untimed warm-up…"),
                 out.sd_html: segments_html([], stats="starts when the autoregressive run ends (they never share "
                                                      "the hardware)…"),
-                out.stats: "", out.result_json: None, out.tokens_plot: None, out.speedup_plot: None,
-                out.hist_plot: None, out.timeline_plot: None, out.position_plot: None}
+                out.stats: "", out.result_json: None, **blank_plots(out)}
 
-    def _live(self, request: RunRequest, runs: Runs, hide: bool) -> Iterator[dict]:
+    def _live(self, request: RunRequest, runs: Runs, hide: bool, stopped: Callable[[], bool]) -> Iterator[dict]:
         """Each run's tokens as its decoder yields them (throttled; each run's last frame always comes)."""
         out, throttle, phase = self.outputs.race, Throttle(), None
         with closing(self.compute_step(request, self.limits, self.runtime)) as steps:
             for item in steps:
+                if stopped():  # closing the steps stops the decoder
+                    raise Stopped
                 if isinstance(item, str):
                     yield {out.status: item}
                 elif isinstance(item, dict):
@@ -242,13 +280,15 @@ class Handlers:
         return {out.tokens_plot: charts.tokens_vs_time(ar, sd), out.speedup_plot: charts.running_speedup(ar_now, sd),
                 out.hist_plot: charts.accepted_histogram(run_stats(runs.sd_events[:n_sd]).accepted_histogram)}
 
-    def _race(self, runs: Runs, hide: bool, pace: bool) -> Iterator[dict]:
+    def _race(self, runs: Runs, hide: bool, pace: bool, stopped: Callable[[], bool]) -> Iterator[dict]:
         """Both runs from t = 0 at their measured pace (or at once without pace), then the summary."""
-        if not runs.done:  # stopped, or failed before the end
+        if not runs.done:  # failed before the end
             return
         out = self.outputs.race
         ar_times, sd_times = [e.elapsed for e in runs.ar_events], [e.elapsed for e in runs.sd_events]
         for n_ar, n_sd, plots in replay_frames(ar_times, sd_times, pace=pace):
+            if stopped():
+                raise Stopped
             if n_ar == len(ar_times) and n_sd == len(sd_times):
                 break
             frame = {out.ar_html: _panel(runs.ar_events, runs.ar_segments, n_ar, False),
@@ -267,7 +307,8 @@ class Handlers:
                 out.sd_html: _panel(runs.sd_events, runs.sd_segments, len(runs.sd_events), hide),
                 **self._plots(runs, len(runs.ar_events), len(runs.sd_events)),
                 out.timeline_plot: charts.timeline(passes(runs.ar_events), passes(runs.sd_events), c, verify_cost),
-                out.position_plot: charts.position_acceptance(rates, p.alpha if p else None, c, verify_cost),
+                out.position_plot: charts.position_acceptance(rates, drafted_at(runs.sd_events, len(rates)),
+                                                              p.alpha if p else None, c, verify_cost),
                 out.stats: final_stats_markdown(result, c, verify_cost), out.result_json: result, out.runs_state: runs,
                 out.status: f"Done: {result['speedup']:.2f}× the autoregressive speed"
                             f" ({'identical outputs' if result['identical'] else 'outputs differ'}). "
@@ -281,27 +322,48 @@ class Handlers:
         head = current.split('<div class="tok-panel', 1)[0] if current else ""
         return {out.sd_html: head + segments_html([s for step in runs.sd_segments for s in step], hide_rejected)}
 
-    def stop_race(self) -> dict:
-        return {self.outputs.race.status: "Stopped."}
+    def stop_race(self, visitor: gr.Request = None) -> None:
+        """Ask this visitor's run or replay to stop; it ends at its next step and says "Stopped." itself."""
+        self._stop(_session(visitor, "race"))
 
-    def run_sweep(self, prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens) -> Iterator[dict]:
+    def _stop(self, session: tuple) -> None:
+        if session in self.running:
+            self.stopping.add(session)
+
+    def run_sweep(self, prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens,
+                  visitor: gr.Request = None) -> Iterator[dict]:
         """The Tune-k tab (API: /sweep_k): sweep k = 1..k_max on the current prompt; measured and expected speedup."""
-        out = self.outputs.sweep
+        out, session = self.outputs.sweep, _session(visitor, "sweep")
+        self.running.add(session)
+        self.stopping.discard(session)
         try:
-            request = make_request(prompt, target, drafter, draft, MIN_K, False, temperature, top_p,
-                                   max_new_tokens, self.limits)
-            k_max = number(k_max, "the largest k", whole=True)
-            if not MIN_K <= k_max <= MAX_K:
-                raise UserError(f"the largest k must be between {MIN_K} and {MAX_K}, got {k_max}")
+            yield from self._sweep(prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens,
+                                   lambda: session in self.stopping)
+        except Stopped:
+            yield {out.table: "Stopped."}
         except KNOWN_ERRORS as exc:
+            gr.Warning(friendly_error(exc))
             yield {out.table: f"**Error:** {friendly_error(exc)}"}
-            return
-        yield from ({out.table: s} for s in _hold(self.hardware))
+        finally:
+            self.running.discard(session)
+            self.stopping.discard(session)
+
+    def _sweep(self, prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens,
+               stopped: Callable[[], bool]) -> Iterator[dict]:
+        out = self.outputs.sweep
+        request = make_request(prompt, target, drafter, draft, MIN_K, False, temperature, top_p, max_new_tokens,
+                               self.limits)
+        k_max = number(k_max, "the largest k", whole=True)
+        if not MIN_K <= k_max <= MAX_K:
+            raise UserError(f"the largest k must be between {MIN_K} and {MAX_K}, got {k_max}")
+        yield from ({out.table: s} for s in _hold(self.hardware, stopped))
         try:
             check_prompt_tokens(request, self.limits, self.runtime)
             result = None
             with closing(self.sweep_step(request, self.limits, self.runtime, k_max)) as steps:
                 for item in steps:
+                    if stopped():
+                        raise Stopped
                     if isinstance(item, str):
                         yield {out.table: item}
                         continue
@@ -312,16 +374,14 @@ class Handlers:
                     yield {out.plot: fig, out.table: f"Measured k = {result.points[-1].k} of {k_max}…\n\n"
                            + sweep_table(result), out.best: best,
                            out.apply: gr.update(value=f"Use k = {best}", interactive=True)}
-            yield {out.table: f"Done: best measured k = {result.best_measured_k}.\n\n" + sweep_table(result),
-                   out.best: result.best_measured_k}
-        except KNOWN_ERRORS as exc:
-            gr.Warning(friendly_error(exc))
-            yield {out.table: f"**Error:** {friendly_error(exc)}"}
         finally:
             self.hardware.release()
+        yield {out.table: f"Done: best measured k = {result.best_measured_k}.\n\n" + sweep_table(result),
+               out.best: result.best_measured_k}
 
-    def stop_sweep(self) -> dict:
-        return {self.outputs.sweep.table: "Stopped."}
+    def stop_sweep(self, visitor: gr.Request = None) -> None:
+        """Ask this visitor's sweep to stop at its next step."""
+        self._stop(_session(visitor, "sweep"))
 
     def apply_preset(self, label: str) -> dict:
         """Fill target, drafter and draft from a preset; Custom leaves them alone."""

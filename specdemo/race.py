@@ -224,6 +224,11 @@ def run_point(runs: Runs) -> SweepPoint | None:
                  [Run(runs.sd_events, runs.sd_events[-1].elapsed)])
 
 
+def drafted_at(events: list[StepEvent], width: int) -> list[int]:
+    """How many speculative steps drafted a token at each position 1..width (the per-position rates' denominators)."""
+    return [sum(1 for e in events if e.kind == "spec" and len(e.drafted) > i) for i in range(width)]
+
+
 def passes(events: list[StepEvent]) -> list[tuple[float, float, float]]:
     """(start, draft seconds, verify seconds) of each step on its run's own clock (a step starts where the one
     before it ended, since the clock counts only compute)."""

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import gradio as gr
 
+from . import charts
 from .compare import trained_draft_path
 from .config import BUNDLED_ID, MAX_K, MIN_K, PRESETS, TRAINED_DRAFT_ID, GenerationConfig, Runtime, SamplingConfig
 from .handlers import Handlers, Outputs, RaceOutputs, SettingsOutputs, SweepOutputs
@@ -110,12 +111,14 @@ def build_demo(limits: AppLimits = AppLimits(), runtime: Runtime = Runtime(),
             stats = gr.Markdown(elem_id="stats")
             gr.Markdown(TIMING_NOTE)
             with gr.Row():
-                tokens_plot = gr.Plot(label="tokens vs time")
-                speedup_plot = gr.Plot(label="running speedup")
-                hist_plot = gr.Plot(label="accepted drafts per step")
+                # blank figures on load: the browser loads plotly now, not while a run is being timed
+                tokens_plot = gr.Plot(charts.blank("tokens"), label="tokens vs time")
+                speedup_plot = gr.Plot(charts.blank("speedup"), label="running speedup")
+                hist_plot = gr.Plot(charts.blank("histogram"), label="accepted drafts per step")
             with gr.Row():
-                timeline_plot = gr.Plot(label="where the time goes", elem_id="timeline")
-                position_plot = gr.Plot(label="acceptance by draft position", elem_id="positions")
+                timeline_plot = gr.Plot(charts.blank("timeline"), label="where the time goes", elem_id="timeline")
+                position_plot = gr.Plot(charts.blank("positions"), label="acceptance by draft position",
+                                        elem_id="positions")
             result_json = gr.JSON(label="result (same keys as `python -m specdemo generate --json`)", elem_id="result")
             runs_state = gr.State(None)
         with gr.Tab("Tune k"):
@@ -141,16 +144,18 @@ def build_demo(limits: AppLimits = AppLimits(), runtime: Runtime = Runtime(),
         inputs = [prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max_new_tokens]
         # preprocess=False: the handlers check raw values themselves, so an API client sending "abc" for k gets a
         # clear message instead of gradio's failed comparison
-        run_event = run_btn.click(h.run_compare, inputs + [hide_rejected, replay], race.order(), api_name="compare",
+        run_btn.click(h.run_compare, inputs + [hide_rejected, replay], race.order(), api_name="compare",
                                   show_progress="minimal", preprocess=False)
-        replay_event = replay_btn.click(h.replay_race, [runs_state, hide_rejected], race.order(), api_name=False,
+        replay_btn.click(h.replay_race, [runs_state, hide_rejected], race.order(), api_name=False,
                                         show_progress="hidden")
-        stop_btn.click(h.stop_race, None, status, cancels=[run_event, replay_event], api_name=False)
+        # Stop marks the run, which ends itself at its next step (handlers.Stopped); no gradio cancel, whose
+        # in-flight frames could land after the "Stopped." line
+        stop_btn.click(h.stop_race, None, None, queue=False, api_name=False)
         hide_rejected.change(h.rerender, [runs_state, hide_rejected, sd_html], sd_html, api_name=False)
-        sweep_event = sweep_btn.click(h.run_sweep, [prompt, target, drafter, draft, k_max, temperature, top_p,
+        sweep_btn.click(h.run_sweep, [prompt, target, drafter, draft, k_max, temperature, top_p,
                                                     max_new_tokens], tune.order(), api_name="sweep_k",
                                       show_progress="minimal", preprocess=False)
-        sweep_stop.click(h.stop_sweep, None, sweep_md, cancels=[sweep_event], api_name=False)
+        sweep_stop.click(h.stop_sweep, None, None, queue=False, api_name=False)
         apply_btn.click(h.apply_best_k, best_state, k, api_name=False)
     return demo
 

@@ -153,8 +153,27 @@ def test_replay_race_shows_the_finished_runs_again_without_computing(tiny_loads)
     assert replayed[-1]["sd_html"] == last["sd_html"] and replayed[-1]["ar_html"] == last["ar_html"]
 
 
+def test_stop_ends_the_run_at_its_next_step_with_its_own_last_frame(tiny_loads):
+    """Stop during the AR run: the run's next frame is its last and says "Stopped.", the hardware is free, and the
+    next run (and a Stop with nothing running) is served normally."""
+    h = Handlers(OUTPUTS, AppLimits(device="cpu", max_new_tokens=200))
+    run = h.run_compare(TINY_PROMPT, "tiny", "ngram", "", 3, False, 0.0, 1.0, 200, False, False)
+    frame = next(run)
+    while not frame.get("status", "").startswith("Computing the autoregressive"):
+        frame = next(run)
+    h.stop_race()
+    assert list(run) == [{"status": "Stopped."}] and not h.hardware.locked()
+    h.stop_race()  # nothing running: the next run must not be stopped by it
+    assert tiny_run(h, 6)[-1]["result_json"]["sd"]["tokens"] == 6
+    sweep = h.run_sweep(TINY_PROMPT, "tiny", "ngram", "", 3, 0.0, 1.0, 8)
+    next(sweep)
+    h.stop_sweep()
+    assert list(sweep)[-1] == {"table": "Stopped."} and not h.hardware.locked()
+
+
 def test_closing_a_run_mid_way_stops_it_and_frees_the_hardware(tiny_loads):
-    """Stop (gradio closes the generator) during the AR run releases the lock at once; the next run is served."""
+    """An API client's cancel (gradio closes the generator) during the AR run releases the lock at once; the next
+    run is served."""
     h = Handlers(OUTPUTS, AppLimits(device="cpu", max_new_tokens=200))
     run = h.run_compare(TINY_PROMPT, "tiny", "ngram", "", 3, False, 0.0, 1.0, 200, False, False)
     frame = next(run)
