@@ -71,7 +71,8 @@ def timeline(ar: Passes, sd: Passes, c: float, verify_cost: float) -> go.Figure:
     speculative step's draft, then its verify pass. The first step of each run is the prefill."""
     fig = go.Figure()
     rows = [("autoregressive", ar[1:], 2, "target pass (1 token)", AR_COLOR),
-            ("speculative", sd[1:], 1, "draft", DRAFT_COLOR), ("speculative", sd[1:], 2, "verify (k + 1 tokens)", SD_COLOR)]
+            ("speculative", sd[1:], 1, "draft", DRAFT_COLOR),
+            ("speculative", sd[1:], 2, "verify (k + 1 tokens)", SD_COLOR)]
     for row, steps, part, name, color in rows:
         base = [s + (d if part == 2 else 0.0) for s, d, _ in steps]
         width = [v if part == 2 else d for _, d, v in steps]

@@ -267,8 +267,10 @@ class Handlers:
             frame[out.ar_html] = _panel(runs.ar_events, runs.ar_segments, len(runs.ar_events), False)
         else:
             frame[out.sd_html] = _panel(runs.sd_events, runs.sd_segments, len(runs.sd_events), hide)
-        if plots:
-            frame |= self._plots(runs, len(runs.ar_events), len(runs.sd_events), live=which == "sd")
+        if plots and which == "ar":  # the other plots have nothing yet: not redrawing them spares the browser
+            frame[out.tokens_plot] = charts.tokens_vs_time(points(runs.ar_events), points([]))
+        elif plots:
+            frame |= self._plots(runs, len(runs.ar_events), len(runs.sd_events), live=True)
         return frame
 
     def _plots(self, runs: Runs, n_ar: int, n_sd: int, live: bool = False) -> dict:

@@ -185,7 +185,8 @@ INSPECTOR_JS = r"""
   const tok = (t) => JSON.stringify(t);
   const el = (tag, text, cls) => { const e = document.createElement(tag); if (text !== undefined) e.textContent = text;
                                    if (cls) e.className = cls; return e; };
-  const row = (cells, tag) => { const tr = el("tr"); cells.forEach((c) => tr.appendChild(el(tag || "td", c))); return tr; };
+  const row = (cells, tag) => {
+    const tr = el("tr"); cells.forEach((c) => tr.appendChild(el(tag || "td", c))); return tr; };
   function show(info) {
     const body = document.getElementById("inspector-body");
     if (!body) return;
@@ -207,9 +208,10 @@ INSPECTOR_JS = r"""
     if (!info.full) {
       const d = info.drafted[info.accepted];
       const q = info.deterministic ? 1 : d.q;
+      const rule = info.greedy ? ", and greedy keeps a draft only if it is the target's top token."
+                               : `; it was kept with probability min(1, p/q) = ${fmt(Math.min(1, d.p / q))}.`;
       body.appendChild(el("div", `Why: the draft proposed ${tok(d.text)} with q = ${fmt(q)}; the target gives it `
-        + `p = ${fmt(d.p)}` + (info.greedy ? ", and greedy keeps a draft only if it is the target's top token."
-                                           : `; it was kept with probability min(1, p/q) = ${fmt(Math.min(1, d.p / q))}.`), "why"));
+        + `p = ${fmt(d.p)}` + rule, "why"));
     }
     body.appendChild(el("div", `Target's top ${info.top.length} at the ${where}:`, "where"));
     const top = el("table", undefined, "top");
@@ -217,7 +219,8 @@ INSPECTOR_JS = r"""
     info.top.forEach((c) => top.appendChild(row([tok(c.text), fmt(c.p)])));
     body.appendChild(top);
     if (info.greedy && info.gap !== null) {
-      body.appendChild(el("div", `Top-2 logit gap there: ${fmt(info.gap)} (a near-tie would make half precision flip it)`, "gap"));
+      body.appendChild(el("div", `Top-2 logit gap there: ${fmt(info.gap)} `
+        + "(a near-tie would make half precision flip it)", "gap"));
     }
   }
   document.addEventListener("click", (ev) => {

@@ -49,9 +49,10 @@ def free_port() -> int:
 
 
 def launch(port: int, **env) -> subprocess.Popen:
-    """Start app.py on a port; one torch thread, since the CPU is shared."""
-    env = {**os.environ, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port), "OMP_NUM_THREADS": "1",
-           "GRADIO_ANALYTICS_ENABLED": "False", "SPECDEMO_MAX_NEW_TOKENS": "512", **env}
+    """Start app.py on a port; one torch thread, since the CPU is shared (SPECDEMO_TEST_THREADS=2 for figures)."""
+    threads = os.environ.get("SPECDEMO_TEST_THREADS", "1")
+    env = {**os.environ, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port),
+           "OMP_NUM_THREADS": threads, "GRADIO_ANALYTICS_ENABLED": "False", "SPECDEMO_MAX_NEW_TOKENS": "512", **env}
     return subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 

@@ -40,7 +40,8 @@ def test_position_acceptance_shows_each_position_beside_alpha_to_the_i():
     """Bars for positions 1..k, the geometric alpha^i line, and c and the verify cost in the title."""
     fig = charts.position_acceptance([0.8, 0.6, 0.3], [10, 8, 5], alpha=0.7, c=0.05, verify_cost=1.1)
     bars, line = fig.data
-    assert list(bars.x) == [1, 2, 3] and list(bars.y) == [0.8, 0.6, 0.3] and list(bars.text) == ["of 10", "of 8", "of 5"]
+    assert list(bars.x) == [1, 2, 3] and list(bars.y) == [0.8, 0.6, 0.3]
+    assert list(bars.text) == ["of 10", "of 8", "of 5"]
     assert list(line.y) == pytest.approx([0.7, 0.49, 0.343])
     assert "c = 0.050" in fig.layout.title.text and "1.10×" in fig.layout.title.text
     assert len(charts.position_acceptance([], [], None, 0.0, 1.0).data) == 1

@@ -131,6 +131,8 @@ def test_tokens_show_as_each_run_produces_them_then_the_race_replays_both(tiny_l
     result = seen[-1][0]["result_json"]
     ar_live = [(f, p) for f, p in seen if f.get("status", "").startswith("Computing the autoregressive run")]
     assert ar_live and all(spans(f["ar_html"]) and "sd_html" not in f for f, _ in ar_live)
+    assert all("speedup_plot" not in f and "hist_plot" not in f for f, _ in ar_live)  # nothing to redraw yet
+    assert any("tokens_plot" in f for f, _ in ar_live)
     assert "sd" not in ar_live[0][1]  # the first AR tokens were on screen before any speculative step ran
     assert committed_text(ar_live[-1][0]["ar_html"]) == result["ar"]["text"]  # the AR run's final state always comes
     sd_live = [f for f, _ in seen if f.get("status", "").startswith("Computing the speculative run")]
