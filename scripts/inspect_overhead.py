@@ -65,7 +65,8 @@ def main() -> None:
 
     report = {"drafter": args.drafter, "k": args.k, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
               "repeats": args.repeats, "threads": torch.get_num_threads(),
-              "ms_per_step_with": statistics.median(ms["with"]), "ms_per_step_without": statistics.median(ms["without"]),
+              "ms_per_step_with": statistics.median(ms["with"]),
+              "ms_per_step_without": statistics.median(ms["without"]),
               "inspect_verify_ms_alone": alone, "runs": ms}
     report["overhead_ratio"] = report["ms_per_step_with"] / report["ms_per_step_without"]
     out = Path(args.out)
