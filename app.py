@@ -1,12 +1,20 @@
 """Launch the speculative decoding demo: `python app.py`. Environment variables are read here and nowhere else.
 
-SPECDEMO_MAX_NEW_TOKENS  cap on max new tokens (default 256)
-SPECDEMO_MODEL_ALLOWLIST comma-separated model ids users may load (default: any; the bundled model is always allowed)
-SPECDEMO_DEVICE          cpu, cuda, ... (default: CUDA when present)
-SPECDEMO_CONCURRENCY     concurrent handlers (default 4; timed runs still take turns on the hardware)
-SPECDEMO_QUEUE_SIZE      requests waiting in the queue (default 32)
+SPECDEMO_MAX_NEW_TOKENS     cap on max new tokens (default 256)
+SPECDEMO_MAX_PROMPT_TOKENS  cap on prompt tokens, chat template included (default: the target's context,
+                            max_position_embeddings, minus max new tokens, and at most 4096). Checked before any model
+                            work: first by characters (16 per allowed token), then with the target's tokenizer alone
+SPECDEMO_MODEL_ALLOWLIST    comma-separated model ids users may load (the bundled model and its trained draft are
+                            always allowed). Default: any id, except on a Hugging Face Space (SPACE_ID set), where
+                            only the presets' ids may load
+SPECDEMO_ALLOW_LOCAL_PATHS  1: model ids may be folders on this machine (default 0: refused)
+SPECDEMO_DEVICE             cpu, cuda, ... (default: CUDA when present)
+SPECDEMO_CONCURRENCY        concurrent handlers (default 4; timed runs still take turns on the hardware)
+SPECDEMO_QUEUE_SIZE         requests waiting in the queue (default 32)
+SPACE_ID                    set by Hugging Face Spaces; makes the presets the default allowlist
 SPECDEMO_CACHE, SPECDEMO_FAST_LINEAR, SPECDEMO_CUDNN_SDPA, HF_HUB_OFFLINE, HF_ENDPOINT: the loading Runtime, read by
-                         config.runtime_from_env(os.environ) here and passed to the handlers, which give it to load_pair
+                            config.runtime_from_env(os.environ) here and passed to the handlers, which give it to
+                            load_pair
 GRADIO_SERVER_NAME / GRADIO_SERVER_PORT are read by Gradio itself. trust_remote_code is never enabled.
 """
 
@@ -16,15 +24,29 @@ import logging
 import os
 
 from specdemo.config import runtime_from_env
-from specdemo.handlers import AppLimits
+from specdemo.race import AppLimits, preset_ids
 from specdemo.ui import build_demo, launch_options
+
+
+def _int(env, name: str, default: int | None) -> int | None:
+    value = env.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise SystemExit(f"{name} must be a whole number, got {value!r}") from None
 
 
 def limits_from_env(env=os.environ) -> AppLimits:
     """The public-deployment guards."""
     allow = tuple(s.strip() for s in env.get("SPECDEMO_MODEL_ALLOWLIST", "").split(",") if s.strip())
-    return AppLimits(max_new_tokens=int(env.get("SPECDEMO_MAX_NEW_TOKENS", "256")), allowlist=allow,
-                     device=env.get("SPECDEMO_DEVICE") or None)
+    if not allow and env.get("SPACE_ID"):
+        allow = preset_ids()
+    return AppLimits(max_new_tokens=_int(env, "SPECDEMO_MAX_NEW_TOKENS", 256), allowlist=allow,
+                     device=env.get("SPECDEMO_DEVICE") or None,
+                     max_prompt_tokens=_int(env, "SPECDEMO_MAX_PROMPT_TOKENS", None),
+                     allow_local_paths=env.get("SPECDEMO_ALLOW_LOCAL_PATHS", "").strip() == "1")
 
 
 def zero_gpu():
@@ -39,8 +61,8 @@ def zero_gpu():
 def make_app(env=os.environ):
     """The queued Blocks, ready to launch."""
     demo = build_demo(limits_from_env(env), runtime_from_env(env), gpu=zero_gpu())
-    return demo.queue(default_concurrency_limit=int(env.get("SPECDEMO_CONCURRENCY", "4")),
-                      max_size=int(env.get("SPECDEMO_QUEUE_SIZE", "32")))
+    return demo.queue(default_concurrency_limit=_int(env, "SPECDEMO_CONCURRENCY", 4),
+                      max_size=_int(env, "SPECDEMO_QUEUE_SIZE", 32))
 
 
 if __name__ == "__main__":

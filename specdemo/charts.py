@@ -1,4 +1,5 @@
-"""Plotly figures for the app: tokens over time, running speedup, accepted-length histogram, k sweep. No gradio.
+"""Plotly figures for the app: tokens over time, running speedup, accepted-length histogram, where the time goes
+(a timeline of passes, acceptance by draft position), k sweep. No gradio.
 
 Inputs are plain numbers (points, histograms, sweep rows) computed by specdemo.metrics; nothing here times anything.
 """
@@ -7,12 +8,13 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-AR_COLOR, SD_COLOR, THEORY_COLOR = "#64748b", "#16a34a", "#2563eb"
+AR_COLOR, SD_COLOR, THEORY_COLOR, DRAFT_COLOR, PREFILL_COLOR = "#64748b", "#16a34a", "#2563eb", "#f59e0b", "#a78bfa"
 Points = list[tuple[float, int]]  # (seconds of the run's own compute, tokens generated so far)
+Passes = list[tuple[float, float, float]]  # per step: (start, draft seconds, verify seconds) on the run's own clock
 
 
 def _layout(fig: go.Figure, title: str, x: str, y: str) -> go.Figure:
-    fig.update_layout(title=title, xaxis_title=x, yaxis_title=y, height=300, margin=dict(l=50, r=20, t=40, b=40),
+    fig.update_layout(title=title, xaxis_title=x, yaxis_title=y, height=300, margin=dict(l=50, r=20, t=50, b=40),
                       legend=dict(orientation="h", y=-0.25), template="plotly_white")
     return fig
 
@@ -57,6 +59,62 @@ def accepted_histogram(histogram: list[int]) -> go.Figure:
     fig = go.Figure(go.Bar(x=list(range(len(histogram))), y=histogram, marker_color=SD_COLOR, name="steps"))
     fig.update_xaxes(dtick=1)
     return _layout(fig, "Accepted draft tokens per step", "accepted drafts in the step", "steps")
+
+
+def cost_title(c: float, verify_cost: float) -> str:
+    """The cost ratio c and the verify cost, as both 'where the time goes' charts show them."""
+    return f"c = {c:.3f} (draft token / target pass) · verify pass = {verify_cost:.2f}× a 1-token pass"
+
+
+def timeline(ar: Passes, sd: Passes, c: float, verify_cost: float) -> go.Figure:
+    """Every pass on its run's own clock, one row per run: the autoregressive run's 1-token target passes, and each
+    speculative step's draft, then its verify pass. The first step of each run is the prefill."""
+    fig = go.Figure()
+    rows = [("autoregressive", ar[1:], 2, "target pass (1 token)", AR_COLOR),
+            ("speculative", sd[1:], 1, "draft", DRAFT_COLOR),
+            ("speculative", sd[1:], 2, "verify (k + 1 tokens)", SD_COLOR)]
+    for row, steps, part, name, color in rows:
+        base = [s + (d if part == 2 else 0.0) for s, d, _ in steps]
+        width = [v if part == 2 else d for _, d, v in steps]
+        fig.add_trace(go.Bar(y=[row] * len(steps), x=width, base=base, orientation="h", name=name,
+                             marker=dict(color=color, line=dict(color="white", width=0.5)),
+                             hovertemplate="%{base:.3f} s + %{x:.4f} s<extra>" + name + "</extra>"))
+    prefill = [(row, steps[0]) for row, steps in (("autoregressive", ar), ("speculative", sd)) if steps]
+    fig.add_trace(go.Bar(y=[r for r, _ in prefill], x=[s[1] + s[2] for _, s in prefill],
+                         base=[s[0] for _, s in prefill], orientation="h", name="prefill",
+                         marker=dict(color=PREFILL_COLOR), hovertemplate="prefill %{x:.4f} s<extra></extra>"))
+    fig.update_layout(barmode="overlay", bargap=0.35)
+    fig.update_yaxes(categoryorder="array", categoryarray=["speculative", "autoregressive"])
+    return _layout(fig, "Where the time goes<br><sup>" + cost_title(c, verify_cost) + "</sup>", "seconds", "")
+
+
+def position_acceptance(rates: list[float], drafted: list[int], alpha: float | None, c: float,
+                        verify_cost: float) -> go.Figure:
+    """Acceptance by draft position i = 1..k: the share of the steps that drafted a token at i (drafted[i - 1] of
+    them, written on each bar) whose drafts 1..i were all accepted (vLLM's spec_decode_num_accepted_tokens_per_pos
+    over its drafts), beside alpha^i."""
+    positions = list(range(1, len(rates) + 1))
+    fig = go.Figure(go.Bar(x=positions, y=rates, name="measured", marker_color=SD_COLOR,
+                           text=[f"of {n}" for n in drafted], textposition="outside",
+                           hovertemplate="position %{x}: %{y:.0%} %{text} steps<extra></extra>"))
+    if alpha is not None and rates:
+        fig.add_trace(go.Scatter(x=positions, y=[alpha**i for i in positions], name=f"α^i (α = {alpha:.2f})",
+                                 mode="lines+markers", line=dict(color=THEORY_COLOR, dash="dash")))
+    fig.update_xaxes(dtick=1)
+    fig.update_yaxes(range=[0, 1.05], tickformat=".0%")
+    return _layout(fig, "Acceptance by draft position<br><sup>" + cost_title(c, verify_cost) + "</sup>",
+                   "draft position i", "drafts 1..i accepted")
+
+
+BLANK_TITLES = {"tokens": "Tokens vs time", "speedup": "Running speedup (tokens/s ratio)",
+                "histogram": "Accepted draft tokens per step", "timeline": "Where the time goes",
+                "positions": "Acceptance by draft position"}
+
+
+def blank(name: str) -> go.Figure:
+    """A blank figure for one of the race's plots (a key of BLANK_TITLES) before it has data. The page draws these
+    on load, so the browser loads plotly before a timed run rather than during one."""
+    return _layout(go.Figure(), BLANK_TITLES[name], "", "")
 
 
 def k_sweep(rows: list[dict], theory: list[tuple[int, float]], best_measured: int | None,

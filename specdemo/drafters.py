@@ -29,10 +29,16 @@ class DraftRequest:
 
 @dataclass
 class Proposal:
-    """Drafted tokens (k,) and their draft distributions q (k, V); probs None means a deterministic drafter."""
+    """Drafted tokens (k,) and their draft distributions q (k, V); probs None means a deterministic drafter.
+
+    token_probs: q(x_i), the draft's probability of each drafted token under its own processed distribution (greedy
+    drafters fill it too: the softmax of their logits at the token); None for a deterministic drafter (q = 1). Only
+    the step inspector reads it; acceptance uses `probs`.
+    """
 
     tokens: list[int]
     probs: torch.Tensor | None = None
+    token_probs: list[float] | None = None
 
 
 @dataclass
@@ -92,20 +98,24 @@ class ModelDrafter(Drafter):
     def propose(self, request: DraftRequest) -> Proposal:
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
+        token_probs: list[torch.Tensor] = []  # q(x_i), 0-d tensors: read back once, after the loop
         feed = request.ids[self.num_cached :]
         for _ in range(request.k):
             logits = self._step(feed)
             if request.sampling.greedy:
                 token = int(torch.argmax(logits))
+                token_probs.append(torch.softmax(logits.float(), -1)[token])
             else:
                 q = logits_to_probs(logits, request.sampling)
                 token = int(torch.multinomial(q, 1, generator=self._generator(request)))
                 probs.append(q.to(self.target_device))
+                token_probs.append(q[token])
             tokens.append(token)
             if token in request.eos_token_ids:
                 break
             feed = [token]
-        return Proposal(tokens, torch.stack(probs) if probs else None)
+        q_tokens = torch.stack(token_probs).tolist() if token_probs else []
+        return Proposal(tokens, torch.stack(probs) if probs else None, q_tokens)
 
     def _generator(self, request: DraftRequest) -> torch.Generator | None:
         """The engine's generator, or a seeded one of our own when the draft sits on another device."""

@@ -330,7 +330,7 @@ class EagleDrafter(Drafter):
                              self.num_true)
         self.num_true += m
         self.last_true, self.pending = self.pending[-1:], None
-        tokens, probs = [], []
+        tokens, probs, token_probs = [], [], []
         self.confidences = []
         subset = self.head.subset
         for j in range(request.k):
@@ -342,16 +342,19 @@ class EagleDrafter(Drafter):
             self.confidences.append(confidence)
             if sampling.greedy:
                 token = int(subset[int(torch.argmax(logits))])
+                token_probs.append(confidence)  # q(x) of the argmax: the softmax's peak
             else:
                 gen = request.generator if request.generator is not None and request.generator.device == q_sub.device else None
-                token = int(subset[int(torch.multinomial(q_sub, 1, generator=gen))])
+                index = int(torch.multinomial(q_sub, 1, generator=gen))
+                token = int(subset[index])
+                token_probs.append(float(q_sub[index]))
                 q = torch.zeros(self.head.c.vocab_size, dtype=q_sub.dtype, device=q_sub.device)
                 probs.append(q.index_copy_(0, subset, q_sub))
             tokens.append(token)
             if token in request.eos_token_ids or j == request.k - 1:
                 break
             feature = self._step(feature[None], [token], len(ids) - 1 + j)
-        return Proposal(tokens, torch.stack(probs) if probs else None)
+        return Proposal(tokens, torch.stack(probs) if probs else None, token_probs)
 
     def update(self, verdict: Verdict) -> None:
         if verdict.target_hidden is None:

@@ -18,6 +18,9 @@ from .timing import Clock
 from .verify import choose, greedy_accept, logits_to_probs, rejection_accept
 
 
+TOP_N = 5  # the target's most likely tokens recorded at each verified position, for the app's step inspector
+
+
 class GenerationError(ValueError):
     """Bad input to a decoder (empty prompt, absurd k, ...); the message says what to change."""
 
@@ -40,6 +43,14 @@ class StepEvent:
     k: int = 0  # k asked of the drafter this step
     finish_reason: str | None = None  # "eos", "stop" or "length" on the last event
     target_cache_length: int = 0  # positions in the target's KV cache after the step (for rollback checks)
+    # spec, per verified position i = 0..len(drafted) (the last one is where the bonus comes from), read from the
+    # verify pass's own logits: the target's TOP_N tokens and their probabilities p (the processed distribution that
+    # rejection sampling uses; softmax at temperature 1 when greedy), and when greedy the top-2 logit gap
+    target_top_ids: list[list[int]] = field(default_factory=list)
+    target_top_probs: list[list[float]] = field(default_factory=list)
+    target_top2_gap: list[float] = field(default_factory=list)
+    target_token_probs: list[float] = field(default_factory=list)  # spec: p(x_i) of each drafted token
+    draft_token_probs: list[float] | None = None  # spec: q(x_i) of each drafted token; None: deterministic (q = 1)
 
     @property
     def rejected(self) -> list[int]:
@@ -145,6 +156,27 @@ def _target_pass(target, ids: list[int], cache, keep: int, layers: tuple[int, ..
     return logits, features
 
 
+def inspect_verify(logits: torch.Tensor, target_probs: torch.Tensor | None, drafted: torch.Tensor) -> dict:
+    """StepEvent's target_* fields from a verify pass: logits (k+1, V); target_probs (k+1, V) when sampling, None when
+    greedy (then p is the softmax at temperature 1); drafted (k,). One topk, no extra forward pass."""
+    k, n = drafted.shape[0], min(TOP_N, logits.shape[-1])
+    rows = torch.arange(k, device=logits.device)
+    if target_probs is None:
+        logits = logits.float()
+        top = torch.topk(logits, n, dim=-1)  # (k+1, n)
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # (k+1, 1)
+        top_probs, token_probs = (top.values - lse).exp(), (logits[rows, drafted] - lse[:k, 0]).exp()
+        gap = top.values[:, 0] - top.values[:, 1] if n > 1 else torch.zeros_like(lse[:, 0])
+    else:
+        top = torch.topk(target_probs, n, dim=-1)
+        top_probs, token_probs, gap = top.values, target_probs[rows, drafted], None
+    floats = torch.cat([top_probs.flatten(), token_probs] + ([gap] if gap is not None else [])).tolist()
+    m = top_probs.numel()
+    return {"target_top_ids": top.indices.tolist(),
+            "target_top_probs": [floats[i : i + n] for i in range(0, m, n)],
+            "target_token_probs": floats[m : m + k], "target_top2_gap": floats[m + k :]}
+
+
 def _new_cache(model):
     from transformers import DynamicCache
 
@@ -208,9 +240,12 @@ def speculative(
         draft_t = torch.tensor(drafted, dtype=torch.long, device=logits.device)
         if sampling.greedy:
             num_accepted, next_token = greedy_accept(draft_t, logits)
+            inspected = inspect_verify(logits, None, draft_t)
         else:
             q = proposal.probs[: len(drafted)] if proposal and proposal.probs is not None else None
-            num_accepted, next_token = rejection_accept(draft_t, q, logits_to_probs(logits, sampling), gen)
+            p = logits_to_probs(logits, sampling)
+            num_accepted, next_token = rejection_accept(draft_t, q, p, gen)
+            inspected = inspect_verify(logits, p, draft_t)
         crop_cache(cache, len(ids) + num_accepted)  # keep the pending token and the accepted drafts
         new_ids = ids + drafted[:num_accepted] + [next_token]
         drafter.update(Verdict(num_accepted, new_ids, hidden[: num_accepted + 1] if hidden is not None else None))
@@ -224,6 +259,8 @@ def speculative(
             correction=None if full else next_token, bonus=next_token if full and drafted else None,
             draft_seconds=draft_seconds, verify_seconds=verify_seconds, k=k_step,
             finish_reason=out.finish_reason, target_cache_length=cache.get_seq_length(),
+            draft_token_probs=proposal.token_probs[: len(drafted)] if proposal and proposal.token_probs is not None
+            else None, **inspected,
         )
         if config.dynamic_k and drafted:  # transformers' heuristic: +2 after a full acceptance, -1 otherwise
             k = min(k + 2, MAX_K_ENGINE) if full and len(drafted) == k else max(1, k - 1)

@@ -1,54 +1,39 @@
-"""The app's event handlers: widget values in, {component: value} dicts out. The runs themselves are the CLI's
-(compare.iter_compare, sweep.iter_sweep_summaries); both are computed one after the other, then replayed side by side
-at their measured pace. Limits (token cap, model allowlist, device) and the Runtime come from app.py. No layout here.
+"""The app's event handlers: widget values in, {component: value} dicts out. The runs are the CLI's
+(compare.iter_compare, sweep.iter_sweep_summaries). The autoregressive run streams into its panel as the target
+produces it, then the speculative run into its own, one after the other; frames are made at the decoders' yields,
+where their clocks are paused. Then the race replays both from t = 0 at their measured pace. Request checks, text and
+pacing are in specdemo.race (no gradio); the layout is in specdemo.ui.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
-from bisect import bisect_right
 from collections.abc import Callable, Iterator
 from contextlib import closing
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import gradio as gr
-import torch
 
 from . import charts
 from .compare import iter_compare, load_pair
-from .config import (BUNDLED_ID, DRAFTER_KINDS, MAX_K, MIN_K, PRESETS, TRAINED_DRAFT_ID, GenerationConfig, Runtime,
-                     SamplingConfig)
-from .engine import GenerationError, StepEvent, encode_prompt
-from .hybrid import describe_hybrid_cap
-from .loading import BUNDLED_ALIASES, ModelLoadError, TokenizerMismatchError
+from .config import MAX_K, MIN_K, Runtime
+from .engine import StepEvent, encode_prompt
 from .metrics import run_stats
+from .race import (KNOWN_ERRORS, AppLimits, RunRequest, Runs, Throttle, UserError, check_prompt_tokens, drafted_at,
+                   final_stats_markdown, flag, friendly_error, make_request, number, passes, points, preset_fields,
+                   replay_frames, run_point, sweep_table)
 from .render import Segment, event_segments, panel_stats, segments_html
 from .sweep import Sweep, iter_sweep_summaries
 
 log = logging.getLogger(__name__)
 
-TEXT_EVERY = 0.1  # seconds between text updates
-PLOTS_EVERY = 0.5  # seconds between plot updates
-OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 RUN_NAMES = {"ar": "autoregressive", "sd": "speculative"}
-
 Component = Any  # a gradio component; the handlers use it only as a key of the dicts they return
 
-
-class UserError(ValueError):
-    """A request the app refuses; the message says what to change."""
-
-
-@dataclass(frozen=True)
-class AppLimits:
-    """Guards for a public deployment, read from the environment by app.py."""
-
-    max_new_tokens: int = 256  # cap on max new tokens
-    allowlist: tuple[str, ...] = ()  # model ids users may load (the bundled ones always); empty: any id
-    device: str | None = None  # None: CUDA when present, else CPU
+__all__ = ["AppLimits", "Handlers", "Outputs", "RaceOutputs", "SettingsOutputs", "SweepOutputs", "UserError",
+           "compute", "sweep_k"]
 
 
 # ---- the components the handlers update, built by ui.build_demo; field order is each event's outputs order ----
@@ -71,7 +56,9 @@ class RaceOutputs(_Ordered):
     stats: Component
     status: Component
     result_json: Component
-    segments_state: Component  # the finished run's segments, so hiding rejected drafts needs no new run
+    runs_state: Component  # the finished race.Runs, so "Replay race" and hiding rejected drafts need no new run
+    timeline_plot: Component
+    position_plot: Component
 
 
 @dataclass(frozen=True)
@@ -103,86 +90,14 @@ class Outputs:
     settings: SettingsOutputs
 
 
-# ---- requests ----
-
-@dataclass(frozen=True)
-class RunRequest:
-    """Widget values for one comparison, as plain data."""
-
-    prompt: str
-    target: str
-    drafter: str  # one of config.DRAFTER_KINDS
-    draft: str | None
-    k: int
-    dynamic_k: bool
-    temperature: float
-    top_p: float
-    max_new_tokens: int
-
-    def config(self) -> GenerationConfig:
-        return GenerationConfig(max_new_tokens=self.max_new_tokens, num_draft_tokens=self.k, dynamic_k=self.dynamic_k,
-                                sampling=SamplingConfig(temperature=self.temperature, top_p=self.top_p))
-
-
-def make_request(prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max_new_tokens,
-                 limits: AppLimits) -> RunRequest:
-    """Validate widget (or API) values against the limits; raise UserError with a readable message."""
-    if not prompt or not str(prompt).strip():
-        raise UserError("The prompt is empty: type something, or pick an example.")
-    if drafter not in DRAFTER_KINDS:
-        raise UserError(f"Unknown drafter '{drafter}': choose one of {', '.join(DRAFTER_KINDS)}.")
-    try:
-        k, max_new_tokens = int(k), int(max_new_tokens)
-        temperature, top_p = float(temperature), float(top_p)
-    except (TypeError, ValueError) as exc:
-        raise UserError(f"k, temperature, top-p and max new tokens must be numbers ({exc}).") from exc
-    if not MIN_K <= k <= MAX_K:
-        raise UserError(f"k must be between {MIN_K} and {MAX_K}, got {k}.")
-    if not 1 <= max_new_tokens <= limits.max_new_tokens:
-        raise UserError(f"max new tokens must be between 1 and {limits.max_new_tokens} here, got {max_new_tokens}.")
-    target = (target or "").strip() or BUNDLED_ID
-    draft = ((draft or "").strip() or None) if drafter != "ngram" else None
-    for name in (target, draft):
-        if name and not allowed(name, limits):
-            raise UserError(f"'{name}' is not allowed on this server; allowed: {', '.join(limits.allowlist)} "
-                            f"and the bundled {BUNDLED_ID}.")
-    request = RunRequest(str(prompt), target, drafter, draft, k, bool(dynamic_k), temperature, top_p, max_new_tokens)
-    try:
-        request.config().validate()
-    except ValueError as exc:
-        raise UserError(str(exc)) from exc
-    return request
-
-
-def allowed(name: str, limits: AppLimits) -> bool:
-    """Whether a model id may be loaded: always the bundled model and its trained draft."""
-    return not limits.allowlist or name in limits.allowlist or name.lower() in BUNDLED_ALIASES | {TRAINED_DRAFT_ID}
-
-
-def preset_fields(label: str) -> tuple[str, str, str] | None:
-    """(target, drafter kind, draft id) of a preset; None for Custom."""
-    preset = next((p for p in PRESETS if p.label == label), None)
-    if preset is None:
-        return None
-    return preset.target, preset.drafter or ("ngram" if preset.draft is None else "model"), preset.draft or ""
-
-
 # ---- the compute steps: wrapped in spaces.GPU on ZeroGPU, so what goes in and comes out is picklable data ----
 
-@dataclass
-class Computed:
-    """Both runs, finished: events, display segments per event, and the CLI's JSON result."""
-
-    ar_events: list[StepEvent]
-    sd_events: list[StepEvent]
-    ar_segments: list[list[Segment]]
-    sd_segments: list[list[Segment]]
-    result: dict = field(default_factory=dict)
+Computed = str | tuple[str, StepEvent, list[Segment]] | dict
 
 
-def compute(request: RunRequest, limits: AppLimits, runtime: Runtime) -> Iterator[str | Computed]:
-    """compare.iter_compare on the request (load, untimed warm-up, AR then SD, never overlapping): status lines,
-    then a Computed."""
+def compute(request: RunRequest, limits: AppLimits, runtime: Runtime) -> Iterator[Computed]:
+    """compare.iter_compare on the request (load, untimed warm-up, AR then SD, never overlapping): status lines, then
+    ("ar" | "sd", event, its display segments) as each decoder yields, then the result dict."""
     label = "prompt lookup" if request.drafter == "ngram" else request.draft or "the default draft"
     label += " + prompt lookup" if request.drafter == "hybrid" else ""
     yield f"Loading {request.target} with {label} (cached after the first load)…"
@@ -190,20 +105,15 @@ def compute(request: RunRequest, limits: AppLimits, runtime: Runtime) -> Iterato
     config = request.config()
     prompt_ids = encode_prompt(pair.target.tokenizer, request.prompt, config.use_chat_template)
     yield f"Warming up on {pair.target.device} (untimed)…"
-    runs: dict[str, list[StepEvent]] = {"ar": [], "sd": []}
-    result, last = {}, 0.0
+    tok, step = pair.target.tokenizer, 0
     with closing(iter_compare(pair, prompt_ids, config)) as steps:  # closing it stops the engine loop
-        for which, item in steps:
+        for which, item in steps:  # the engine's clock is paused while we are here
             if which == "result":
-                result = item
+                yield item
                 continue
-            runs[which].append(item)
-            if time.monotonic() - last >= TEXT_EVERY:  # a yield is also where a Stop takes effect
-                last = time.monotonic()
-                yield f"Timing the {RUN_NAMES[which]} run: {item.num_generated}/{config.max_new_tokens} tokens…"
-    tok = pair.target.tokenizer
-    yield Computed(runs["ar"], runs["sd"], [event_segments(e, tok, False) for e in runs["ar"]],
-                   [event_segments(e, tok, True) for e in runs["sd"]], result)
+            step += which == "sd" and item.kind == "spec"
+            yield which, item, event_segments(item, tok, which == "sd", step if which == "sd" else 0,
+                                              config.sampling.greedy)
 
 
 def sweep_k(request: RunRequest, limits: AppLimits, runtime: Runtime, k_max: int) -> Iterator[str | Sweep]:
@@ -216,100 +126,33 @@ def sweep_k(request: RunRequest, limits: AppLimits, runtime: Runtime, k_max: int
     yield from iter_sweep_summaries(pair, [prompt_ids], range(MIN_K, k_max + 1), config, k_max)
 
 
-# ---- the replay and the text around it ----
-
-def replay_frames(ar_times: list[float], sd_times: list[float], pace: bool = True,
-                  clock: Callable[[], float] = time.monotonic,
-                  sleep: Callable[[float], None] = time.sleep) -> Iterator[tuple[int, int, bool]]:
-    """(events of AR shown, events of SD shown, plots due) as each run's events come due at their measured times.
-
-    Text frames come at most every TEXT_EVERY seconds, plot refreshes every PLOTS_EVERY; the last frame shows all.
-    """
-    end = max(ar_times[-1:] + sd_times[-1:] + [0.0])
-    if not pace:
-        yield len(ar_times), len(sd_times), True
-        return
-    start, last_plot, shown = clock(), float("-inf"), None
-    while True:
-        t = clock() - start
-        final = t >= end
-        n = (len(ar_times), len(sd_times)) if final else (bisect_right(ar_times, t), bisect_right(sd_times, t))
-        if n != shown or final:
-            plots = final or t - last_plot >= PLOTS_EVERY
-            last_plot = t if plots else last_plot
-            shown = n
-            yield n[0], n[1], plots
-        if final:
-            return
-        sleep(min(TEXT_EVERY, end - t))
+def blank_plots(out: RaceOutputs) -> dict:
+    """Blank figures for the race's plots, as on page load."""
+    names = {out.tokens_plot: "tokens", out.speedup_plot: "speedup", out.hist_plot: "histogram",
+             out.timeline_plot: "timeline", out.position_plot: "positions"}
+    return {component: charts.blank(name) for component, name in names.items()}
 
 
-def _points(events: list[StepEvent]) -> charts.Points:
-    return [(0.0, 0)] + [(e.elapsed, e.num_generated) for e in events]
-
-
-def _panel(events: list[StepEvent], segments: list[list[Segment]], n: int, hide_rejected: bool) -> str:
-    stats = panel_stats(events[n - 1].num_generated, events[n - 1].elapsed) if n else "waiting for the first token…"
+def _panel(events: list[StepEvent], segments: list[list[Segment]], n: int, hide_rejected: bool,
+           waiting: str = "waiting for the first token…") -> str:
+    stats = panel_stats(events[n - 1].num_generated, events[n - 1].elapsed) if n else waiting
     return segments_html([s for step in segments[:n] for s in step], hide_rejected, stats)
 
 
-def final_stats_markdown(result: dict) -> str:
-    """The summary under the panels: speedup, acceptance, mean accepted length, where the speculative time went."""
-    sd, ar = result["sd"], result["ar"]
-    spent = max(sd["seconds"], 1e-9)
-    prefill = max(sd["seconds"] - sd["draft_seconds"] - sd["verify_seconds"], 0.0)
-    same = "identical" if result["identical"] else "different (expected when sampling; see the JSON when greedy)"
-    return "\n".join([
-        f"**Speedup {result['speedup']:.2f}×** — speculative {sd['tokens_per_s']:.1f} tokens/s vs "
-        f"autoregressive {ar['tokens_per_s']:.1f} tokens/s",
-        f"- acceptance rate: **{sd['acceptance_rate']:.0%}** ({sd['accepted']} of {sd['drafted']} drafted tokens)",
-        f"- mean accepted length: **{sd['mean_accepted']:.2f}** tokens per target pass (bonus/correction included), "
-        f"{sd['steps']} target passes",
-        f"- speculative time: drafting {sd['draft_seconds']:.2f} s ({sd['draft_seconds'] / spent:.0%}), "
-        f"verifying {sd['verify_seconds']:.2f} s ({sd['verify_seconds'] / spent:.0%}), "
-        f"prefill {prefill:.2f} s ({prefill / spent:.0%})",
-        f"- outputs: {same}; {result['target']} on {result['device']} ({result['dtype']}), "
-        f"drafter {result['drafter']} ({result['draft'] or 'prompt lookup'}), k={result['k']}"
-        + (" (dynamic)" if result["dynamic_k"] else ""),
-    ] + _hybrid_lines(result))
-
-
-def _hybrid_lines(result: dict) -> list[str]:
-    if "hybrid_model_k" not in result:
-        return []
-    cap = describe_hybrid_cap(result["hybrid_model_k"], result.get("hybrid_verify_costs") or {},
-                              result.get("hybrid_draft_cost"))
-    return [f"- hybrid: {cap}; prompt lookup up to k where the text repeats"]
-
-
-def sweep_table(result: Sweep) -> str:
-    """Markdown: one line per measured k, then the fitted alpha and c and the theory's best k."""
-    lines = ["| k | speedup | acceptance | mean accepted | theory |", "|---|---|---|---|---|"]
-    lines += [f"| {p.k} | {p.speedup:.2f}× | {p.acceptance_rate:.0%} | {p.mean_accepted:.2f} | "
-              f"{result.theory.get(p.k, 0.0):.2f}× |" for p in result.points]
-    lines.append(f"\nFitted α = {result.alpha:.2f} (from mean accepted length), c = {result.c:.3f} (draft cost per "
-                 f"token / target cost per token), verify cost per k as measured; theory's best k = {result.best_k}.")
-    return "\n".join(lines)
-
-
-def friendly_error(exc: Exception) -> str:
-    """A one-paragraph message for the status line."""
-    if isinstance(exc, OOM):
-        return f"Out of memory: {exc}. Try a smaller model pair or fewer new tokens."
-    if isinstance(exc, TokenizerMismatchError):
-        return f"Tokenizer mismatch: {exc}"
-    if isinstance(exc, ModelLoadError):
-        return f"Could not load the model: {exc}"
-    return str(exc)
-
-
-KNOWN_ERRORS = (UserError, ModelLoadError, TokenizerMismatchError, GenerationError, ValueError, OOM)
-
-
-def _hold(lock: threading.Lock) -> Iterator[str]:
+def _hold(lock: threading.Lock, stopped: Callable[[], bool] = lambda: False) -> Iterator[str]:
     """Wait for the hardware, yielding so a Stop can end the wait."""
     while not lock.acquire(timeout=0.25):
+        if stopped():
+            raise Stopped
         yield "Waiting for another run to finish: timed runs never share the hardware…"
+
+
+class Stopped(Exception):
+    """The visitor pressed Stop: the run ends at the next decoder step and says so itself."""
+
+
+def _session(visitor: gr.Request | None, tab: str) -> tuple[str | None, str]:
+    return getattr(visitor, "session_hash", None), tab
 
 
 # ---- the handlers ----
@@ -327,92 +170,202 @@ class Handlers:
         self.limits = limits
         self.runtime = runtime
         self.hardware = threading.Lock()
-        # spaces.GPU (ZeroGPU) wraps only the compute steps; the replay runs without holding a GPU
+        # Stop is cooperative: the button marks the session's run, which ends at its next decoder step and writes
+        # "Stopped." as its own last frame, so no frame of the old run can land after it (an API client's
+        # job.cancel() still closes the generator through gradio)
+        self.running: set[tuple] = set()
+        self.stopping: set[tuple] = set()
+        # spaces.GPU (ZeroGPU) wraps only the compute steps; the race replay runs without holding a GPU
         self.compute_step = gpu(compute) if gpu else compute
         self.sweep_step = gpu(sweep_k) if gpu else sweep_k
 
     def run_compare(self, prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max_new_tokens,
-                    hide_rejected, replay=True) -> Iterator[dict]:
-        """The main run (API: /compare): validate, wait for the hardware, compute both runs, replay them."""
-        out = self.outputs.race
+                    hide_rejected, replay=True, visitor: gr.Request = None) -> Iterator[dict]:
+        """The main run (API: /compare): validate, wait for the hardware, stream both runs live, then race them."""
+        session, runs = _session(visitor, "race"), Runs()
+        self.running.add(session)
+        self.stopping.discard(session)
         try:
             request = make_request(prompt, target, drafter, draft, k, dynamic_k, temperature, top_p,
-                                   max_new_tokens, self.limits)
-            yield from ({out.status: s} for s in _hold(self.hardware))
+                                    max_new_tokens, self.limits)
+            hide, pace = flag(hide_rejected, "hide rejected drafts"), flag(replay, "replay")
+            stopped = lambda: session in self.stopping  # noqa: E731
+            yield from ({self.outputs.race.status: s} for s in _hold(self.hardware, stopped))
             try:
-                done = None
-                with closing(self.compute_step(request, self.limits, self.runtime)) as steps:
-                    for item in steps:
-                        if isinstance(item, Computed):
-                            done = item
-                        else:
-                            yield {out.status: item}
+                check_prompt_tokens(request, self.limits, self.runtime)  # the tokenizer only: no weights yet
+                yield self._reset()
+                yield from self._live(request, runs, hide, stopped)
             finally:
                 self.hardware.release()
+            yield from self._race(runs, hide, pace, stopped)
+        except Stopped:
+            yield {self.outputs.race.status: "Stopped."}
         except KNOWN_ERRORS as exc:
-            gr.Warning(friendly_error(exc))
             yield self._error(friendly_error(exc))
-            return
         except Exception as exc:  # the app keeps serving; the log has the traceback
             log.exception("run failed")
-            gr.Warning(f"Unexpected error: {exc}")
             yield self._error(f"Unexpected error: {exc}")
+        finally:
+            self.running.discard(session)
+            self.stopping.discard(session)
+
+    def replay_race(self, runs: Runs | None, hide_rejected, visitor: gr.Request = None) -> Iterator[dict]:
+        """Race the finished runs again from t = 0, without computing anything."""
+        if not isinstance(runs, Runs) or not runs.done:
+            yield {self.outputs.race.status: "Nothing to replay yet: press Run first."}
             return
-        for n_ar, n_sd, plots in replay_frames([e.elapsed for e in done.ar_events],
-                                               [e.elapsed for e in done.sd_events], pace=bool(replay)):
-            yield self._frame(done, n_ar, n_sd, plots, hide_rejected)
+        session = _session(visitor, "race")
+        self.running.add(session)
+        self.stopping.discard(session)
+        try:
+            yield from self._race(runs, bool(hide_rejected), True, lambda: session in self.stopping)
+        except Stopped:
+            yield {self.outputs.race.status: "Stopped."}
+        finally:
+            self.running.discard(session)
+            self.stopping.discard(session)
 
     def _error(self, text: str) -> dict:
+        gr.Warning(text)
         out = self.outputs.race
         return {out.status: f"**Error:** {text}", out.result_json: {"error": text}}
 
-    def _frame(self, done: Computed, n_ar: int, n_sd: int, plots: bool, hide_rejected: bool) -> dict:
-        """One replay frame: the first n_ar / n_sd events of each run; plots when due; the summary at the end."""
+    def _reset(self) -> dict:
+        """A new run's first frame: empty panels and plots, no summary."""
         out = self.outputs.race
-        final = n_ar == len(done.ar_events) and n_sd == len(done.sd_events)
-        frame = {out.ar_html: _panel(done.ar_events, done.ar_segments, n_ar, False),
-                 out.sd_html: _panel(done.sd_events, done.sd_segments, n_sd, hide_rejected),
-                 out.status: "Done. Replayed at the measured pace." if final else
-                 "Replaying both runs at their measured pace…"}
-        if plots:
-            ar, sd = _points(done.ar_events)[: n_ar + 1], _points(done.sd_events)[: n_sd + 1]
-            hist = (done.result["sd"]["accepted_histogram"] if final
-                    else run_stats(done.sd_events[:n_sd]).accepted_histogram)
-            frame |= {out.tokens_plot: charts.tokens_vs_time(ar, sd), out.speedup_plot: charts.running_speedup(ar, sd),
-                      out.hist_plot: charts.accepted_histogram(hist)}
-        if final:
-            frame |= {out.stats: final_stats_markdown(done.result), out.result_json: done.result,
-                      out.segments_state: done.sd_segments}
+        return {out.ar_html: segments_html([], stats="starts after the untimed warm-up…"),
+                out.sd_html: segments_html([], stats="starts when the autoregressive run ends (they never share "
+                                                     "the hardware)…"),
+                out.stats: "", out.result_json: None, **blank_plots(out)}
+
+    def _live(self, request: RunRequest, runs: Runs, hide: bool, stopped: Callable[[], bool]) -> Iterator[dict]:
+        """Each run's tokens as its decoder yields them (throttled; each run's last frame always comes)."""
+        out, throttle, phase = self.outputs.race, Throttle(), None
+        with closing(self.compute_step(request, self.limits, self.runtime)) as steps:
+            for item in steps:
+                if stopped():  # closing the steps stops the decoder
+                    raise Stopped
+                if isinstance(item, str):
+                    yield {out.status: item}
+                elif isinstance(item, dict):
+                    runs.result = item
+                else:
+                    which, event, segments = item
+                    runs.add(which, event, segments)
+                    if which != phase:  # a run's first token shows at once
+                        phase, throttle = which, Throttle()
+                    text, plots = throttle.due(final=event.finish_reason is not None)
+                    if text:
+                        yield self._live_frame(runs, which, plots, hide, request.max_new_tokens)
+
+    def _live_frame(self, runs: Runs, which: str, plots: bool, hide: bool, max_new_tokens: int) -> dict:
+        out = self.outputs.race
+        last = (runs.ar_events if which == "ar" else runs.sd_events)[-1]
+        who = "autoregressive run (target only" if which == "ar" else "speculative run (draft + target"
+        frame = {out.status: f"Computing the {who}, timed): {last.num_generated}/{max_new_tokens} tokens…"}
+        if which == "ar":
+            frame[out.ar_html] = _panel(runs.ar_events, runs.ar_segments, len(runs.ar_events), False)
+        else:
+            frame[out.sd_html] = _panel(runs.sd_events, runs.sd_segments, len(runs.sd_events), hide)
+        if plots and which == "ar":  # the other plots have nothing yet: not redrawing them spares the browser
+            frame[out.tokens_plot] = charts.tokens_vs_time(points(runs.ar_events), points([]))
+        elif plots:
+            frame |= self._plots(runs, len(runs.ar_events), len(runs.sd_events), live=True)
         return frame
 
-    def rerender(self, segments, hide_rejected, current) -> dict:
+    def _plots(self, runs: Runs, n_ar: int, n_sd: int, live: bool = False) -> dict:
+        """Tokens vs time, running speedup and the histogram for the first n_ar / n_sd events."""
+        out = self.outputs.race
+        ar, sd = points(runs.ar_events, n_ar), points(runs.sd_events, n_sd)
+        # while the speculative run is being computed, compare it with the autoregressive run up to the same time
+        ar_now = [p for p in ar if p[0] <= sd[-1][0]] if live else ar
+        return {out.tokens_plot: charts.tokens_vs_time(ar, sd), out.speedup_plot: charts.running_speedup(ar_now, sd),
+                out.hist_plot: charts.accepted_histogram(run_stats(runs.sd_events[:n_sd]).accepted_histogram)}
+
+    def _race(self, runs: Runs, hide: bool, pace: bool, stopped: Callable[[], bool]) -> Iterator[dict]:
+        """Both runs from t = 0 at their measured pace (or at once without pace), then the summary."""
+        if not runs.done:  # failed before the end
+            return
+        out = self.outputs.race
+        ar_times, sd_times = [e.elapsed for e in runs.ar_events], [e.elapsed for e in runs.sd_events]
+        for n_ar, n_sd, plots in replay_frames(ar_times, sd_times, pace=pace):
+            if stopped():
+                raise Stopped
+            if n_ar == len(ar_times) and n_sd == len(sd_times):
+                break
+            frame = {out.ar_html: _panel(runs.ar_events, runs.ar_segments, n_ar, False),
+                     out.sd_html: _panel(runs.sd_events, runs.sd_segments, n_sd, hide),
+                     out.status: "Race: both runs from t = 0 at their measured pace…"}
+            yield frame | (self._plots(runs, n_ar, n_sd) if plots else {})
+        yield self._final(runs, hide)
+
+    def _final(self, runs: Runs, hide: bool) -> dict:
+        """Everything at the end: both panels, all plots, where the time went, the summary and the JSON."""
+        out, result = self.outputs.race, runs.result
+        p = run_point(runs)
+        c, verify_cost = (p.c, p.verify_cost) if p else (0.0, 1.0)
+        rates = result["sd"]["per_position_acceptance"]
+        return {out.ar_html: _panel(runs.ar_events, runs.ar_segments, len(runs.ar_events), False),
+                out.sd_html: _panel(runs.sd_events, runs.sd_segments, len(runs.sd_events), hide),
+                **self._plots(runs, len(runs.ar_events), len(runs.sd_events)),
+                out.timeline_plot: charts.timeline(passes(runs.ar_events), passes(runs.sd_events), c, verify_cost),
+                out.position_plot: charts.position_acceptance(rates, drafted_at(runs.sd_events, len(rates)),
+                                                              p.alpha if p else None, c, verify_cost),
+                out.stats: final_stats_markdown(result, c, verify_cost), out.result_json: result, out.runs_state: runs,
+                out.status: f"Done: {result['speedup']:.2f}× the autoregressive speed"
+                            f" ({'identical outputs' if result['identical'] else 'outputs differ'}). "
+                            "Press Replay race to watch it again."}
+
+    def rerender(self, runs: Runs | None, hide_rejected, current) -> dict:
         """Show or hide rejected drafts in the finished speculative panel without running again."""
         out = self.outputs.race
-        if not segments:
+        if not isinstance(runs, Runs) or not runs.sd_segments:
             return {out.sd_html: gr.skip()}
         head = current.split('<div class="tok-panel', 1)[0] if current else ""
-        return {out.sd_html: head + segments_html([s for step in segments for s in step], hide_rejected)}
+        return {out.sd_html: head + segments_html([s for step in runs.sd_segments for s in step], hide_rejected)}
 
-    def stop_race(self) -> dict:
-        return {self.outputs.race.status: "Stopped."}
+    def stop_race(self, visitor: gr.Request = None) -> None:
+        """Ask this visitor's run or replay to stop; it ends at its next step and says "Stopped." itself."""
+        self._stop(_session(visitor, "race"))
 
-    def run_sweep(self, prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens) -> Iterator[dict]:
+    def _stop(self, session: tuple) -> None:
+        if session in self.running:
+            self.stopping.add(session)
+
+    def run_sweep(self, prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens,
+                  visitor: gr.Request = None) -> Iterator[dict]:
         """The Tune-k tab (API: /sweep_k): sweep k = 1..k_max on the current prompt; measured and expected speedup."""
-        out = self.outputs.sweep
+        out, session = self.outputs.sweep, _session(visitor, "sweep")
+        self.running.add(session)
+        self.stopping.discard(session)
         try:
-            request = make_request(prompt, target, drafter, draft, MIN_K, False, temperature, top_p,
-                                   max_new_tokens, self.limits)
-            k_max = int(k_max)
-            if not MIN_K <= k_max <= MAX_K:
-                raise UserError(f"the largest k must be between {MIN_K} and {MAX_K}, got {k_max}")
+            yield from self._sweep(prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens,
+                                   lambda: session in self.stopping)
+        except Stopped:
+            yield {out.table: "Stopped."}
         except KNOWN_ERRORS as exc:
+            gr.Warning(friendly_error(exc))
             yield {out.table: f"**Error:** {friendly_error(exc)}"}
-            return
-        yield from ({out.table: s} for s in _hold(self.hardware))
+        finally:
+            self.running.discard(session)
+            self.stopping.discard(session)
+
+    def _sweep(self, prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens,
+               stopped: Callable[[], bool]) -> Iterator[dict]:
+        out = self.outputs.sweep
+        request = make_request(prompt, target, drafter, draft, MIN_K, False, temperature, top_p, max_new_tokens,
+                               self.limits)
+        k_max = number(k_max, "the largest k", whole=True)
+        if not MIN_K <= k_max <= MAX_K:
+            raise UserError(f"the largest k must be between {MIN_K} and {MAX_K}, got {k_max}")
+        yield from ({out.table: s} for s in _hold(self.hardware, stopped))
         try:
+            check_prompt_tokens(request, self.limits, self.runtime)
             result = None
             with closing(self.sweep_step(request, self.limits, self.runtime, k_max)) as steps:
                 for item in steps:
+                    if stopped():
+                        raise Stopped
                     if isinstance(item, str):
                         yield {out.table: item}
                         continue
@@ -423,16 +376,14 @@ class Handlers:
                     yield {out.plot: fig, out.table: f"Measured k = {result.points[-1].k} of {k_max}…\n\n"
                            + sweep_table(result), out.best: best,
                            out.apply: gr.update(value=f"Use k = {best}", interactive=True)}
-            yield {out.table: f"Done: best measured k = {result.best_measured_k}.\n\n" + sweep_table(result),
-                   out.best: result.best_measured_k}
-        except KNOWN_ERRORS as exc:
-            gr.Warning(friendly_error(exc))
-            yield {out.table: f"**Error:** {friendly_error(exc)}"}
         finally:
             self.hardware.release()
+        yield {out.table: f"Done: best measured k = {result.best_measured_k}.\n\n" + sweep_table(result),
+               out.best: result.best_measured_k}
 
-    def stop_sweep(self) -> dict:
-        return {self.outputs.sweep.table: "Stopped."}
+    def stop_sweep(self, visitor: gr.Request = None) -> None:
+        """Ask this visitor's sweep to stop at its next step."""
+        self._stop(_session(visitor, "sweep"))
 
     def apply_preset(self, label: str) -> dict:
         """Fill target, drafter and draft from a preset; Custom leaves them alone."""

@@ -242,3 +242,32 @@ def check_tokenizers(target: LoadedModel, draft_name: str, draft_tokenizer) -> N
         f"target '{target.name}' and draft '{draft_name}' use different tokenizers: {why}. "
         "Speculative decoding needs a draft that shares the target's tokenizer."
     )
+
+
+_tokenizers: dict[tuple, tuple[object, int | None]] = {}
+
+
+def load_tokenizer(spec: str, trust_remote_code: bool = False,
+                   runtime: Runtime = Runtime()) -> tuple[object, int | None]:
+    """A model's tokenizer and context length (config.max_position_embeddings; None if it has none), without its
+    weights: for checking a prompt before any model work. A model already loaded lends its own."""
+    spec = (spec or "").strip()
+    if not spec:
+        raise ModelLoadError("no model id given")
+    with _cache_lock:
+        loaded = next((m for key, m in _cache.items() if key[0] == spec and key[3:] == (trust_remote_code, runtime)),
+                      None)
+        if loaded is not None:
+            return loaded.tokenizer, getattr(loaded.model.config, "max_position_embeddings", None)
+        key = (spec, trust_remote_code, runtime)
+        if key not in _tokenizers:
+            path, _ = _locate(spec, runtime)
+            from transformers import AutoConfig, AutoTokenizer
+
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+                config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+            except (OSError, ValueError) as exc:
+                raise ModelLoadError(f"cannot load the tokenizer of '{spec}': {exc}") from exc
+            _tokenizers[key] = tokenizer, getattr(config, "max_position_embeddings", None)
+        return _tokenizers[key]

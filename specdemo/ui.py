@@ -8,19 +8,21 @@ from collections.abc import Callable
 
 import gradio as gr
 
+from . import charts
 from .compare import trained_draft_path
 from .config import BUNDLED_ID, MAX_K, MIN_K, PRESETS, TRAINED_DRAFT_ID, GenerationConfig, Runtime, SamplingConfig
-from .handlers import (AppLimits, Handlers, Outputs, RaceOutputs, SettingsOutputs, SweepOutputs, allowed,
-                       preset_fields)
-from .render import CSS, legend_html, segments_html
+from .handlers import Handlers, Outputs, RaceOutputs, SettingsOutputs, SweepOutputs
+from .race import AppLimits, allowed, preset_fields
+from .render import CSS, INSPECTOR_JS, inspector_html, legend_html, segments_html
 
 CUSTOM = "Custom (type the ids below)"
 
 TIMING_NOTE = (
-    "**How the timing works.** The autoregressive run is computed first, then the speculative run, never at the "
-    "same time, after a short untimed warm-up; each clock counts only that run's own compute. Both runs are then "
-    "replayed side by side at their measured pace, so the race you watch is the real one. Runs from different "
-    "users queue for the hardware rather than share it."
+    "**How the timing works.** After a short untimed warm-up, the autoregressive run is computed and shown as the "
+    "target produces it, then the speculative run, never at the same time; each clock counts only that run's own "
+    "compute, and pauses while a frame is handed to this page. Then the race replays both from t = 0 side by side "
+    "at their measured pace, so the race you watch is the real one. Runs from different users queue for the "
+    "hardware rather than share it."
 )
 
 EXAMPLES = [  # (category, prompt): prompts written for this app
@@ -94,6 +96,7 @@ def build_demo(limits: AppLimits = AppLimits(), runtime: Runtime = Runtime(),
         with gr.Tab("Race"):
             with gr.Row():
                 run_btn = gr.Button("Run", variant="primary", elem_id="run")
+                replay_btn = gr.Button("Replay race", elem_id="replay")
                 stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
             status = gr.Markdown("Ready.", elem_id="status")
             gr.HTML(legend_html())
@@ -102,16 +105,22 @@ def build_demo(limits: AppLimits = AppLimits(), runtime: Runtime = Runtime(),
                     gr.Markdown("### Autoregressive (target only)")
                     ar_html = gr.HTML(segments_html([]), elem_id="ar-panel")
                 with gr.Column():
-                    gr.Markdown("### Speculative")
+                    gr.Markdown("### Speculative (click a token to inspect its step)")
                     sd_html = gr.HTML(segments_html([]), elem_id="sd-panel")
+            gr.HTML(inspector_html(), elem_id="inspector")
             stats = gr.Markdown(elem_id="stats")
             gr.Markdown(TIMING_NOTE)
             with gr.Row():
-                tokens_plot = gr.Plot(label="tokens vs time")
-                speedup_plot = gr.Plot(label="running speedup")
-                hist_plot = gr.Plot(label="accepted drafts per step")
+                # blank figures on load: the browser loads plotly now, not while a run is being timed
+                tokens_plot = gr.Plot(charts.blank("tokens"), label="tokens vs time")
+                speedup_plot = gr.Plot(charts.blank("speedup"), label="running speedup")
+                hist_plot = gr.Plot(charts.blank("histogram"), label="accepted drafts per step")
+            with gr.Row():
+                timeline_plot = gr.Plot(charts.blank("timeline"), label="where the time goes", elem_id="timeline")
+                position_plot = gr.Plot(charts.blank("positions"), label="acceptance by draft position",
+                                        elem_id="positions")
             result_json = gr.JSON(label="result (same keys as `python -m specdemo generate --json`)", elem_id="result")
-            segments_state = gr.State([])
+            runs_state = gr.State(None)
         with gr.Tab("Tune k"):
             gr.Markdown("Sweeps k on the current prompt and settings: one autoregressive baseline, then one "
                         "speculative run per k. The dashed curve is the expected speedup from the measured "
@@ -126,25 +135,31 @@ def build_demo(limits: AppLimits = AppLimits(), runtime: Runtime = Runtime(),
             best_state = gr.State(None)
 
         race = RaceOutputs(ar_html, sd_html, tokens_plot, speedup_plot, hist_plot, stats, status, result_json,
-                           segments_state)
+                           runs_state, timeline_plot, position_plot)
         tune = SweepOutputs(sweep_plot, sweep_md, best_state, apply_btn)
         settings = SettingsOutputs(target, drafter, draft, k)
         h = Handlers(Outputs(race, tune, settings), limits, runtime, gpu)
 
         preset.change(h.apply_preset, preset, [target, drafter, draft], api_name=False)
         inputs = [prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max_new_tokens]
-        run_event = run_btn.click(h.run_compare, inputs + [hide_rejected, replay], race.order(), api_name="compare",
-                                  show_progress="minimal")
-        stop_btn.click(h.stop_race, None, status, cancels=[run_event], api_name=False)
-        hide_rejected.change(h.rerender, [segments_state, hide_rejected, sd_html], sd_html, api_name=False)
-        sweep_event = sweep_btn.click(h.run_sweep, [prompt, target, drafter, draft, k_max, temperature, top_p,
+        # preprocess=False: the handlers check raw values themselves, so an API client sending "abc" for k gets a
+        # clear message instead of gradio's failed comparison
+        run_btn.click(h.run_compare, inputs + [hide_rejected, replay], race.order(), api_name="compare",
+                                  show_progress="minimal", preprocess=False)
+        replay_btn.click(h.replay_race, [runs_state, hide_rejected], race.order(), api_name=False,
+                                        show_progress="hidden")
+        # Stop marks the run, which ends itself at its next step (handlers.Stopped); no gradio cancel, whose
+        # in-flight frames could land after the "Stopped." line
+        stop_btn.click(h.stop_race, None, None, queue=False, api_name=False)
+        hide_rejected.change(h.rerender, [runs_state, hide_rejected, sd_html], sd_html, api_name=False)
+        sweep_btn.click(h.run_sweep, [prompt, target, drafter, draft, k_max, temperature, top_p,
                                                     max_new_tokens], tune.order(), api_name="sweep_k",
-                                      show_progress="minimal")
-        sweep_stop.click(h.stop_sweep, None, sweep_md, cancels=[sweep_event], api_name=False)
+                                      show_progress="minimal", preprocess=False)
+        sweep_stop.click(h.stop_sweep, None, None, queue=False, api_name=False)
         apply_btn.click(h.apply_best_k, best_state, k, api_name=False)
     return demo
 
 
 def launch_options() -> dict:
-    """Theme and css for demo.launch() (Gradio 6 takes them there, not in Blocks)."""
-    return {"css": CSS, "theme": gr.themes.Soft()}
+    """Theme, css and the step inspector's script for demo.launch() (Gradio 6 takes them there, not in Blocks)."""
+    return {"css": CSS, "theme": gr.themes.Soft(), "js": INSPECTOR_JS}

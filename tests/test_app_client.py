@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from specdemo.config import Runtime
-from specdemo.handlers import AppLimits, Handlers
+from specdemo.handlers import Handlers
+from specdemo.race import AppLimits, preset_ids
 from specdemo.ui import EXAMPLES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,6 +36,10 @@ def test_app_reads_the_environment_and_hands_it_to_the_handlers():
     (h,) = {fn.fn.__self__ for fn in demo.fns.values() if isinstance(getattr(fn.fn, "__self__", None), Handlers)}
     assert h.limits == AppLimits(max_new_tokens=64, allowlist=("org/a", "org/b"), device="cpu")
     assert h.runtime == Runtime(cache_dir="/nowhere", fast_linear=False)
+    space = app.make_app({"SPACE_ID": "someone/specdemo", "SPECDEMO_MAX_PROMPT_TOKENS": "1000",
+                          "SPECDEMO_ALLOW_LOCAL_PATHS": "1"})
+    (h,) = {fn.fn.__self__ for fn in space.fns.values() if isinstance(getattr(fn.fn, "__self__", None), Handlers)}
+    assert h.limits == AppLimits(allowlist=preset_ids(), max_prompt_tokens=1000, allow_local_paths=True)
 
 
 def free_port() -> int:
@@ -44,9 +49,10 @@ def free_port() -> int:
 
 
 def launch(port: int, **env) -> subprocess.Popen:
-    """Start app.py on a port; one torch thread, since the CPU is shared."""
-    env = {**os.environ, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port), "OMP_NUM_THREADS": "1",
-           "GRADIO_ANALYTICS_ENABLED": "False", "SPECDEMO_MAX_NEW_TOKENS": "512", **env}
+    """Start app.py on a port; one torch thread, since the CPU is shared (SPECDEMO_TEST_THREADS=2 for figures)."""
+    threads = os.environ.get("SPECDEMO_TEST_THREADS", "1")
+    env = {**os.environ, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port),
+           "OMP_NUM_THREADS": threads, "GRADIO_ANALYTICS_ENABLED": "False", "SPECDEMO_MAX_NEW_TOKENS": "512", **env}
     return subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
@@ -117,7 +123,7 @@ def test_stop_cancels_a_long_run_promptly_and_the_app_keeps_serving(client):
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # wait until the engine is timing tokens
         outs = job.outputs()
-        if outs and isinstance(outs[-1][6], str) and "Timing" in outs[-1][6]:
+        if outs and isinstance(outs[-1][6], str) and outs[-1][6].startswith("Computing"):
             break
         time.sleep(0.2)
     else:
@@ -130,6 +136,28 @@ def test_stop_cancels_a_long_run_promptly_and_the_app_keeps_serving(client):
     # the cancelled 512-token run would take far longer than this if its engine loop were still going
     assert result["identical"] is True and result["sd"]["tokens"] == 6
     assert time.monotonic() - t0 < 60
+
+
+def test_a_huge_prompt_is_refused_at_once_and_the_next_run_is_served(client):
+    """A 200,000-character prompt gets the length error within 5 s (no model work), and a run right after it is
+    served normally."""
+    t0 = time.monotonic()
+    outputs = client.predict(*args("x" * 200_000, 8, replay=False), api_name="/compare")
+    assert time.monotonic() - t0 < 5
+    assert "too long: 200,000 characters" in outputs[6] and "error" in outputs[7], outputs[6]
+    result = client.predict(*args(CHAT, 6, replay=False), api_name="/compare")[7]
+    assert result["identical"] is True and result["sd"]["tokens"] == 6
+
+
+def test_non_numeric_values_through_the_api_get_a_clear_message(client):
+    """k = "abc" or max new tokens = "lots" come back as a readable status, not gradio's opaque error."""
+    bad_k = (REWRITE, "smollm2-135m", "ngram", "", "abc", False, 0.0, 1.0, 8, False, False)
+    outputs = client.predict(*bad_k, api_name="/compare")
+    assert "k must be a number, got 'abc'" in outputs[6] and outputs[7] == {"error": outputs[6][len("**Error:** "):]}
+    bad_tokens = (REWRITE, "smollm2-135m", "ngram", "", 4, False, 0.0, 1.0, "lots", False, False)
+    assert "max new tokens must be a number" in client.predict(*bad_tokens, api_name="/compare")[6]
+    sweep = client.predict(REWRITE, "smollm2-135m", "ngram", "", "many", 0.0, 1.0, 8, api_name="/sweep_k")
+    assert "the largest k must be a number" in sweep[1]
 
 
 def test_two_concurrent_clients_each_get_their_own_output(server):

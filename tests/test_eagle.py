@@ -117,6 +117,16 @@ def test_sampled_proposal_is_a_distribution_on_the_subset(target100):
     assert torch.allclose(proposal.probs.sum(-1), torch.ones(len(proposal.tokens)))
     assert float(proposal.probs[:, outside].abs().sum()) == 0.0
     assert all(float(proposal.probs[i, t]) > 0 for i, t in enumerate(proposal.tokens))
+    assert proposal.token_probs == pytest.approx([float(proposal.probs[i, t]) for i, t in enumerate(proposal.tokens)])
+
+
+def test_greedy_proposal_reports_q_of_each_token(target100):
+    """Greedy drafting fills token_probs with the draft's softmax at each drafted token (its peak), for the inspector."""
+    drafter = make_drafter(target100, seed=4)
+    drafter.begin(PROMPT[:-1], hidden(target100, PROMPT[:-1]))
+    proposal = drafter.propose(DraftRequest(PROMPT, 3, SamplingConfig(), None, frozenset()))
+    assert proposal.probs is None and len(proposal.token_probs) == len(proposal.tokens) > 0
+    assert proposal.token_probs == drafter.confidences and all(0 < q <= 1 for q in proposal.token_probs)
 
 
 @pytest.mark.parametrize("fuse,layers", [((), 1), (FUSED, 1), ((), 2)])

@@ -158,3 +158,53 @@ def test_bad_inputs_are_refused_with_clear_messages(tiny_target, tiny_tok):
         run(autoregressive(tiny_target, tiny_tok, PROMPT, GenerationConfig(sampling=SamplingConfig(1.0, top_p=0))))
 
 
+
+
+def _direct(model, ids: list[int]) -> torch.Tensor:
+    """The model's logits (V,) for the token after ids, from one plain forward pass without a cache."""
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids], device=model.device)).logits[0, -1].float()
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.7, top_p=0.9)],
+                         ids=["greedy", "sampled"])
+def test_the_inspector_data_equals_a_direct_target_pass(tiny_target, tiny_draft, tiny_tok, sampling):
+    """Per verified position: the top-5 ids and p, p(x_i), the greedy top-2 logit gap and the draft's q(x_i) equal
+    those of direct passes of the target and the draft on the same context (softmax at temperature 1 when greedy,
+    the processed distribution of rejection sampling when sampling)."""
+    from specdemo.verify import logits_to_probs
+
+    config = GenerationConfig(max_new_tokens=24, num_draft_tokens=3, sampling=sampling)
+    ids, checked = list(PROMPT), 0
+    for event in speculative(tiny_target, tiny_tok, ModelDrafter(tiny_draft), PROMPT, config):
+        if event.kind == "spec" and event.drafted:
+            assert len(event.target_top_ids) == len(event.drafted) + 1 == len(event.target_top_probs)
+            assert len(event.draft_token_probs) == len(event.drafted) == len(event.target_token_probs)
+            for i in range(len(event.drafted) + 1):
+                context = ids + event.drafted[:i]
+                logits = _direct(tiny_target, context)
+                p = torch.softmax(logits, -1) if sampling.greedy else logits_to_probs(logits, sampling)
+                top = torch.topk(p, 5)
+                assert event.target_top_ids[i] == top.indices.tolist()
+                assert event.target_top_probs[i] == pytest.approx(top.values.tolist(), abs=1e-5)
+                if i < len(event.drafted):
+                    x = event.drafted[i]
+                    assert event.target_token_probs[i] == pytest.approx(float(p[x]), abs=1e-5)
+                    d = _direct(tiny_draft, context)
+                    q = torch.softmax(d, -1) if sampling.greedy else logits_to_probs(d, sampling)
+                    assert event.draft_token_probs[i] == pytest.approx(float(q[x]), abs=1e-5)
+                if sampling.greedy:
+                    gap = torch.topk(logits, 2).values
+                    assert event.target_top2_gap[i] == pytest.approx(float(gap[0] - gap[1]), abs=1e-4)
+                checked += 1
+        ids += event.tokens
+    assert checked > 10
+    if not sampling.greedy:
+        assert event.target_top2_gap == []
+
+
+def test_prompt_lookup_has_no_draft_probabilities(tiny_target, tiny_tok):
+    """A deterministic drafter leaves q unset (q = 1), while the target's side is still recorded."""
+    events = run(speculative(tiny_target, tiny_tok, NgramDrafter(), PROMPT, GenerationConfig(max_new_tokens=12)))
+    spec = [e for e in events if e.kind == "spec" and e.drafted]
+    assert spec and all(e.draft_token_probs is None and len(e.target_top_ids) == len(e.drafted) + 1 for e in spec)

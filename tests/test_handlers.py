@@ -1,29 +1,29 @@
-"""The handlers without a server: request checks, replay pacing, the summary text, and the {component: value}
-frames, on a tiny model (milliseconds) and on the real bundled model (slow)."""
+"""The handlers without a server: the {component: value} frames of a live run, its race and its replay, the sweep,
+presets and errors, on a tiny model (milliseconds) and on the real bundled model (slow). The plain checks and text
+they use are tested in test_race.py."""
 
 from __future__ import annotations
 
 import html
 import re
-from dataclasses import asdict, fields
+from dataclasses import fields
 
 import pytest
 import torch
 
-from specdemo import charts, handlers as handlers_module
+from specdemo import handlers as handlers_module, race
 from specdemo.compare import Pair
 from specdemo.config import Runtime
 from specdemo.drafters import NgramDrafter
-from specdemo.handlers import (AppLimits, Handlers, Outputs, RaceOutputs, SettingsOutputs, SweepOutputs, UserError,
-                               final_stats_markdown, make_request, preset_fields, replay_frames, sweep_table)
+from specdemo.handlers import Handlers, Outputs, RaceOutputs, SettingsOutputs, SweepOutputs
 from specdemo.loading import LoadedModel
+from specdemo.race import AppLimits, Runs
 from specdemo.render import COMMITTED, KINDS
-from specdemo.sweep import SweepPoint, summarize
 from specdemo.ui import EXAMPLES
 
 REWRITE = next(p for c, p in EXAMPLES if c == "rewrite")
 COMMITTED_CLASSES = tuple(KINDS[k][0] for k in COMMITTED)
-SPAN = re.compile(r'<span class="(tok-[a-z]+)">(.*?)</span>', re.S)
+SPAN = re.compile(r'<span class="(tok-[a-z]+)"[^>]*>(.*?)</span>', re.S)
 
 
 def named(cls):
@@ -45,32 +45,7 @@ def committed_text(panel: str) -> str:
     return "".join(text for cls, text in spans(panel) if cls in COMMITTED_CLASSES)
 
 
-# ---- requests, presets, replay and text: no model ----
-
-def test_make_request_refuses_bad_input_with_a_message():
-    """Empty prompt, absurd k, a token count over the cap and a model off the allowlist are refused up front."""
-    limits = AppLimits(max_new_tokens=64, allowlist=("org/allowed",))
-    ok = dict(prompt="hi", target="smollm2-135m", drafter="ngram", draft="", k=4, dynamic_k=False, temperature=0.0,
-              top_p=1.0, max_new_tokens=16)
-    assert make_request(**ok, limits=limits).draft is None
-    for bad, match in ((dict(prompt="  "), "empty"), (dict(k=999), "k must be"), (dict(k=0), "k must be"),
-                       (dict(max_new_tokens=65), "max new tokens"), (dict(target="org/other"), "not allowed"),
-                       (dict(drafter="model", draft="org/other"), "not allowed"), (dict(top_p=0.0), "top_p"),
-                       (dict(drafter="magic"), "Unknown drafter")):
-        with pytest.raises(UserError, match=match):
-            make_request(**{**ok, **bad}, limits=limits)
-
-
-def test_presets_fill_the_fields():
-    """A prompt-lookup preset selects the ngram drafter and clears the draft id."""
-    target, drafter, draft = preset_fields("Bundled SmolLM2-135M + prompt lookup (offline)")
-    assert (target, drafter, draft) == ("smollm2-135m", "ngram", "")
-    fields_ = preset_fields("Bundled SmolLM2-135M + trained draft + prompt lookup (offline)")
-    assert fields_ == ("smollm2-135m", "hybrid", "smollm2-135m-draft")
-    request = make_request("hi", *fields_, k=3, dynamic_k=False, temperature=0.0, top_p=1.0, max_new_tokens=8,
-                           limits=AppLimits())
-    assert (request.drafter, request.draft) == ("hybrid", "smollm2-135m-draft")
-
+# ---- presets and errors: no model ----
 
 def test_the_preset_handler_fills_the_settings_and_custom_leaves_them():
     """apply_preset names target, drafter and draft; for Custom it sends only a skip, so nothing changes."""
@@ -82,54 +57,9 @@ def test_the_preset_handler_fills_the_settings_and_custom_leaves_them():
     assert h.apply_best_k(3) == {"k": 3}
 
 
-def test_replay_reveals_events_at_their_measured_times():
-    """Frames follow a fake clock: an event shows once its own elapsed time has passed; the last frame shows all."""
-    now = [0.0]
-    seen = []
-    for frame in replay_frames([0.05, 0.3, 0.9], [0.05, 0.2], clock=lambda: now[0],
-                               sleep=lambda s: now.__setitem__(0, now[0] + s)):
-        seen.append((now[0], frame))
-    assert seen[0] == (0.0, (0, 0, True))
-    assert seen[-1][1] == (3, 2, True) and seen[-1][0] == pytest.approx(0.9)
-    for t, (n_ar, n_sd, _) in seen:  # exactly the events whose own elapsed time has passed are shown
-        assert n_ar == sum(e <= t + 1e-9 for e in [0.05, 0.3, 0.9])
-        assert n_sd == sum(e <= t + 1e-9 for e in [0.05, 0.2])
-    plot_times = [t for t, f in seen if f[2]]
-    assert all(b - a >= 0.5 - 1e-9 for a, b in zip(plot_times[:-1], plot_times[1:-1]))  # plots are throttled
-    assert list(replay_frames([0.5], [0.2], pace=False)) == [(1, 1, True)]
-
-
-def test_summary_says_how_the_hybrid_drafted_and_why():
-    """The hybrid's line names the model's cap and the measured verify costs it came from; other drafters have none."""
-    result = {"speedup": 1.5, "identical": True, "target": "t", "device": "cpu", "dtype": "float32", "k": 8,
-              "dynamic_k": False, "drafter": "hybrid", "draft": "d", "ar": {"tokens_per_s": 20.0},
-              "sd": {"seconds": 1.0, "draft_seconds": 0.1, "verify_seconds": 0.8, "tokens_per_s": 30.0,
-                     "acceptance_rate": 0.5, "accepted": 5, "drafted": 10, "mean_accepted": 1.5, "steps": 10}}
-    assert "hybrid:" not in final_stats_markdown(result)
-    capped = final_stats_markdown({**result, "hybrid_model_k": 1, "hybrid_verify_costs": {"1": 1.0, "2": 1.07, "3": 1.3},
-                                   "hybrid_draft_cost": 0.071})
-    assert "proposes 1 token per step" in capped and "costs 1.30× a 1-token one" in capped
-    assert "a drafted token 0.07×" in capped
-    assert "up to k tokens per step" in final_stats_markdown({**result, "hybrid_model_k": None,
-                                                              "hybrid_verify_costs": {"1": 1.0, "2": 1.0, "3": 1.01}})
-
-
-def test_sweep_table_and_chart_show_measured_points_beside_theory():
-    """A Sweep from specdemo.sweep becomes a table line per k and a figure with measured, theory and acceptance."""
-    points = [SweepPoint(k=k, ar_seconds=1.0, sd_seconds=1.0 / (1 + k / 10), ar_tokens=20, sd_tokens=20,
-                         speedup=1 + k / 10, acceptance_rate=0.5, mean_accepted=1.5, mean_drafted=k, alpha=0.5,
-                         c=0.01, verify_cost=1.0, expected_speedup=1.2, identical=True) for k in (1, 2, 3)]
-    result = summarize(points, {p.k: p.verify_cost for p in points}, k_max=6)
-    table = sweep_table(result)
-    assert table.count("\n| ") == 3 and f"best k = {result.best_k}" in table
-    fig = charts.k_sweep([asdict(p) for p in points], sorted(result.theory.items()), result.best_measured_k,
-                         result.best_k)
-    assert {t.name for t in fig.data} == {"measured speedup", "theory (α, c)", "acceptance rate"}
-    assert result.best_measured_k == 3
-
-
-def test_an_out_of_memory_error_is_a_status_message_and_releases_the_hardware():
+def test_an_out_of_memory_error_is_a_status_message_and_releases_the_hardware(monkeypatch, tiny_tok):
     """torch's OutOfMemoryError from the compute step becomes a readable status; the next run can take the lock."""
+    monkeypatch.setattr(race, "load_tokenizer", lambda name, runtime: (tiny_tok, 256))
 
     def oom(request, limits, runtime):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -146,7 +76,8 @@ def test_an_out_of_memory_error_is_a_status_message_and_releases_the_hardware():
 
 @pytest.fixture
 def tiny_loads(monkeypatch, tiny_target, tiny_tok):
-    """load_pair replaced by a tiny target with prompt lookup; records the keyword arguments of each call."""
+    """load_pair replaced by a tiny target with prompt lookup, and the prompt check's tokenizer by the tiny one;
+    records the keyword arguments of each load."""
     calls = []
 
     def load_pair(target, kind="model", draft=None, **kwargs):
@@ -155,23 +86,119 @@ def tiny_loads(monkeypatch, tiny_target, tiny_tok):
         return Pair(loaded, NgramDrafter(), kind, None)
 
     monkeypatch.setattr(handlers_module, "load_pair", load_pair)
+    monkeypatch.setattr(race, "load_tokenizer", lambda name, runtime: (tiny_tok, 256))
     return calls
 
 
 TINY_PROMPT = "w3 w5 w7 w3 w5 w9 w2 w3 w5"
 
 
+def tiny_run(h: Handlers, max_new_tokens: int = 12, replay: bool = False, **changes) -> list[dict]:
+    values = dict(prompt=TINY_PROMPT, target="tiny", drafter="ngram", draft="", k=3, dynamic_k=False,
+                  temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, hide_rejected=False, replay=replay)
+    return list(h.run_compare(**{**values, **changes}))
+
+
 def test_compare_frames_name_only_the_events_outputs_and_the_last_fills_them(tiny_loads):
     """Every /compare frame is a dict over the race outputs; the last has the panels, plots, summary and JSON."""
     runtime = Runtime(cache_dir="/nowhere", fast_linear=False)
     h = Handlers(OUTPUTS, AppLimits(device="cpu"), runtime)
-    outs = list(h.run_compare(TINY_PROMPT, "tiny", "ngram", "", 3, False, 0.0, 1.0, 12, False, False))
+    outs = tiny_run(h)
     assert all(isinstance(o, dict) and set(o) <= RACE_KEYS for o in outs)
     assert set(outs[-1]) == RACE_KEYS and outs[-1]["status"].startswith("Done")
     assert outs[-1]["result_json"]["identical"] is True and outs[-1]["result_json"]["sd"]["tokens"] == 12
     assert committed_text(outs[-1]["sd_html"]) == outs[-1]["result_json"]["sd"]["text"]
+    assert isinstance(outs[-1]["runs_state"], Runs) and outs[-1]["timeline_plot"].data
     assert tiny_loads == [{"device": "cpu", "runtime": runtime}]  # app.py's Runtime reaches load_pair
     assert not h.hardware.locked()
+
+
+def test_tokens_show_as_each_run_produces_them_then_the_race_replays_both(tiny_loads):
+    """The AR panel gets tokens before the speculative run has produced any, while the status says the AR run is
+    being computed; the SD panel is full before the race starts; the race starts from empty panels; Done ends it."""
+    produced = []
+
+    def gpu(fn):  # stands where spaces.GPU would: sees what the compute step hands over, and when
+        def wrapped(*args):
+            for item in fn(*args):
+                produced.append(item[0] if isinstance(item, tuple) else type(item).__name__)
+                yield item
+        return wrapped
+
+    h = Handlers(OUTPUTS, AppLimits(device="cpu"), gpu=gpu)
+    seen = [(frame, list(produced)) for frame in h.run_compare(TINY_PROMPT, "tiny", "ngram", "", 3, False, 0.0, 1.0,
+                                                               40, False, True)]
+    result = seen[-1][0]["result_json"]
+    ar_live = [(f, p) for f, p in seen if f.get("status", "").startswith("Computing the autoregressive run")]
+    assert ar_live and all(spans(f["ar_html"]) and "sd_html" not in f for f, _ in ar_live)
+    assert all("speedup_plot" not in f and "hist_plot" not in f for f, _ in ar_live)  # nothing to redraw yet
+    assert any("tokens_plot" in f for f, _ in ar_live)
+    assert "sd" not in ar_live[0][1]  # the first AR tokens were on screen before any speculative step ran
+    assert committed_text(ar_live[-1][0]["ar_html"]) == result["ar"]["text"]  # the AR run's final state always comes
+    sd_live = [f for f, _ in seen if f.get("status", "").startswith("Computing the speculative run")]
+    assert sd_live and all("ar_html" not in f for f in sd_live)
+    assert committed_text(sd_live[-1]["sd_html"]) == result["sd"]["text"]
+    first_race = next(i for i, (f, _) in enumerate(seen) if f.get("status", "").startswith("Race"))
+    assert all(not f.get("status", "").startswith("Race") for f, _ in seen[:first_race])
+    assert committed_text(seen[first_race][0]["sd_html"]) != result["sd"]["text"]  # the race starts over at t = 0
+    assert seen[-1][0]["status"].startswith("Done")
+
+
+def test_replay_race_shows_the_finished_runs_again_without_computing(tiny_loads):
+    """Replay race reads the runs from the state: no model is loaded, the last frame equals the run's own."""
+    h = Handlers(OUTPUTS, AppLimits(device="cpu"))
+    last = tiny_run(h)[-1]
+    assert list(h.replay_race(None, False)) == [{"status": "Nothing to replay yet: press Run first."}]
+    replayed = list(h.replay_race(last["runs_state"], False))
+    assert len(tiny_loads) == 1 and replayed[-1]["status"].startswith("Done")
+    assert any(f["status"].startswith("Race") for f in replayed[:-1])
+    assert replayed[-1]["sd_html"] == last["sd_html"] and replayed[-1]["ar_html"] == last["ar_html"]
+
+
+def test_stop_ends_the_run_at_its_next_step_with_its_own_last_frame(tiny_loads):
+    """Stop during the AR run: the run's next frame is its last and says "Stopped.", the hardware is free, and the
+    next run (and a Stop with nothing running) is served normally."""
+    h = Handlers(OUTPUTS, AppLimits(device="cpu", max_new_tokens=200))
+    run = h.run_compare(TINY_PROMPT, "tiny", "ngram", "", 3, False, 0.0, 1.0, 200, False, False)
+    frame = next(run)
+    while not frame.get("status", "").startswith("Computing the autoregressive"):
+        frame = next(run)
+    h.stop_race()
+    assert list(run) == [{"status": "Stopped."}] and not h.hardware.locked()
+    h.stop_race()  # nothing running: the next run must not be stopped by it
+    assert tiny_run(h, 6)[-1]["result_json"]["sd"]["tokens"] == 6
+    sweep = h.run_sweep(TINY_PROMPT, "tiny", "ngram", "", 3, 0.0, 1.0, 8)
+    next(sweep)
+    h.stop_sweep()
+    assert list(sweep)[-1] == {"table": "Stopped."} and not h.hardware.locked()
+
+
+def test_closing_a_run_mid_way_stops_it_and_frees_the_hardware(tiny_loads):
+    """An API client's cancel (gradio closes the generator) during the AR run releases the lock at once; the next
+    run is served."""
+    h = Handlers(OUTPUTS, AppLimits(device="cpu", max_new_tokens=200))
+    run = h.run_compare(TINY_PROMPT, "tiny", "ngram", "", 3, False, 0.0, 1.0, 200, False, False)
+    frame = next(run)
+    while "ar_html" not in frame or not spans(frame["ar_html"]):
+        frame = next(run)
+    assert h.hardware.locked()
+    run.close()
+    assert not h.hardware.locked()
+    assert tiny_run(h, 6)[-1]["result_json"]["sd"]["tokens"] == 6
+
+
+def test_bad_requests_are_refused_before_the_hardware_is_taken(tiny_loads):
+    """A non-numeric k, a 200,000-character prompt and a local path each get one error frame; nothing loads."""
+    h = Handlers(OUTPUTS, AppLimits(device="cpu"))
+    for changes, match in ((dict(k="abc"), "k must be a number"), (dict(prompt="w1 " * 70_000), "too long"),
+                           (dict(target="/tmp"), "looks like a path")):
+        with pytest.warns(UserWarning):
+            outs = tiny_run(h, **changes)
+        assert len(outs) == 1 and match in outs[0]["status"] and "error" in outs[0]["result_json"]
+    with pytest.warns(UserWarning):  # over the token cap: refused by the tokenizer, before any model work
+        outs = tiny_run(Handlers(OUTPUTS, AppLimits(device="cpu", max_prompt_tokens=5)))
+    assert "tokens, at most 5" in outs[-1]["status"]
+    assert tiny_loads == [] and not h.hardware.locked()
 
 
 def test_sweep_frames_name_only_the_events_outputs(tiny_loads):
@@ -184,9 +211,13 @@ def test_sweep_frames_name_only_the_events_outputs(tiny_loads):
     assert not h.hardware.locked()
 
 
-def test_rerender_without_a_finished_run_changes_nothing():
-    """Toggling "hide rejected drafts" before any run sends a skip for the panel."""
-    assert Handlers(OUTPUTS).rerender([], True, "") == {"sd_html": handlers_module.gr.skip()}
+def test_rerender_hides_rejected_drafts_of_the_finished_run_only(tiny_loads):
+    """Toggling "hide rejected drafts" before any run sends a skip; after one it re-renders the same text."""
+    h = Handlers(OUTPUTS, AppLimits(device="cpu"))
+    assert h.rerender(None, True, "") == {"sd_html": handlers_module.gr.skip()}
+    last = tiny_run(h)[-1]
+    hidden = h.rerender(last["runs_state"], True, last["sd_html"])["sd_html"]
+    assert "hide-rejected" in hidden and committed_text(hidden) == committed_text(last["sd_html"])
 
 
 # ---- the handlers on the real bundled model ----
@@ -214,11 +245,12 @@ def test_compare_handler_colors_every_committed_token(handlers):
     assert rejected == result["sd"]["drafted"] - result["sd"]["accepted"]
     assert sum(1 for cls, _ in spans(sd_html) if cls == "tok-accepted") == result["sd"]["accepted"]
     assert "Speedup" in stats and "mean accepted length" in stats
-    # partial frames come before the final one, and the streamed panels only grow
-    panels = [o["sd_html"] for o in outs if "sd_html" in o]
-    assert len(panels) >= 2
-    assert all(committed_text(b).startswith(committed_text(a)) for a, b in zip(panels, panels[1:]))
-    hidden = handlers.rerender(last["segments_state"], True, sd_html)["sd_html"]
+    # partial frames come before the final one; live and then in the race, the streamed panels only grow
+    for phase in ("Computing the speculative", "Race"):
+        panels = [o["sd_html"] for o in outs if "sd_html" in o and o.get("status", "").startswith(phase)] + [sd_html]
+        assert len(panels) >= 2, phase
+        assert all(committed_text(b).startswith(committed_text(a)) for a, b in zip(panels, panels[1:]))
+    hidden = handlers.rerender(last["runs_state"], True, sd_html)["sd_html"]
     assert "hide-rejected" in hidden and committed_text(hidden) == committed_text(sd_html)
 
 

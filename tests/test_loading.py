@@ -70,3 +70,16 @@ def test_runtime_switches_reach_the_loaded_model(tiny_target, tiny_tok, tmp_path
     assert getattr(fast.model.lm_head, "_specdemo_fast", False)
     assert not getattr(plain.model.lm_head, "_specdemo_fast", False)
     assert cache_root(Runtime(cache_dir=str(tmp_path))) == tmp_path
+
+
+def test_load_tokenizer_reads_the_tokenizer_and_context_without_weights(tiny_target, tiny_tok, tmp_path):
+    """A saved folder's tokenizer and max_position_embeddings, with no model loaded (for the app's prompt check)."""
+    from specdemo import loading
+
+    tiny_target.save_pretrained(tmp_path)
+    tiny_tok.save_pretrained(tmp_path)
+    tokenizer, context = loading.load_tokenizer(str(tmp_path))
+    assert tokenizer.get_vocab() == tiny_tok.get_vocab() and context == tiny_target.config.max_position_embeddings
+    assert not any(key[0] == str(tmp_path) for key in loading._cache)
+    with pytest.raises(ModelLoadError, match="unreachable"):
+        loading.load_tokenizer("no-such-org/no-such-model", runtime=Runtime(hub_offline=True))

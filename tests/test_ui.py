@@ -1,5 +1,5 @@
-"""The page without a server: the layout (components, events, API names and their outputs order), and the token
-rendering and charts it shows. The handlers' own tests are in test_handlers.py."""
+"""The page without a server: the layout (components, events, API names and their outputs order). The handlers' own
+tests are in test_handlers.py, the token rendering's in test_render.py, the charts' in test_charts.py."""
 
 from __future__ import annotations
 
@@ -9,11 +9,9 @@ from pathlib import Path
 import gradio as gr
 import pytest
 
-from specdemo import charts
 from specdemo.config import MAX_K, PRESETS, Runtime
-from specdemo.engine import StepEvent
-from specdemo.handlers import AppLimits, Handlers
-from specdemo.render import Segment, event_segments, segments_html, split_text
+from specdemo.handlers import Handlers
+from specdemo.race import AppLimits
 from specdemo.ui import CUSTOM, build_demo, preset_choices
 
 PACKAGE = Path(__file__).resolve().parent.parent / "specdemo"
@@ -36,7 +34,9 @@ def test_compare_endpoint_keeps_its_inputs_and_outputs_order(demo):
     fn = event(demo, "compare")
     assert [c.label for c in fn.inputs] == COMPARE_INPUTS
     assert [type(c).__name__ for c in fn.outputs] == ["HTML", "HTML", "Plot", "Plot", "Plot", "Markdown", "Markdown",
-                                                      "JSON", "State"]
+                                                      "JSON", "State", "Plot", "Plot"]
+    assert [c.elem_id for c in fn.outputs[9:]] == ["timeline", "positions"]
+    assert not fn.preprocess  # the handler checks raw values, so a non-numeric k gets its own clear message
     assert [c.elem_id for c in fn.outputs[:2]] == ["ar-panel", "sd-panel"] and fn.outputs[6].elem_id == "status"
     assert fn.outputs == fn.fn.__self__.outputs.race.order()  # the handler's dict keys are the event's outputs
 
@@ -49,8 +49,27 @@ def test_sweep_endpoint_keeps_its_inputs_and_outputs_order(demo):
     assert fn.outputs == fn.fn.__self__.outputs.sweep.order()
 
 
+def test_replay_race_reuses_the_finished_runs_and_stop_only_marks_them(demo):
+    """Replay race reads the runs' state and updates the race outputs; the Stop buttons skip the queue and update
+    nothing themselves (the run they stop writes "Stopped."), and no gradio cancel is wired to them."""
+    fns = {getattr(fn.fn, "__name__", ""): fn for fn in demo.fns.values()}
+    race = fns["replay_race"].fn.__self__.outputs.race
+    assert fns["replay_race"].inputs[0] is race.runs_state and fns["replay_race"].outputs == race.order()
+    for name in ("stop_race", "stop_sweep"):
+        assert not fns[name].queue and not fns[name].outputs
+    assert not any(fn.is_cancel_function for fn in demo.fns.values())
+
+
+def test_the_page_loads_the_inspector_script():
+    """launch_options carries the inspector's script; the page has its panel under the speculative one."""
+    from specdemo.render import INSPECTOR_JS
+    from specdemo.ui import launch_options
+
+    assert launch_options()["js"] == INSPECTOR_JS
+
+
 def test_only_the_two_endpoints_are_public(demo):
-    """Presets, Stop, hide-rejected and "Use best k" are page events, not API endpoints."""
+    """Presets, Stop, Replay race, hide-rejected and "Use best k" are page events, not API endpoints."""
     info = demo.get_api_info()
     assert set(info["named_endpoints"]) == {"/compare", "/sweep_k"} and not info["unnamed_endpoints"]
 
@@ -82,55 +101,3 @@ def test_only_the_ui_and_its_handlers_import_gradio():
             if any(n == "gradio" or n.startswith("gradio.") for n in names):
                 importers.add(path.relative_to(PACKAGE).as_posix())
     assert importers == {"ui.py", "handlers.py"}
-
-
-class WordTokenizer:
-    """decode() of one id is its word; enough for event_segments."""
-
-    def __init__(self, words):
-        self.words = words
-
-    def decode(self, ids, skip_special_tokens=False):
-        return "".join(self.words[i] for i in ids)
-
-
-def test_split_text_always_joins_to_the_event_text():
-    """Pieces that match are kept; special tokens and split characters get "" and the rest goes last."""
-    assert split_text([" a", " b"], " a b") == [" a", " b"]
-    assert split_text(["\ufffd", "\ufffd"], "é") == ["", "é"]
-    assert split_text([" end", "<|im_end|>"], " end") == [" end", ""]
-
-
-def test_event_segments_place_rejected_drafts_before_the_correction():
-    """accepted, then the struck-through rejected drafts, then the target's correction; bonus after a full accept."""
-    tok = WordTokenizer([" w0", " w1", " w2", " w3", " w4", " w5"])
-    step = StepEvent("spec", [1, 2, 5], " w1 w2 w5", 0.1, 4, drafted=[1, 2, 3, 4], num_accepted=2, correction=5)
-    kinds = [(s.kind, s.text) for s in event_segments(step, tok, speculative=True)]
-    assert kinds == [("accepted", " w1"), ("accepted", " w2"), ("rejected", " w3"), ("rejected", " w4"),
-                     ("correction", " w5")]
-    full = StepEvent("spec", [1, 2, 3], " w1 w2 w3", 0.1, 3, drafted=[1, 2], num_accepted=2, bonus=3)
-    assert [s.kind for s in event_segments(full, tok, True)] == ["accepted", "accepted", "bonus"]
-    nothing = StepEvent("spec", [4], " w4", 0.1, 1, drafted=[], num_accepted=0)
-    assert [s.kind for s in event_segments(nothing, tok, True)] == ["target"]
-    assert [s.kind for s in event_segments(full, tok, False)] == ["plain"] * 3
-
-
-def test_segments_html_escapes_and_can_hide_rejected():
-    """Token text is html-escaped; hiding rejected drafts is a class on the panel."""
-    out = segments_html([Segment("accepted", "<b>&"), Segment("rejected", "x")], hide_rejected=True)
-    assert "&lt;b&gt;&amp;" in out and "<b>" not in out
-    assert 'class="tok-panel hide-rejected"' in out
-    assert "\u21b5" in segments_html([Segment("rejected", "\n")])
-    assert "\n" in segments_html([Segment("correction", "\n")])
-
-
-def test_running_speedup_ends_at_the_tokens_per_second_ratio():
-    """The last running-speedup value equals (sd tokens/s) / (ar tokens/s) of the whole runs."""
-    ar = [(0.0, 0), (1.0, 10), (2.0, 20)]
-    sd = [(0.0, 0), (0.5, 8), (1.0, 20)]
-    points = charts.running_speedup_points(ar, sd)
-    assert points[-1] == (2.0, pytest.approx((20 / 1.0) / (20 / 2.0)))
-    for fig in (charts.tokens_vs_time(ar, sd), charts.running_speedup(ar, sd), charts.accepted_histogram([1, 2])):
-        assert fig.data
-
-
