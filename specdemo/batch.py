@@ -744,6 +744,8 @@ class BatchStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     draft_positions: int = 0  # sum over steps of the longest proposal: sequential draft positions
+    passes: int = 0  # target passes after the prefill (autoregressive or speculative steps)
+    pass_seconds: float = 0.0  # their seconds (a speculative step's verify part: pass, acceptance, rollback)
 
 
 def batch_stats(events: Sequence[BatchEvent]) -> BatchStats:
@@ -763,6 +765,8 @@ def batch_stats(events: Sequence[BatchEvent]) -> BatchStats:
         mean_width=sum(e.width for e in spec) / len(spec) if spec else 0.0,
         draft_seconds=sum(e.draft_seconds for e in spec), verify_seconds=sum(e.verify_seconds for e in spec),
         draft_positions=sum(max((len(d) for d in e.drafted), default=0) for e in spec),
+        passes=sum(e.kind != "prefill" for e in events),
+        pass_seconds=sum(e.verify_seconds for e in events if e.kind != "prefill"),
     )
 
 
