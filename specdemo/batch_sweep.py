@@ -296,3 +296,33 @@ def iter_batch_sweep(pair: Pair, prompt_ids: Sequence[list[int]], batch_sizes: S
             single = ar_out
         points.append(point(b, k_b, calibrations[b], ar_runs, sd_runs, hf_runs, single, gaps))
         yield BatchSweep(list(points), "auto" if k is None else str(k))
+
+
+# ---- the app's Batch tab: one request in, status lines and the sweep so far out (picklable, for spaces.GPU) ----
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """What the Batch tab asks for, as plain data (validated by the handler)."""
+
+    target: str
+    drafter: str  # one of config.DRAFTER_KINDS
+    draft: str | None
+    prompts: tuple[str, ...]
+    batch_sizes: tuple[int, ...]
+    k: int | None  # None: auto k per batch size
+    config: GenerationConfig
+    anchors: bool = False  # also time generate on the same padded batches (the baseline check)
+
+
+def sweep_batches(request: BatchRequest, device: str | None = None, runtime=None) -> Iterator[str | BatchSweep]:
+    """Load the pair, then iter_batch_sweep: a status line before each phase, then the BatchSweep after each size."""
+    from .compare import load_pair
+    from .config import Runtime
+    from .engine import encode_prompt
+
+    yield f"Loading {request.target} (cached after the first load)…"
+    pair = load_pair(request.target, request.drafter, request.draft, device=device, runtime=runtime or Runtime())
+    ids = [encode_prompt(pair.target.tokenizer, p, request.config.use_chat_template) for p in request.prompts]
+    yield (f"Measuring pass costs and acceptance at batch sizes {', '.join(map(str, request.batch_sizes))} "
+           f"(untimed), then timing each size: autoregressive, then speculative, never at once…")
+    yield from iter_batch_sweep(pair, ids, request.batch_sizes, request.config, request.k, request.anchors)
