@@ -190,7 +190,8 @@ def point(batch_size: int, k: int, cal: Calibration, ar: Sequence[BatchRun], sd:
         mismatch_top2_logit_gaps=list(gaps),
     )
     if single is not None:
-        out.identical_to_single_fraction = _ratio(sum(a == b for a, b in zip(single, sd_out)), len(sd_out))
+        common = min(len(single), len(sd_out))  # with max_batches, sizes ran different numbers of rows
+        out.identical_to_single_fraction = _ratio(sum(a == b for a, b in zip(single, sd_out)), common)
     if hf:
         hf_out = [o for r in hf for o in r.outputs]
         out.hf_generate_tokens_per_s = _ratio(sum(r.tokens for r in hf), sum(r.seconds for r in hf))
@@ -247,10 +248,13 @@ def warm(pair: Pair, drafter: BatchDrafter, rows: Sequence[list[int]], config: G
 
 def iter_batch_sweep(pair: Pair, prompt_ids: Sequence[list[int]], batch_sizes: Sequence[int],
                      config: GenerationConfig, k: int | None = None, anchors: bool = False, k_max: int = K_MAX,
-                     on_run: Callable[[str, int, int], None] | None = None) -> Iterator[BatchSweep]:
+                     on_run: Callable[[str, int, int], None] | None = None,
+                     max_batches: int | None = None) -> Iterator[BatchSweep]:
     """Calibrate every batch size (costs and auto k), then time each one: per batch, our autoregressive run, then
     generate (with anchors), then our speculative run at k (None: auto k, chosen per step for the rows still
-    decoding). Yields the sweep after each batch size. on_run(kind, batch_size, batch index) follows every run."""
+    decoding). Yields the sweep after each batch size. on_run(kind, batch_size, batch index) follows every run.
+    max_batches: at most that many batches per size (the first ones), so that small sizes on a GPU, where a pass
+    costs about the same at any batch size, do not run the whole set one row at a time."""
     from .bench.anchors import hf_kwargs as make_hf_kwargs
 
     sizes = sorted(set(int(b) for b in batch_sizes))
@@ -277,7 +281,7 @@ def iter_batch_sweep(pair: Pair, prompt_ids: Sequence[list[int]], batch_sizes: S
         sd_config = replace(config, num_draft_tokens=max(k_b, 1), dynamic_k=config.dynamic_k and k is not None)
         warm(pair, drafter, batches(rows, b)[0], config, k_b, anchors, hf_kw)
         ar_runs, sd_runs, hf_runs = [], [], []
-        for i, group in enumerate(batches(rows, b)):
+        for i, group in enumerate(batches(rows, b)[:max_batches]):
             ar_runs.append(run_batch_ar(pair, group, config))
             if hf_kw is not None:
                 hf_runs.append(hf_generate_batch(model, group, hf_kw, eos, config.seed))
@@ -293,7 +297,7 @@ def iter_batch_sweep(pair: Pair, prompt_ids: Sequence[list[int]], batch_sizes: S
                 if mismatch:  # None also where one output is a prefix of the other (never under the same rules)
                     gaps.append(mismatch["top2_logit_gap"])
         if b == 1:
-            single = ar_out
+            single = ar_out  # rows in order; zip in point() compares the rows both sizes ran
         points.append(point(b, k_b, calibrations[b], ar_runs, sd_runs, hf_runs, single, gaps))
         yield BatchSweep(list(points), "auto" if k is None else str(k))
 

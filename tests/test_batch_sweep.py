@@ -68,6 +68,14 @@ def test_sweep_reports_each_batch_size_with_identical_outputs(tiny_target, tiny_
     assert "crossover_batch_size" in report and set(report["auto_k_by_batch_size"]) == {"1", "2", "4"}
 
 
+def test_max_batches_caps_the_batches_of_each_size(tiny_target, tiny_tok):
+    pair = tiny_pair(tiny_target, tiny_tok, NgramDrafter(), "ngram")
+    sweep = list(iter_batch_sweep(pair, PROMPTS, [1, 2, 4], GenerationConfig(max_new_tokens=6, num_draft_tokens=2),
+                                  2, max_batches=1))[-1]
+    assert [(p.batch_size, p.batches, p.rows) for p in sweep.points] == [(1, 1, 1), (2, 1, 2), (4, 1, 4)]
+    assert all(p.identical_to_single_fraction == 1.0 for p in sweep.points)
+
+
 def _point(b, speedup, ratio=1.0):
     return BatchPoint(b, 1, b, 4, 4, 10, 1.0, 10, 1.0 / speedup, 10.0, 10.0 * speedup, speedup, 2.0, 0.5, 1.0,
                       1.2, 1.3, speedup, {"verify_costs": {"1": 1.1, "2": 1.2, "4": 1.5, "8": 2.0},

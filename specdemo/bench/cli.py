@@ -49,6 +49,8 @@ def parser() -> argparse.ArgumentParser:
                    help="batch sizes like 1,2,4,8,16: batched AR and SD (and, with --anchors, generate on the same "
                         "padded batches) at each size, the speedup against batch size and where it drops below 1; "
                         "--k takes one value or 'auto' (k chosen per batch size from measured costs)")
+    p.add_argument("--max-batches", type=int, default=D.max_batches,
+                   help="with --batch-size: at most this many batches per batch size (default: all)")
     return p
 
 
@@ -59,7 +61,7 @@ def bench_config(args: argparse.Namespace, env=os.environ) -> BenchConfig:
                        max_new_tokens=args.max_new_tokens, seed=args.seed, anchors=args.anchors, out=args.out,
                        device=args.device, dtype=args.dtype, chat_template=not args.no_chat_template,
                        theory=not args.no_theory, quiet=args.quiet, runtime=runtime_from_env(env),
-                       batch_sizes=args.batch_sizes)
+                       batch_sizes=args.batch_sizes, max_batches=args.max_batches)
 
 
 def summary_line(report: dict) -> str:

@@ -50,6 +50,7 @@ class BenchConfig:
     quiet: bool = False
     runtime: Runtime = Runtime()
     batch_sizes: str | None = None  # "1,2,4,8,16": the batch-size sweep instead of per-prompt runs (run_batch_bench)
+    max_batches: int | None = None  # the batch sweep: at most this many batches per batch size
 
     @property
     def drafter_kind(self) -> str:
@@ -286,18 +287,18 @@ def run_batch_bench(bc: BenchConfig) -> dict:
     prompt_ids = [encode_prompt(pair.target.tokenizer, it.prompt, config.use_chat_template) for it in items]
     rows = len(shared_rows(prompt_ids, sizes))
     machine = machine_info(pair.target.device, pair.target.dtype)
-    total = len(sizes) + sum(rows // b for b in sizes)
+    total = len(sizes) + sum(min(rows // b, bc.max_batches or rows) for b in sizes)
     sweep = None
     with tqdm(total=total, desc="bench", file=sys.stderr, disable=bc.quiet) as bar:
         for sweep in iter_batch_sweep(pair, prompt_ids, sizes, config, k, bc.anchors,
-                                      on_run=lambda *_: bar.update(1)):
+                                      on_run=lambda *_: bar.update(1), max_batches=bc.max_batches):
             pass
     if hasattr(os, "getloadavg"):
         machine["load_average_end"] = list(os.getloadavg())
     cfg = {
         "prompts": str(bc.prompts), "limit": bc.limit, "num_prompts": len(items), "rows": rows,
         "target": pair.target.name, "drafter": kind, "draft": pair.draft_name, "k_arg": bc.k,
-        "batch_sizes": sizes, "temperature": bc.temperature, "max_new_tokens": bc.max_new_tokens, "seed": bc.seed,
+        "batch_sizes": sizes, "max_batches": bc.max_batches, "temperature": bc.temperature, "max_new_tokens": bc.max_new_tokens, "seed": bc.seed,
         "anchors": bc.anchors, "chat_template": config.use_chat_template,
         "batching": "the prompt set in order, cut to a multiple of the largest batch size (cycled when smaller), "
                     "B at a time: every batch size runs the same rows and no batch is partial",
