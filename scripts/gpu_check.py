@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from specdemo import kernels  # noqa: E402
 from specdemo.compare import first_mismatch  # noqa: E402
 from specdemo.hybrid import hybrid_model_k  # noqa: E402
-from specdemo.config import GenerationConfig  # noqa: E402
+from specdemo.config import GenerationConfig, runtime_from_env  # noqa: E402
 from specdemo.drafters import ModelDrafter, NgramDrafter, with_cache  # noqa: E402
 from specdemo.engine import autoregressive, generated_ids, speculative  # noqa: E402
 from specdemo.loading import LoadedModel  # noqa: E402
@@ -39,7 +39,7 @@ SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, n
 def build(dtype, device, folder: str | None, layers: int):
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    kernels.plan_free_attention(torch.device(device))  # as load_model does
+    kernels.plan_free_attention(torch.device(device), keep_cudnn=runtime_from_env(os.environ).cudnn_sdpa)  # as load_model
     if folder:
         return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
     torch.manual_seed(0)

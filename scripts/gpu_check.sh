@@ -46,7 +46,7 @@ if [ "${1:-basic}" = prepare ]; then
   split -n 2 -d "$G" out/gpu/x && mv out/gpu/x00 out/gpu/a/gguf.part1 && mv out/gpu/x01 out/gpu/b/gguf.part2
   SITE=$($V -c "import gguf, pathlib; print(pathlib.Path(gguf.__file__).parent.parent)")
   cp -r "$SITE/gguf" "$SITE"/gguf-*.dist-info out/gpu/b/site/ && rm -rf out/gpu/b/site/gguf/__pycache__
-  cp "${PROMPTS:-../shared/prompts/dev.jsonl}" out/gpu/b/dev.jsonl
+  cp "${PROMPTS:-specdemo/data/prompts/dev.jsonl}" out/gpu/b/dev.jsonl
   CACHE=${SAMPLES_FROM:-out/draft-rec/cache}; S=""  # the shipped draft's distill cache, where this machine still has it
   if [ -f "$CACHE/samples.jsonl" ]; then
     mkdir -p out/gpu/a/samples && cp "$CACHE"/*.jsonl out/gpu/a/samples/
@@ -124,7 +124,7 @@ stage convert 120 $PY -c "from specdemo.loading import load_model; m = load_mode
 print(m.source, round(m.load_seconds, 1), 's')" || exit 1
 
 # the evaluation prompts, categories interleaved, so that --limit N keeps every category in proportion
-$PY - "${PROMPTS:-../shared/prompts/dev.jsonl}" "$R/prompts.jsonl" <<'EOF'
+$PY - "${PROMPTS:-specdemo/data/prompts/dev.jsonl}" "$R/prompts.jsonl" <<'EOF'
 import json, sys
 from collections import defaultdict
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]

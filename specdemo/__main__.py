@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "distill":
         from .distill import main as distill_main
 
-        return distill_main(argv[1:])
+        return distill_main(argv[1:], runtime_from_env(os.environ))
     if argv and argv[0] == "bench":
         from .bench import main as bench_main
 
@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     sub.add_parser("bench", help="benchmark against transformers' generate (see `bench --help`)")
-    sub.add_parser("distill", help="train a draft for a target (see `distill --help`)")
+    sub.add_parser("distill", help="train a draft for a target, or `distill agreement` to measure one "
+                                  "(see `distill --help`)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from .engine import GenerationError

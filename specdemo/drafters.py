@@ -129,7 +129,7 @@ class NgramDrafter(Drafter):
     A longer match is stronger evidence: one of length L < `full_ngram` proposes at most L tokens, a longer one k,
     because on a CPU a wide verify pass that fails costs more than a 1-token pass. Ties go to the earliest match,
     which for extractive prompts is usually the source text itself (`latest=True` prefers the most recent one, as
-    transformers' prompt lookup does). (Tuned with scripts/ngram_sim.py.)
+    transformers' prompt lookup does). (Tuned by replaying recorded outputs; docs/draft.md, "The one-off simulators".)
     """
 
     name = "ngram"

@@ -2,7 +2,7 @@
 
 Tokens come from the target's own output head restricted to a frequent-token subset (FR-Spec), so the draft's q is
 zero outside the subset and rejection sampling stays exact. The target's embeddings and head are borrowed, frozen and
-never saved; the asset holds only the layer, the input projection and the subset ids. Training lives in distill.py.
+never saved; the asset holds only the layer, the input projection and the subset ids. Training lives in specdemo/distill.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent.parent / "shared" / "prompts" / "dev.jsonl"
+DATA = Path(__file__).resolve().parent / "data" / "prompts"
+DEFAULT_PROMPTS = DATA / "dev.jsonl"  # the 30 development prompts the README's figures use (a copy of the project's shared dev set)
+INDEPENDENT_PROMPTS = DATA / "independent.jsonl"  # 30 written without sight of dev.jsonl or the training data
 
 
 @dataclass(frozen=True)

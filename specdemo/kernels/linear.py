@@ -1,25 +1,26 @@
-"""A faster matrix product for the few-token forward passes of decoding on a CPU (and, at the end, the attention
-setting for CUDA models that keeps decoding timings independent of run order).
-
-Measured on this project's 2-core AMD EPYC with torch 2.13 (MKL), for the 49,152 x 576 output head:
-`F.linear` on 1 row takes 9.7 ms (a single-threaded matrix-vector path), on 2 rows 21 ms and on 3 rows 32 ms (the
-small-M matrix kernel is slower than one row at a time), on 5-8 rows 16-18 ms. The same product written as
-`W @ x.T` takes 2.8-4.1 ms for 1-4 rows and 6.9 ms for 8. The result is made row-major again: left transposed, it
-sent every later product of the pass down a slow path (the MLP's down projection 550 instead of 112 us for 4 rows).
-On SmolLM2-135M a forward pass of 1 / 2 / 4 / 8 new tokens takes 31 / 34 / 40 / 60 ms instead of 55 / 89 / 85 / 77 ms.
-Both decoders and transformers' `generate` run the same patched model object, so every timed comparison stays like
-for like; the result differs from `F.linear` only by float rounding (about 1e-4 on the logits).
-
-That trick stops paying at 3 rows: over the 210 products of the 30 layers, 2 rows take 15 ms, but 3 / 4 / 6 / 8 rows
-22 / 24 / 35 / 38 ms (MKL's small-matrix kernel reaches about 20 GFLOP/s per core there). oneDNN with its weights
-reordered once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what torch.compile's CPU backend
-uses) takes 21-24 ms for anything from 3 to 9 rows, and beats F.linear at every larger count too. So 3 rows or more
-go through a packed copy of each weight, made when the model is patched where the copies fit in a quarter of the
-available memory (they double the weights' memory: 0.5 GB more for SmolLM2-135M). Whole forward passes of 3 / 5 / 8 /
-9 / 12 / 17 new tokens then take 41 / 42 / 48 / 48 / 52 / 58 ms instead of 47 / 55 / 67 / 102 / 106 / 124 ms, and a
-129-token prefill 261 instead of 348 ms: a verify pass of 3-9 tokens costs about what a 3-token one does, which is
-what makes drafting more than one token worth it on a CPU.
+"""A faster matrix product for the few-token forward passes of decoding on a float32 CPU model, and the attention
+setting that keeps CUDA decoding timings independent of run order. Reads no environment: callers decide whether to
+use either (enabled_for, plan_free_attention's keep_cudnn) from their runtime settings.
 """
+
+# Measured on this project's 2-core AMD EPYC with torch 2.13 (MKL), for the 49,152 x 576 output head:
+# `F.linear` on 1 row takes 9.7 ms (a single-threaded matrix-vector path), on 2 rows 21 ms and on 3 rows 32 ms (the
+# small-M matrix kernel is slower than one row at a time), on 5-8 rows 16-18 ms. The same product written as
+# `W @ x.T` takes 2.8-4.1 ms for 1-4 rows and 6.9 ms for 8. The result is made row-major again: left transposed, it
+# sent every later product of the pass down a slow path (the MLP's down projection 550 instead of 112 us for 4 rows).
+# On SmolLM2-135M a forward pass of 1 / 2 / 4 / 8 new tokens takes 31 / 34 / 40 / 60 ms instead of 55 / 89 / 85 / 77 ms.
+# Both decoders and transformers' `generate` run the same patched model object, so every timed comparison stays like
+# for like; the result differs from `F.linear` only by float rounding (about 1e-4 on the logits).
+#
+# That trick stops paying at 3 rows: over the 210 products of the 30 layers, 2 rows take 15 ms, but 3 / 4 / 6 / 8 rows
+# 22 / 24 / 35 / 38 ms (MKL's small-matrix kernel reaches about 20 GFLOP/s per core there). oneDNN with its weights
+# reordered once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what torch.compile's CPU backend
+# uses) takes 21-24 ms for anything from 3 to 9 rows, and beats F.linear at every larger count too. So 3 rows or more
+# go through a packed copy of each weight, made when the model is patched where the copies fit in a quarter of the
+# available memory (they double the weights' memory: 0.5 GB more for SmolLM2-135M). Whole forward passes of 3 / 5 / 8 /
+# 9 / 12 / 17 new tokens then take 41 / 42 / 48 / 48 / 52 / 58 ms instead of 47 / 55 / 67 / 102 / 106 / 124 ms, and a
+# 129-token prefill 261 instead of 348 ms: a verify pass of 3-9 tokens costs about what a 3-token one does, which is
+# what makes drafting more than one token worth it on a CPU.
 
 from __future__ import annotations
 
@@ -99,7 +100,8 @@ def _patched_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def enabled_for(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the few-row products apply: float32 on the CPU (config.Runtime.fast_linear turns them off at load)."""
+    """Whether the few-row product applies to a model on this device in this dtype: float32 on the CPU. Whether to
+    use it at all is the caller's (config.Runtime.fast_linear, from SPECDEMO_FAST_LINEAR at the edge)."""
     return device.type == "cpu" and dtype == torch.float32
 
 
@@ -137,8 +139,9 @@ def patch_linears(model: nn.Module, packed: bool | None = None) -> int:
 
 
 def plan_free_attention(device: torch.device, keep_cudnn: bool = False) -> bool:
-    """On CUDA, take cuDNN out of torch's attention backends (flash and memory-efficient attention remain), process-wide;
-    keep_cudnn (config.Runtime.cudnn_sdpa, SPECDEMO_CUDNN_SDPA=1) keeps it. Returns whether it did.
+    """On CUDA, take cuDNN out of torch's attention backends (flash and memory-efficient attention remain),
+    process-wide, unless keep_cudnn (config.Runtime.cudnn_sdpa, from SPECDEMO_CUDNN_SDPA=1 at the edge). Returns
+    whether it did.
 
     torch 2.11 on an H200 sends `scaled_dot_product_attention` to cuDNN first, and cuDNN builds an execution plan for
     every shape it has not seen. Decoding meets a new shape at every step (the KV cache grows by one), so the first run

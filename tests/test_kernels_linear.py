@@ -1,10 +1,14 @@
-"""The few-row CPU product equals F.linear up to rounding, and leaves training untouched."""
+"""The few-row CPU product equals F.linear up to rounding, and leaves training untouched (specdemo.kernels.linear)."""
+
+import importlib
 
 import pytest
 import torch
 from torch import nn
 
 from specdemo import kernels
+
+linear_module = importlib.import_module("specdemo.kernels.linear")  # `kernels.linear` is the function
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -52,11 +56,11 @@ def test_packed_copy_only_for_cpu_float32_and_made_at_patch_time():
 
 
 def test_no_packed_copies_without_memory_for_them(monkeypatch):
-    monkeypatch.setattr(kernels, "available_memory", lambda: 4 * 8 * 4 * 4 - 1)  # a quarter is one byte short
+    monkeypatch.setattr(linear_module, "available_memory", lambda: 4 * 8 * 4 * 4 - 1)  # a quarter is one byte short
     layer = nn.Linear(8, 4)
     kernels.patch_linears(layer)
     assert layer._specdemo_packed is None
-    monkeypatch.setattr(kernels, "available_memory", lambda: 4 * 8 * 4 * 4)
+    monkeypatch.setattr(linear_module, "available_memory", lambda: 4 * 8 * 4 * 4)
     layer = nn.Linear(8, 4)
     kernels.patch_linears(layer)
     assert layer._specdemo_packed.tensor is not None
@@ -79,11 +83,13 @@ def test_packed_copy_follows_weight_changes_and_deepcopy():
 
 
 def test_enabled_only_for_cpu_float32(monkeypatch):
+    """A pure function of device and dtype: SPECDEMO_FAST_LINEAR=0 is read at the edge (config.Runtime.fast_linear),
+    and the callers skip the kernels then; here it changes nothing."""
     assert kernels.enabled_for(torch.device("cpu"), torch.float32)
     assert not kernels.enabled_for(torch.device("cpu"), torch.bfloat16)
     assert not kernels.enabled_for(torch.device("cuda"), torch.float32)
     monkeypatch.setenv("SPECDEMO_FAST_LINEAR", "0")
-    assert not kernels.enabled_for(torch.device("cpu"), torch.float32)
+    assert kernels.enabled_for(torch.device("cpu"), torch.float32)
 
 
 @pytest.mark.parametrize("k", [1, 3, 4])
@@ -107,14 +113,15 @@ def test_patched_models_decode_losslessly(tiny_tok, k):
 
 def test_cudnn_attention_is_left_out_on_cuda_only(monkeypatch):
     """cuDNN attention builds a plan per new shape (every decoding step): it is turned off for CUDA models, unless
-    SPECDEMO_CUDNN_SDPA=1; a CPU model leaves the setting alone."""
+    keep_cudnn (SPECDEMO_CUDNN_SDPA=1, read at the edge; the variable itself changes nothing here); a CPU model leaves
+    the setting alone."""
     before = torch.backends.cuda.cudnn_sdp_enabled()
     try:
         torch.backends.cuda.enable_cudnn_sdp(True)
         assert not kernels.plan_free_attention(torch.device("cpu")) and torch.backends.cuda.cudnn_sdp_enabled()
+        assert not kernels.plan_free_attention(torch.device("cuda"), keep_cudnn=True)
+        assert torch.backends.cuda.cudnn_sdp_enabled()
         monkeypatch.setenv("SPECDEMO_CUDNN_SDPA", "1")
-        assert not kernels.plan_free_attention(torch.device("cuda")) and torch.backends.cuda.cudnn_sdp_enabled()
-        monkeypatch.delenv("SPECDEMO_CUDNN_SDPA")
         assert kernels.plan_free_attention(torch.device("cuda")) and not torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)

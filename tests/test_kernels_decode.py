@@ -1,0 +1,70 @@
+"""specdemo.kernels.decode: left padding, the preallocated KV cache and grouped one-query attention give what a stock
+cache and sdpa give, up to float rounding, and the attention switch is undone after its block."""
+
+import torch
+
+from specdemo import kernels
+from specdemo.drafters import with_cache
+
+from conftest import tiny_llama
+
+VOCAB = 40
+
+
+def test_left_pad_aligns_every_rows_last_token():
+    ids, mask = kernels.left_pad([[5, 6, 7], [8], [9, 10]], pad=0, device="cpu")
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8], [0, 9, 10]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 1, 1]]
+    assert ids.dtype == mask.dtype == torch.long
+
+
+def _decode(model, prompts, steps, fast):
+    """Greedy batched decoding, step by step; returns the last hidden states (B, T, H) of every pass, concatenated."""
+    from transformers import DynamicCache
+
+    x, mask = kernels.left_pad(prompts, 0, model.device)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = kernels.decode_cache(model, x.shape[1] + steps) if fast else DynamicCache(config=model.config)
+    states = []
+    with kernels.grouped_attention_on(model) if fast else torch.no_grad():
+        for _ in range(steps):
+            h = model.model(input_ids=x, attention_mask=mask, position_ids=pos, use_cache=True,
+                            **with_cache(model.model, cache)).last_hidden_state
+            states.append(h)
+            x = model.lm_head(h[:, -1]).argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(x)], dim=1)
+            pos = pos[:, -1:] + 1
+    return torch.cat(states, dim=1)
+
+
+@torch.inference_mode()
+def test_preallocated_cache_and_grouped_attention_match_the_stock_path():
+    model = tiny_llama(VOCAB, seed=5, sharpness=6.0)
+    assert model.config._attn_implementation == "sdpa"
+    prompts = [[3, 5, 7, 9, 11, 2], [4], [8, 8, 1]]
+    stock = _decode(model, prompts, 12, fast=False)
+    fast = _decode(model, prompts, 12, fast=True)
+    assert model.config._attn_implementation == "sdpa"  # restored after the block
+    real = kernels.left_pad(prompts, 0, "cpu")[1].bool()  # the padded positions' states are never read
+    torch.testing.assert_close(fast[:, : real.shape[1]][real], stock[:, : real.shape[1]][real], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fast[:, real.shape[1] :], stock[:, real.shape[1] :], rtol=1e-4, atol=1e-5)
+
+
+def test_grouped_attention_is_switched_on_only_inside_the_block_and_only_for_sdpa():
+    model = tiny_llama(VOCAB, seed=5)
+    with kernels.grouped_attention_on(model):
+        assert model.config._attn_implementation == kernels.decode.GROUPED
+    assert model.config._attn_implementation == "sdpa"
+    model.config._attn_implementation = "eager"  # a model asked for eager attention keeps it
+    with kernels.grouped_attention_on(model):
+        assert model.config._attn_implementation == "eager"
+
+
+def test_preallocated_cache_layers_hold_one_buffer_of_the_given_capacity():
+    model = tiny_llama(VOCAB, seed=5)
+    cache = kernels.decode_cache(model, 20)
+    with torch.inference_mode():
+        model.model(input_ids=torch.tensor([[3, 4, 5]]), use_cache=True, **with_cache(model.model, cache))
+    layer = cache.layers[0]
+    assert layer.k_buf.shape[2] == 20 and layer.keys.shape[2] == 3 and cache.get_seq_length() == 3
+    assert layer.keys.data_ptr() == layer.k_buf.data_ptr()  # a view of the buffer, not a copy
