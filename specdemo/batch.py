@@ -19,6 +19,7 @@ from .config import MAX_K_ENGINE, GenerationConfig, SamplingConfig
 from .drafters import (Drafter, DraftRequest, HybridDrafter, ModelDrafter, NgramDrafter, Proposal, Verdict,
                        crop_cache, with_cache)
 from .engine import GenerationError, _check, _Committer, _generator, eos_ids, target_features
+from .kernels import left_pad
 from .metrics import expected_speedup
 from .timing import Clock, timed_call
 from .verify import logits_to_probs, rejection_accept
@@ -177,15 +178,10 @@ class BatchKV:
 
 
 def left_padded(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists -> (tokens (B, T), real (B, T) bool), padded on the left so each row ends in the last column."""
-    width = max((len(r) for r in rows), default=0)
-    tokens = torch.full((len(rows), width), PAD, dtype=torch.long)
-    real = torch.zeros(len(rows), width, dtype=torch.bool)
-    for i, r in enumerate(rows):
-        if r:
-            tokens[i, width - len(r):] = torch.tensor(list(r))
-            real[i, width - len(r):] = True
-    return tokens.to(device), real.to(device)
+    """Token lists -> (tokens (B, T), real (B, T) bool), padded on the left so each row ends in the last column
+    (kernels.left_pad; a row may be empty)."""
+    tokens, mask = left_pad([list(r) for r in rows], PAD, device)
+    return tokens, mask.bool()
 
 
 def right_padded(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
