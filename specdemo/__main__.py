@@ -1,4 +1,5 @@
-"""Command line: `python -m specdemo generate|bench|distill ...`. Environment and argv are read here only."""
+"""Command line: `python -m specdemo generate|bench|distill|serve-config ...`. Environment and argv are read here
+only."""
 
 from __future__ import annotations
 
@@ -73,6 +74,59 @@ def run_generate(args) -> int:
     return 0
 
 
+def _serve_config_parser(sub) -> None:
+    p = sub.add_parser("serve-config", help="print the `vllm serve` (and SGLang) command for a target, drafter and k")
+    p.add_argument("--target", default=BUNDLED_ID, help="hub id, local folder, or the bundled 'smollm2-135m'")
+    p.add_argument("--drafter", choices=DRAFTER_KINDS, default=DEFAULT_DRAFTER,
+                   help="'ngram' maps to vLLM's ngram; 'model' to eagle3 (a folder from `python -m specdemo export`) "
+                        "or draft_model (any causal LM); 'hybrid' to its draft half")
+    p.add_argument("--draft", help="draft model id or folder (an exported EAGLE-3 folder for eagle3)")
+    p.add_argument("--k", type=int, default=None,
+                   help=f"draft tokens per step (default: the tuned k in --sweep, else {G.num_draft_tokens})")
+    p.add_argument("--sweep", metavar="JSON", help="a bench.json or sweep result: take its measured best k")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per model replica (vLLM -tp)")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages, e.g. one per node")
+    p.add_argument("--ray", action="store_true",
+                   help="--distributed-executor-backend ray (multi-node; implied by --pipeline-parallel-size > 1)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the command lines")
+
+
+def run_serve_config(args) -> int:
+    from .serving import k_from_report, plan, sglang_command, vllm_serve_command
+
+    k, source = args.k, "--k" if args.k is not None else f"the default ({G.num_draft_tokens})"
+    if k is None and args.sweep:
+        k, where = k_from_report(args.sweep)
+        source = f"{args.sweep} ({where})"
+    k = G.num_draft_tokens if k is None else k
+    if not MIN_K <= k <= MAX_K_ENGINE:
+        raise ValueError(f"k must be between {MIN_K} and {MAX_K_ENGINE}, got {k}")
+    p = plan(args.target, args.drafter, args.draft, k, runtime_from_env(os.environ))
+    extra: list[str] = []
+    if args.tensor_parallel_size > 1:
+        extra += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    if args.pipeline_parallel_size > 1:
+        extra += ["--pipeline-parallel-size", str(args.pipeline_parallel_size)]
+    if args.ray or args.pipeline_parallel_size > 1:
+        extra += ["--distributed-executor-backend", "ray"]
+    vllm_cmd = vllm_serve_command(p.target, p.speculative_config, extra)
+    sglang_extra = (f" --tp-size {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else "") + (
+        f" --pp-size {args.pipeline_parallel_size}" if args.pipeline_parallel_size > 1 else "")
+    sglang_cmd = sglang_command(p.target, p.method, k, p.draft_path, p.lookup) + sglang_extra
+    if args.json:
+        print(json.dumps({"target": p.target, "method": p.method, "k": k, "k_source": source,
+                          "speculative_config": p.speculative_config, "vllm": vllm_cmd, "sglang": sglang_cmd,
+                          "notes": list(p.notes)}))
+        return 0
+    print(f"# {args.target}, drafter {args.drafter} -> vLLM method {p.method}, k = {k} from {source}")
+    for note in p.notes:
+        print(f"# note: {note}")
+    print(vllm_cmd)
+    print("# SGLang (flags from its documentation; not run by specdemo):")
+    print(sglang_cmd)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "distill":
@@ -86,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specdemo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _serve_config_parser(sub)
     sub.add_parser("bench", help="benchmark against transformers' generate (see `bench --help`)")
     sub.add_parser("distill", help="train a draft for a target, or `distill agreement` to measure one "
                                   "(see `distill --help`)")
@@ -95,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     from .loading import ModelLoadError, TokenizerMismatchError
 
     try:
-        return run_generate(args)
-    except (ModelLoadError, TokenizerMismatchError, GenerationError, ValueError) as exc:
+        return run_serve_config(args) if args.command == "serve-config" else run_generate(args)
+    except (ModelLoadError, TokenizerMismatchError, GenerationError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -114,3 +114,10 @@ def test_batch_flags_are_checked():
     assert batch_k("auto") is None and batch_k("3") == 3
     with pytest.raises(ValueError, match="one value"):
         batch_k("1,2")
+
+
+def test_the_batch_sweep_refuses_vllm_anchors(capsys):
+    from specdemo.bench import main
+
+    assert main(["--batch-size", "1,2", "--anchors", "vllm", "--limit", "1", "--out", "/nonexistent/never"]) == 2
+    assert "not part of the batch sweep" in capsys.readouterr().err

@@ -16,6 +16,9 @@ from ..engine import GenerationError
 from ..loading import ModelLoadError, TokenizerMismatchError
 from .report import baseline_warning, batch_baseline_warning
 from .run import BenchConfig, run_batch_bench, run_bench
+from .vllm import VLLM_PYTHON_ENV, VllmOptions, VllmUnavailable
+
+ANCHORS = ("hf", "vllm")
 
 D = BenchConfig()
 
@@ -36,7 +39,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=D.temperature, help="0 is greedy")
     p.add_argument("--max-new-tokens", type=int, default=D.max_new_tokens)
     p.add_argument("--seed", type=int, default=D.seed)
-    p.add_argument("--anchors", action="store_true", help="also time transformers' generate on the same inputs")
+    p.add_argument("--anchors", nargs="?", const="hf", default=None, metavar="hf,vllm",
+                   help="also time reference engines on the same inputs: 'hf' (the default of a bare --anchors) is "
+                        "transformers' generate, assisted generation and prompt lookup; 'vllm' is vLLM's plain, "
+                        "ngram and eagle3 decoding in its own venv (`bash run.sh vllm`, or "
+                        f"{VLLM_PYTHON_ENV}), run after ours; 'hf,vllm' both")
+    p.add_argument("--vllm-eagle3", metavar="DIR",
+                   help="with --anchors vllm: an EAGLE-3 folder from `python -m specdemo export` for vLLM's eagle3 "
+                        "(default: --draft when it is one)")
+    p.add_argument("--vllm-threads-bind", metavar="CPUS",
+                   help="with --anchors vllm: VLLM_CPU_OMP_THREADS_BIND for vLLM's CPU worker, e.g. 0-1 (default: "
+                        "vLLM's 'auto', which keeps one core for its scheduler process)")
     p.add_argument("--out", default=D.out, help="output folder for bench.json, bench.md, bench.html "
                                                 "(default %(default)s, git-ignored)")
     p.add_argument("--device", default=D.device)
@@ -54,11 +67,24 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_anchors(text: str | None) -> set[str]:
+    """None -> no anchors; 'hf' / 'vllm' / 'hf,vllm' -> those names."""
+    names = {n.strip().lower() for n in (text or "").split(",") if n.strip()}
+    unknown = names - set(ANCHORS)
+    if unknown:
+        raise ValueError(f"--anchors takes a comma list of {', '.join(ANCHORS)}; got {', '.join(sorted(unknown))}")
+    return names
+
+
 def bench_config(args: argparse.Namespace, env=os.environ) -> BenchConfig:
     """The flags as a BenchConfig (the only place a Namespace is read)."""
+    anchors = parse_anchors(args.anchors)
+    vllm = VllmOptions(python=env.get(VLLM_PYTHON_ENV) or None, eagle3=args.vllm_eagle3,
+                       threads_bind=args.vllm_threads_bind)
     return BenchConfig(prompts=args.prompts, limit=args.limit, target=args.target, draft=args.draft,
                        drafter=args.drafter, k=args.k, temperature=args.temperature,
-                       max_new_tokens=args.max_new_tokens, seed=args.seed, anchors=args.anchors, out=args.out,
+                       max_new_tokens=args.max_new_tokens, seed=args.seed, anchors="hf" in anchors,
+                       vllm="vllm" in anchors, vllm_options=vllm, out=args.out,
                        device=args.device, dtype=args.dtype, chat_template=not args.no_chat_template,
                        theory=not args.no_theory, quiet=args.quiet, runtime=runtime_from_env(env),
                        batch_sizes=args.batch_sizes, max_batches=args.max_batches)
@@ -69,11 +95,17 @@ def summary_line(report: dict) -> str:
     o, a, ov = report["overall"], report.get("anchors") or {}, report.get("overhead") or {}
     line = (f"speedup {o['speedup']:.2f}x  mean accepted {o['mean_accepted']:.2f}  acceptance {o['acceptance_rate']:.2f}"
             f"  identical {o['identical_fraction']:.2f}")
-    if a:
+    if "ar_vs_hf_generate" in a:
         line += f"  | AR/HF generate {a['ar_vs_hf_generate']:.3f}"
         for n in ("hf_prompt_lookup", "hf_assisted"):
             if a.get(f"{n}_speedup") is not None:
                 line += f"  {n} speedup {a[f'{n}_speedup']:.2f}x"
+    v = a.get("vllm") or {}
+    if v:
+        line += f"  | vLLM plain {v['plain_tokens_per_s']:.1f} tok/s, our AR / vLLM plain {v['ar_vs_vllm_plain']:.2f}"
+        for m in ("ngram", "eagle3"):
+            if v.get(f"{m}_speedup") is not None:
+                line += f", vLLM {m} speedup {v[f'{m}_speedup']:.2f}x"
     if "sd_ms_per_step" in ov:
         line += f"  | overhead AR {ov['ar_ms_per_step']:.2f} ms/step, SD {ov['sd_ms_per_step']:.2f} ms/step"
     return line
@@ -90,12 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = bench_config(args)
         report = run_batch_bench(config) if config.batch_sizes else run_bench(config)
-    except (ModelLoadError, TokenizerMismatchError, GenerationError, ValueError, OSError) as exc:
+    except (ModelLoadError, TokenizerMismatchError, GenerationError, VllmUnavailable, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if config.batch_sizes:
         return _batch_done(report, args.out)
     print(summary_line(report))
+    for f in (report["config"].get("vllm") or {}).get("failed") or []:
+        print(f"warning: vLLM {f['name']} (k = {f['k']}) failed: {f['error']}", file=sys.stderr)
     warning = baseline_warning(report.get("anchors") or {})
     if warning:
         print(warning.replace("**", ""), file=sys.stderr, end="")

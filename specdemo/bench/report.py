@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from itertools import zip_longest
 from pathlib import Path
 
 from ..hybrid import describe_hybrid_cap
@@ -70,6 +71,69 @@ def anchors_summary(rows: list[dict]) -> dict:
     return out
 
 
+VLLM_METHODS = ("ngram", "eagle3", "draft_model")  # vLLM's speculative methods the bench runs beside plain decoding
+
+
+def vllm_summary(rows: list[dict]) -> dict:
+    """vLLM's figures pooled over rows that have them, beside ours on the same rows (empty without vLLM runs).
+
+    {method}_speedup is vLLM's over vLLM's own plain decoding; {method}_mean_accepted is vLLM's own definition,
+    1 + accepted / drafting steps (bonus included, steps without a draft left out); {method}_tokens_per_pass counts
+    every verify pass, as our mean_accepted does; identical means the same token ids as our autoregressive run.
+    """
+    have = [r for r in rows if "vllm_plain_seconds" in r]
+    if not have:
+        return {}
+    plain_s, plain_tok = (sum(r[f"vllm_plain_{f}"] for r in have) for f in ("seconds", "tokens"))
+    ours = aggregate(have)
+    out = {
+        "plain_tokens_per_s": ratio(plain_tok, plain_s),
+        "ar_tokens_per_s": ours["ar_tokens_per_s"],
+        "ar_vs_vllm_plain": ratio(ours["ar_tokens_per_s"], ratio(plain_tok, plain_s)),
+        "plain_identical_fraction": ratio(sum(bool(r["vllm_plain_identical"]) for r in have), len(have)),
+        "ours_tokens_per_s": ours["sd_tokens_per_s"], "ours_speedup": ours["speedup"],
+        "ours_acceptance_rate": ours["acceptance_rate"], "ours_tokens_per_pass": ours["mean_accepted"],
+        "ours_identical_fraction": ours["identical_fraction"],
+        "prompts": len(have),
+    }
+    drafting = sum(r.get("ours_drafting_steps", 0) for r in have)
+    out["ours_mean_accepted"] = 1 + ratio(sum(r["accepted"] for r in have), drafting) if drafting else None
+    out.update(_per_step("ar", have, "ar_target_forward_s", "ar_overhead_s", "ar_target_calls"))
+    out.update(_per_step("plain", have, "vllm_plain_forward_s", None, "vllm_plain_forward_calls", "vllm_plain_seconds"))
+    for m in VLLM_METHODS:
+        sub = [r for r in have if f"vllm_{m}_seconds" in r]
+        if not sub:
+            continue
+        s, tok = (sum(r[f"vllm_{m}_{f}"] for r in sub) for f in ("seconds", "tokens"))
+        drafts, drafted, accepted = (sum(r[f"vllm_{m}_{f}"] for r in sub) for f in ("drafts", "draft_tokens", "accepted"))
+        out[f"{m}_tokens_per_s"] = ratio(tok, s)
+        out[f"{m}_speedup"] = ratio(sum(r["vllm_plain_seconds"] for r in sub), s)
+        out[f"{m}_acceptance_rate"] = ratio(accepted, drafted)
+        out[f"{m}_mean_accepted"] = 1 + ratio(accepted, drafts) if drafts else None
+        # every pass after the first token's prefill yields 1 + its accepted drafts
+        passes = sum(max(1, r[f"vllm_{m}_tokens"] - 1 - r[f"vllm_{m}_accepted"]) for r in sub)
+        out[f"{m}_tokens_per_pass"] = ratio(sum(r[f"vllm_{m}_tokens"] - 1 for r in sub), passes)
+        out[f"{m}_identical_fraction"] = ratio(sum(bool(r[f"vllm_{m}_identical"]) for r in sub), len(sub))
+        per_pos = [sum(x) for x in zip_longest(*(r[f"vllm_{m}_accepted_per_pos"] for r in sub), fillvalue=0)]
+        out[f"{m}_per_position_acceptance"] = [ratio(a, drafts) for a in per_pos]  # vLLM's: over drafting steps
+        out[f"ours_vs_vllm_{m}_tokens_per_s"] = ratio(aggregate(sub)["sd_tokens_per_s"], out[f"{m}_tokens_per_s"])
+        out.update(_per_step(m, sub, f"vllm_{m}_forward_s", None, f"vllm_{m}_forward_calls", f"vllm_{m}_seconds"))
+    return out
+
+
+def _per_step(name: str, rows: list[dict], forward: str, outside: str | None, calls: str,
+              seconds: str | None = None) -> dict:
+    """Milliseconds per target pass inside the target's forward and outside it (wall minus forward)."""
+    have = [r for r in rows if forward in r and calls in r]
+    n = sum(r[calls] for r in have)
+    if not have or not n:
+        return {}
+    fwd = sum(r[forward] for r in have)
+    rest = sum(r[outside] for r in have) if outside else sum(r[seconds] for r in have) - fwd
+    return {f"{name}_forward_ms_per_pass": 1000 * fwd / n, f"{name}_outside_forward_ms_per_pass": 1000 * rest / n,
+            f"{name}_target_passes": n}
+
+
 def overhead_summary(rows: list[dict]) -> dict:
     """Milliseconds per target pass spent outside every model forward, for each decoder measured."""
     out = {}
@@ -104,7 +168,12 @@ def build_report(config: dict, machine: dict, rows: list[dict], theory: dict | N
         "anchors": anchors_summary(rows),
         "overhead": overhead_summary(rows),
     }
-    if report["anchors"]:
+    vllm = vllm_summary(rows)
+    if vllm:
+        vllm["by_category"] = {c: vllm_summary([r for r in rows if r["category"] == c]) for c in categories}
+        vllm["by_k"] = {str(k): vllm_summary([r for r in rows if r["k"] == k]) for k in ks}
+        report["anchors"]["vllm"] = vllm
+    if "ar_vs_hf_generate" in report["anchors"]:
         report["anchors"]["by_category"] = {c: anchors_summary([r for r in rows if r["category"] == c])
                                             for c in categories}
         report["anchors"]["by_k"] = {str(k): anchors_summary([r for r in rows if r["k"] == k]) for k in ks}
@@ -213,7 +282,7 @@ def markdown(report: dict) -> str:
             f"over seconds per autoregressive step, as measured in the runs; the curve uses a forward-pass "
             f"micro-benchmark: " + ", ".join(f"k={k}: {v:.2f}" for k, v in list(theory["verify_costs"].items())[:8])
             + ".\n")
-    if anchors:
+    if "ar_vs_hf_generate" in anchors:
         rows = [["our AR tok/s / HF generate tok/s", anchors["ar_vs_hf_generate"]],
                 ["HF generate tok/s", anchors["hf_generate_tokens_per_s"]],
                 ["our AR tok/s", anchors["ar_tokens_per_s"]],
@@ -224,6 +293,8 @@ def markdown(report: dict) -> str:
                      [f"our SD tok/s / {n} tok/s", anchors[f"ours_vs_{n}_tokens_per_s"]],
                      [f"{n} tokens identical to our AR", anchors[f"{n}_identical_fraction"]]]
         parts.append("## transformers anchors (same ids, k, max_new_tokens, clock)\n\n" + _table(["", "value"], rows))
+    if anchors.get("vllm") or cfg.get("vllm"):
+        parts.append(vllm_markdown(report))
     ov = report.get("overhead") or {}
     if ov:
         parts.append("## Per-step time outside model forwards\n\n" + _table(
@@ -245,6 +316,72 @@ def markdown(report: dict) -> str:
     return "\n".join(parts)
 
 
+def vllm_markdown(report: dict) -> str:
+    """The vLLM section: each engine's speedup over its own plain decoding beside the absolute tokens/s, which engine
+    is faster at batch 1 and where each spends a target pass (its model forward vs the rest), by category."""
+    v, c = report["anchors"].get("vllm") or {}, report["config"]
+    meta = c.get("vllm") or {}
+    text = ("## vLLM (same prompt ids, k, max_new_tokens and EOS ids; its own engine, venv and process, run after "
+            "ours)\n\n")
+    for f in meta.get("failed") or []:
+        text += f"**vLLM {f['name']} (k = {f['k']}) failed:** {f['error']}\n\n"
+    if not v:
+        return text
+    methods = [m for m in VLLM_METHODS if v.get(f"{m}_tokens_per_s") is not None]
+    drafter = f"{c.get('drafter', '?')}" + (f" ({c['draft']})" if c.get("draft") else "")
+    ks = ", ".join(map(str, c["k"])) if isinstance(c.get("k"), list) else c.get("k", "?")
+    rows = [["ours", "autoregressive", v["ar_tokens_per_s"], 1.0, None, None, None, 1.0],
+            ["ours", f"{drafter}, k = {ks}", v["ours_tokens_per_s"], v["ours_speedup"],
+             v["ours_acceptance_rate"], v["ours_mean_accepted"], v["ours_tokens_per_pass"], v["ours_identical_fraction"]],
+            ["vLLM", "plain", v["plain_tokens_per_s"], 1.0, None, None, None, v["plain_identical_fraction"]]]
+    rows += [["vLLM", m, v[f"{m}_tokens_per_s"], v[f"{m}_speedup"], v[f"{m}_acceptance_rate"],
+              v[f"{m}_mean_accepted"], v[f"{m}_tokens_per_pass"], v[f"{m}_identical_fraction"]] for m in methods]
+    text += _table(["engine", "decoding", "tok/s", "speedup over its own plain", "acceptance",
+                    "mean accepted (per drafting step)", "tokens per verify pass", "identical to our AR"], rows)
+    faster = "our loop" if v["ar_vs_vllm_plain"] >= 1 else "vLLM"
+    text += (f"\nAt batch 1 on this machine {faster} decodes faster: our autoregressive run makes "
+             f"{v['ar_tokens_per_s']:.1f} tok/s, vLLM's plain decoding {v['plain_tokens_per_s']:.1f} tok/s "
+             f"(ours / vLLM = {v['ar_vs_vllm_plain']:.2f}).")
+    if v.get("plain_forward_ms_per_pass") is not None and v.get("ar_forward_ms_per_pass") is not None:
+        fa, oa = v["ar_forward_ms_per_pass"], v["ar_outside_forward_ms_per_pass"]
+        fv, ov = v["plain_forward_ms_per_pass"], v["plain_outside_forward_ms_per_pass"]
+        where = "the model forward" if abs(fv - fa) >= abs(ov - oa) else "the work outside the forward"
+        text += (f" A target pass costs us {fa + oa:.2f} ms ({fa:.2f} in the model forward, {oa:.2f} outside it) "
+                 f"and vLLM {fv + ov:.2f} ms ({fv:.2f} in the forward, {ov:.2f} outside it: scheduler, "
+                 f"inter-process queues, input preparation, sampling, detokenization), so most of the difference "
+                 f"is {where}.")
+    passes = [["our AR", v.get("ar_forward_ms_per_pass"), v.get("ar_outside_forward_ms_per_pass"),
+               v.get("ar_target_passes")],
+              ["vLLM plain", v.get("plain_forward_ms_per_pass"), v.get("plain_outside_forward_ms_per_pass"),
+               v.get("plain_target_passes")]]
+    passes += [[f"vLLM {m}", v.get(f"{m}_forward_ms_per_pass"), v.get(f"{m}_outside_forward_ms_per_pass"),
+                v.get(f"{m}_target_passes")] for m in methods]
+    text += "\n\n" + _table(["run", "forward ms per target pass", "outside-forward ms per target pass",
+                               "target passes"], passes)
+    text += ("\nForward = the target model's forward and logits, timed by hooks inside each engine's worker (a "
+             "draft model or the lookup is outside it). vLLM's mean accepted is its own metric, 1 + accepted / "
+             "steps that drafted; tokens per verify pass counts every pass after the prefill, like ours.\n")
+    cats = v.get("by_category") or {}
+    if cats and methods:
+        text += "\n" + _table(["category", "rows", "ours speedup", *[f"vLLM {m} speedup" for m in methods],
+                                "ours tok/s", "vLLM plain tok/s", *[f"vLLM {m} tok/s" for m in methods]],
+                               [[cat, a["prompts"], a["ours_speedup"], *[a.get(f"{m}_speedup") for m in methods],
+                                 a["ours_tokens_per_s"], a["plain_tokens_per_s"],
+                                 *[a.get(f"{m}_tokens_per_s") for m in methods]] for cat, a in cats.items()])
+    if meta:
+        versions = sorted({str(m["vllm"]) for m in meta.get("methods", []) if m.get("vllm")})
+        text += (f"\nvLLM {', '.join(versions)} from `{meta.get('python')}`, model `{meta.get('model')}`, CPU "
+                 f"threads bind {meta.get('threads_bind')}, enforce_eager {meta.get('enforce_eager')}, lookup "
+                 f"window {meta.get('lookup')}; load average {_f((meta.get('load_average_start') or [None])[0])} "
+                 f"before vLLM's runs, {_f((meta.get('load_average_end') or [None])[0])} after.\n")
+    gaps = [r[f"vllm_{m}_mismatch"]["top2_logit_gap"] for r in report["results"] for m in ("plain", *methods)
+            if r.get(f"vllm_{m}_mismatch")]
+    if gaps:
+        text += (f"\nvLLM greedy outputs that differ from our AR: {len(gaps)}; our target's top-2 logit gaps at the "
+                 f"first difference: " + ", ".join(f"{g:.4f}" for g in gaps) + "\n")
+    return text
+
+
 def html(report: dict) -> str:
     """Plotly figures: speedup by category; speedup and acceptance against k beside the theoretical curve."""
     import plotly.graph_objects as go
@@ -256,6 +393,11 @@ def html(report: dict) -> str:
     for n in ("hf_prompt_lookup", "hf_assisted"):
         if anchors.get(f"{n}_speedup") is not None:
             fig1.add_bar(name=n, x=cats, y=[report["by_category"][c].get(f"{n}_speedup") for c in cats])
+    vllm = anchors.get("vllm") or {}
+    for m in VLLM_METHODS:
+        if vllm.get(f"{m}_speedup") is not None:
+            fig1.add_bar(name=f"vLLM {m} (over vLLM plain)", x=cats,
+                         y=[(vllm["by_category"].get(c) or {}).get(f"{m}_speedup") for c in cats])
     fig1.add_hline(y=1.0, line_dash="dot")
     fig1.update_layout(title="Speedup by category (total AR time / total SD time)", barmode="group",
                        yaxis_title="speedup")
@@ -275,6 +417,13 @@ def html(report: dict) -> str:
                      name="mean accepted (tokens/pass)", row=1, col=2)
     fig2.update_xaxes(title_text="k (draft tokens per step)")
     body = fig1.to_html(full_html=False, include_plotlyjs=True) + fig2.to_html(full_html=False, include_plotlyjs=False)
+    if vllm:
+        names = ["ours AR", "ours SD", "vLLM plain", *[f"vLLM {m}" for m in VLLM_METHODS if f"{m}_tokens_per_s" in vllm]]
+        values = [vllm["ar_tokens_per_s"], vllm["ours_tokens_per_s"], vllm["plain_tokens_per_s"],
+                  *[vllm[f"{m}_tokens_per_s"] for m in VLLM_METHODS if f"{m}_tokens_per_s" in vllm]]
+        fig3 = go.Figure(go.Bar(x=names, y=values))
+        fig3.update_layout(title="tokens/s at batch 1: ours and vLLM on the same prompt ids", yaxis_title="tokens/s")
+        body += fig3.to_html(full_html=False, include_plotlyjs=False)
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>specdemo bench</title></head><body>"
             f"<h1>Speculative decoding benchmark</h1><pre>{json.dumps(report['overall'], indent=1)}</pre>{body}"
             f"</body></html>\n")

@@ -16,11 +16,13 @@ from ..compare import Pair, first_mismatch, load_pair, warmup
 from ..config import BUNDLED_ID, MAX_K, MAX_K_ENGINE, GenerationConfig, Runtime, SamplingConfig
 from ..engine import encode_prompt, eos_ids
 from ..prompts import DEFAULT_PROMPTS, PromptItem, read_prompts
+from ..serving import Lookup, eagle3_export, serve_target
 from ..sweep import point, run_ar, run_sd, summarize, sweep
 from ..timing import ForwardTimer, verify_costs_for
 from .anchors import assistant_k, hf_assistant, hf_generate, hf_kwargs, measure_hf
 from .report import build_report, write_outputs
 from .timing import drafter_modules, measure_ours, put, ratio, target_modules
+from .vllm import VllmOptions, require_python, run_vllm
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,9 @@ class BenchConfig:
     temperature: float = 0.0
     max_new_tokens: int = 128
     seed: int = 0
-    anchors: bool = False
+    anchors: bool = False  # transformers' generate, assisted generation and prompt lookup
+    vllm: bool = False  # vLLM's plain, ngram (and eagle3) decoding, in its own venv and process, after ours
+    vllm_options: VllmOptions = VllmOptions()
     out: str = DEFAULT_OUT
     device: str | None = None
     dtype: str | None = None
@@ -176,6 +180,38 @@ def warm(pair: Pair, prompt_ids: list[int], config: GenerationConfig, ks: list[i
                 hf_generate(model, prompt_ids, {**kwargs, "assistant_model": assistant})
 
 
+def check_vllm(bc: BenchConfig) -> None:
+    """Before any model loads: vLLM's venv exists, the comparison is greedy, an EAGLE-3 folder is one."""
+    require_python(bc.vllm_options.python)
+    if bc.temperature > 0:
+        raise ValueError("--anchors vllm compares greedy outputs token for token; use --temperature 0")
+    if bc.vllm_options.eagle3 and not eagle3_export(bc.vllm_options.eagle3):
+        raise ValueError(f"--vllm-eagle3 {bc.vllm_options.eagle3} is not an EAGLE-3 checkpoint folder (make one with "
+                         f"`python -m specdemo export`)")
+
+
+def vllm_anchor(bc: BenchConfig, pair: Pair, items: list[PromptItem], prompt_ids: list[list[int]], ks: list[int],
+                config: GenerationConfig, rows: list[dict], runs: dict) -> dict:
+    """vLLM on the same prompt ids, k, max_new_tokens and EOS ids; its fields go into the rows (see bench.vllm)."""
+    if any(len(runs[k]) != len(items) for k in ks):
+        raise ValueError("--anchors vllm needs each k once in --k")
+    ours = {(it.id, k): runs[k][i] for k in ks for i, it in enumerate(items)}  # (AR run, SD run), in prompt order
+    by_id = dict(zip((it.id for it in items), prompt_ids))
+    reference = {it.id: runs[ks[0]][i][0].ids for i, it in enumerate(items)}
+    eagle3 = bc.vllm_options.eagle3 or (bc.draft if eagle3_export(bc.draft) else None)
+    draft_model = None  # a draft LLM (not an EAGLE head) for vLLM's draft_model method
+    if hf_assistant(pair) is not None and pair.draft_name:
+        draft_model = serve_target(pair.draft_name, bc.runtime)[0]  # the bundled draft: its converted folder
+    options = replace(bc.vllm_options, eagle3=eagle3, draft_model=draft_model)
+
+    def mismatch(pid: str, ids: list[int]) -> dict | None:
+        return first_mismatch(pair.target, by_id[pid], reference[pid], ids)
+
+    return run_vllm(rows, pair.target, list(by_id.items()), sorted(eos_ids(pair.target.model, pair.target.tokenizer)),
+                    config.max_new_tokens, ks, Lookup.of(pair.drafter), ours, options, Path(bc.out), os.environ,
+                    bc.runtime, bc.seed, mismatch)
+
+
 def run_bench(bc: BenchConfig) -> dict:
     """Load once, warm up, run every prompt, return the report (also written to bc.out)."""
     from tqdm.auto import tqdm
@@ -190,6 +226,8 @@ def run_bench(bc: BenchConfig) -> dict:
     config = GenerationConfig(max_new_tokens=bc.max_new_tokens, sampling=SamplingConfig(bc.temperature),
                               seed=bc.seed, use_chat_template=bc.chat_template)
     config.validate()
+    if bc.vllm:
+        check_vllm(bc)
     pair = load_pair(bc.target, kind, bc.draft, bc.device, bc.dtype, runtime=bc.runtime)
     tok = pair.target.tokenizer
     prompt_ids = [encode_prompt(tok, it.prompt, config.use_chat_template) for it in items]
@@ -225,6 +263,9 @@ def run_bench(bc: BenchConfig) -> dict:
         k_max = max([MAX_K] + ks)
         points = [point(k, [a for a, _ in runs[k]], [s for _, s in runs[k]]) for k in ks]
         theory = summarize(points, verify_costs_for(pair.target.model, prompt_ids[0], k_max), k_max).as_dict()
+    vllm_meta = None
+    if bc.vllm:  # after all our timing: vLLM's processes never share the CPU with our decoders
+        vllm_meta = vllm_anchor(bc, pair, items, prompt_ids, ks, config, rows, runs)
     cfg = {
         "prompts": str(bc.prompts), "limit": bc.limit, "num_prompts": len(items), "target": pair.target.name,
         "drafter": kind, "draft": pair.draft_name, "k": ks, "k_arg": bc.k, "temperature": bc.temperature,
@@ -236,6 +277,8 @@ def run_bench(bc: BenchConfig) -> dict:
     }
     if calibration:
         cfg["calibration"] = calibration
+    if vllm_meta:
+        cfg["vllm"] = vllm_meta
     if pair.calibration is not None:  # what the hybrid model's cap was chosen from (hybrid.calibrate)
         cfg.update(pair.calibration.as_dict())
     report = build_report(cfg, machine, rows, theory)
@@ -277,6 +320,9 @@ def run_batch_bench(bc: BenchConfig) -> dict:
     if not items:
         raise ValueError(f"no prompts in {bc.prompts}")
     sizes, k = parse_batch_sizes(bc.batch_sizes or ""), batch_k(bc.k)
+    if bc.vllm:
+        raise ValueError("--anchors vllm compares at batch 1 and is not part of the batch sweep; use --anchors "
+                         "(transformers' generate on the same padded batches) with --batch-size")
     kind = bc.drafter_kind
     if kind == "ngram" and bc.draft:
         raise ValueError("--draft names a draft model, but --drafter ngram (prompt lookup) uses none")

@@ -1,0 +1,294 @@
+"""vLLM as an anchor and as the way out: --anchors parsing, the driver's JSON protocol, the report's anchors.vllm
+keys, serve-config's command lines; and, where vLLM is installed, its greedy ngram output against ours."""
+
+import ast
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from specdemo.__main__ import main as cli_main
+from specdemo.bench import main as bench_main
+from specdemo.bench.cli import bench_config, parser
+from specdemo.bench.report import build_report, html, markdown
+from specdemo.bench.vllm import (DRIVER, PROTOCOL, VLLM_PYTHON_ENV, VllmOptions, VllmUnavailable, attach,
+                                 build_request, find_python, require_python, run_driver, vllm_methods)
+from specdemo.drafters import HybridDrafter, NgramDrafter
+from specdemo.serving import Lookup, sglang_flags, vllm_serve_command, vllm_speculative_config
+from test_bench_run import tiny_pair, tiny_rows
+
+
+def load_driver():
+    """The driver module, imported from its file (it needs only the standard library until it runs vLLM)."""
+    spec = importlib.util.spec_from_file_location("vllm_driver_under_test", DRIVER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- flags ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, hf, vllm", [([], False, False), (["--anchors"], True, False),
+                                            (["--anchors", "hf"], True, False), (["--anchors", "vllm"], False, True),
+                                            (["--anchors", "hf,vllm"], True, True),
+                                            (["--anchors", "--limit", "2"], True, False)])
+def test_anchors_take_a_comma_list_and_the_bare_flag_still_means_transformers(argv, hf, vllm):
+    bc = bench_config(parser().parse_args(argv), env={})
+    assert (bc.anchors, bc.vllm) == (hf, vllm)
+
+
+def test_vllm_python_comes_from_the_environment_and_bench_fails_fast_without_it(monkeypatch, capsys, tmp_path):
+    """SPECDEMO_VLLM_PYTHON wins over .venv-vllm; a missing one is a clear error before any model loads."""
+    assert bench_config(parser().parse_args(["--anchors", "vllm"]), env={VLLM_PYTHON_ENV: "/x/python"}
+                        ).vllm_options.python == "/x/python"
+    assert find_python(str(tmp_path / "none")) is None
+    with pytest.raises(VllmUnavailable, match="bash run.sh vllm"):
+        require_python(str(tmp_path / "none"))
+    monkeypatch.setenv(VLLM_PYTHON_ENV, str(tmp_path / "none"))
+    assert bench_main(["--anchors", "vllm", "--limit", "1", "--out", str(tmp_path / "out")]) == 2
+    assert "bash run.sh vllm" in capsys.readouterr().err
+    assert bench_main(["--anchors", "hf,nope", "--limit", "1", "--out", str(tmp_path / "out")]) == 2
+    assert "--anchors takes a comma list" in capsys.readouterr().err
+    monkeypatch.setenv(VLLM_PYTHON_ENV, sys.executable)  # exists: the next check is the sampling one
+    assert bench_main(["--anchors", "vllm", "--temperature", "0.7", "--limit", "1", "--out", str(tmp_path)]) == 2
+    assert "greedy" in capsys.readouterr().err
+
+
+# --- serving ----------------------------------------------------------------------------------------------------------
+
+def test_speculative_config_maps_our_lookup_window_and_k():
+    d = NgramDrafter()
+    assert vllm_speculative_config("ngram", 4) == {"method": "ngram", "num_speculative_tokens": 4,
+                                                   "prompt_lookup_max": d.max_ngram, "prompt_lookup_min": d.min_ngram}
+    hybrid = HybridDrafter(NgramDrafter(), min_match=3)  # its lookup part: matches of 3 or more
+    assert Lookup.of(hybrid) == Lookup(3, 8)
+    assert vllm_speculative_config("ngram", 2, lookup=Lookup.of(hybrid))["prompt_lookup_min"] == 3
+    assert vllm_speculative_config("eagle3", 5, "/heads/e3") == {"method": "eagle3", "model": "/heads/e3",
+                                                                 "num_speculative_tokens": 5}
+    with pytest.raises(ValueError, match="export"):
+        vllm_speculative_config("eagle3", 5)
+    with pytest.raises(ValueError):
+        vllm_speculative_config("ngram", 0)
+    with pytest.raises(ValueError, match="unknown"):
+        vllm_speculative_config("medusa", 2)
+
+
+def test_serve_command_quotes_the_json_so_a_shell_gives_it_back():
+    spec = vllm_speculative_config("eagle3", 3, "/my heads/e3")
+    argv = shlex.split(vllm_serve_command("/models/my target", spec, ["--tensor-parallel-size", "2"]))
+    assert argv[:3] == ["vllm", "serve", "/models/my target"] and argv[3] == "--speculative-config"
+    assert json.loads(argv[4]) == spec and argv[5:] == ["--tensor-parallel-size", "2"]
+    assert shlex.split(vllm_serve_command("t", None)) == ["vllm", "serve", "t"]
+
+
+def test_sglang_flags_count_the_root_token():
+    ngram = shlex.split(sglang_flags("ngram", 4, lookup=Lookup(2, 5)))
+    assert ngram[ngram.index("--speculative-algorithm") + 1] == "NGRAM"
+    assert ngram[ngram.index("--speculative-num-draft-tokens") + 1] == "5"
+    assert ngram[ngram.index("--speculative-ngram-max-match-window-size") + 1] == "5"
+    eagle = shlex.split(sglang_flags("eagle3", 4, "/e3"))
+    assert eagle[eagle.index("--speculative-algorithm") + 1] == "EAGLE3"
+    assert [eagle[eagle.index(f) + 1] for f in ("--speculative-num-steps", "--speculative-eagle-topk",
+                                                "--speculative-num-draft-tokens")] == ["4", "1", "5"]
+
+
+def test_serve_config_prints_vllm_and_sglang_for_the_tuned_k(capsys, tmp_path):
+    """k from --k, else the measured best k of a bench.json; an exported EAGLE-3 folder maps to eagle3; our own
+    EAGLE head is refused with the export command; tensor and pipeline parallel flags reach the command."""
+    assert cli_main(["serve-config", "--drafter", "ngram", "--k", "6", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["speculative_config"] == vllm_speculative_config("ngram", 6) and out["k_source"] == "--k"
+    assert json.loads(shlex.split(out["vllm"])[4]) == out["speculative_config"]
+    assert "--speculative-algorithm NGRAM" in out["sglang"]
+
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"theory": {"best_measured_k": 3, "best_k": 5}}))
+    head = tmp_path / "e3"
+    head.mkdir()
+    (head / "speculative_config.json").write_text(json.dumps({"method": "eagle3", "num_speculative_tokens": 2}))
+    assert cli_main(["serve-config", "--draft", str(head), "--sweep", str(bench), "--tensor-parallel-size", "4",
+                     "--pipeline-parallel-size", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"] == "eagle3" and out["k"] == 3 and "best_measured_k" in out["k_source"]
+    assert out["speculative_config"] == {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    argv = shlex.split(out["vllm"])
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "4"
+    assert argv[argv.index("--distributed-executor-backend") + 1] == "ray"
+
+    assert cli_main(["serve-config", "--drafter", "model", "--draft", "smollm2-135m-draft"]) == 2
+    assert "python -m specdemo export" in capsys.readouterr().err
+    assert cli_main(["serve-config", "--drafter", "ngram", "--k", "0"]) == 2
+
+
+# --- the driver's protocol ---------------------------------------------------------------------------------------------
+
+def test_driver_imports_only_vllm_and_the_standard_library():
+    """It runs under vLLM's venv as a script: no specdemo, torch or transformers at its top level or inside."""
+    tree = ast.parse(DRIVER.read_text())
+    names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert names - set(sys.stdlib_module_names) - {"__future__"} <= {"vllm", "torch"}  # torch: vLLM's own, in workers
+    assert load_driver().PROTOCOL == PROTOCOL
+    assert {p.name for p in DRIVER.parent.glob("*.py")} == {DRIVER.name}  # nothing there can shadow vLLM's imports
+
+
+def test_driver_counters_are_per_request_differences():
+    """vLLM's prometheus counters are cumulative: a request's figures are after - before, summed over engines."""
+    d = load_driver()
+
+    def snapshot(drafts, drafted, accepted, per_pos):
+        return [SimpleNamespace(name="vllm:spec_decode_num_drafts", value=drafts),
+                SimpleNamespace(name="vllm:spec_decode_num_draft_tokens", value=drafted),
+                SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=accepted),
+                SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=per_pos),
+                SimpleNamespace(name="vllm:generation_tokens", value=999)]
+
+    before = d.read_counters(snapshot(3, 12, 5, [3, 2, 0, 0]))
+    after = d.read_counters(snapshot(7, 28, 13, [6, 4, 2, 1]))
+    assert d.counter_delta(before, after) == {"num_drafts": 4, "num_draft_tokens": 16, "num_accepted_tokens": 8,
+                                              "accepted_per_pos": [3, 2, 2, 1]}
+    assert d.read_counters([])["num_drafts"] == 0
+
+
+def test_driver_round_trip_reports_each_methods_error(tmp_path):
+    """The real driver under a python without vLLM: protocol, machine info and one error per method come back."""
+    methods = vllm_methods([2], Lookup(1, 8), eagle3="/e3")
+    assert [(m["name"], m["k"]) for m in methods] == [("plain", None), ("ngram", 2), ("eagle3", 2)]
+    request = build_request("/models/t", [("a", [1, 2, 3]), ("b", [4, 5])], {0, 7}, 16, methods, VllmOptions())
+    assert request["eos_token_ids"] == [0, 7] and request["protocol"] == PROTOCOL
+    with pytest.raises(ValueError, match="repeats ids"):
+        build_request("/m", [("a", [1]), ("a", [2])], {0}, 4, methods)
+    result = run_driver(sys.executable, request, tmp_path, {k: v for k, v in os.environ.items()
+                                                            if k != "PYTHONPATH"}, timeout_s=120)
+    assert result["protocol"] == PROTOCOL and result["machine"]["executable"]
+    assert [(m["name"], m["k"]) for m in result["methods"]] == [("plain", None), ("ngram", 2), ("eagle3", 2)]
+    assert all("vllm" in m["error"] for m in result["methods"])  # ModuleNotFoundError: No module named 'vllm'
+    assert (tmp_path / "vllm.log").exists() and json.loads((tmp_path / "request.json").read_text()) == request
+
+
+# --- report -------------------------------------------------------------------------------------------------------
+
+def fake_result(rows, runs, items=("a", "b", "c"), k=2):
+    """A driver answer in the protocol's shape: vLLM plain equal to our AR except on prompt c, ngram equal to it."""
+    ar = {it: runs[k][i][0].ids for i, it in enumerate(items)}
+    plain = [{"id": it, "token_ids": ar[it] if it != "c" else ar[it][:-1] + [(ar[it][-1] + 1) % 16], "seconds": 2.0,
+              "counters": {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": []},
+              "forward_seconds": 1.5, "forward_calls": 10} for it in items]
+    ngram = [{"id": it, "token_ids": ar[it], "seconds": 1.0,
+              "counters": {"num_drafts": 4, "num_draft_tokens": 8, "num_accepted_tokens": 6,
+                           "accepted_per_pos": [4, 2]}, "forward_seconds": 0.5, "forward_calls": 5} for it in items]
+    return {"protocol": PROTOCOL, "machine": {}, "methods": [
+        {"name": "plain", "k": None, "prompts": plain, "vllm": "test"},
+        {"name": "ngram", "k": k, "prompts": ngram, "vllm": "test"},
+        {"name": "eagle3", "k": k, "error": "ValueError: no such head"}]}
+
+
+def test_report_has_the_vllm_keys_beside_ours(tiny_target, tiny_tok, tmp_path):
+    """anchors.vllm: vLLM's tokens/s, its speedup over its own plain decoding, acceptance and mean accepted from its
+    counters, identical = equal to our AR's ids, and our AR over vLLM's plain; Markdown and HTML show them."""
+    pair = tiny_pair(tiny_target, tiny_tok, NgramDrafter(), "ngram")
+    rows, runs = tiny_rows(pair, [2], anchors=False)
+    ours = {(r["id"], 2): runs[2][i] for i, r in enumerate(rows)}
+    seen = []
+    failed = attach(rows, fake_result(rows, runs), ours, lambda pid, ids: seen.append(pid) or {"top2_logit_gap": 0.01})
+    assert failed == [{"name": "eagle3", "k": 2, "error": "ValueError: no such head"}] and seen == ["c"]
+    report = build_report({"k": [2], "drafter": "ngram", "vllm": {"failed": failed, "methods": []}}, {}, rows)
+    v = report["anchors"]["vllm"]
+    tokens = sum(r["vllm_plain_tokens"] for r in rows)
+    assert v["plain_tokens_per_s"] == pytest.approx(tokens / 6.0)
+    assert v["ar_vs_vllm_plain"] == pytest.approx(v["ar_tokens_per_s"] / v["plain_tokens_per_s"])
+    assert v["ngram_speedup"] == pytest.approx(2.0)  # 6 s of plain over 3 s of ngram
+    assert v["ngram_tokens_per_s"] == pytest.approx(sum(r["vllm_ngram_tokens"] for r in rows) / 3.0)
+    assert v["ngram_acceptance_rate"] == pytest.approx(18 / 24)
+    assert v["ngram_mean_accepted"] == pytest.approx(1 + 18 / 12)  # vLLM's: bonus included, per drafting step
+    assert v["ngram_per_position_acceptance"] == pytest.approx([1.0, 0.5])
+    assert v["ngram_identical_fraction"] == 1.0 and v["plain_identical_fraction"] == pytest.approx(2 / 3)
+    assert v["plain_forward_ms_per_pass"] == pytest.approx(150.0) and v["plain_outside_forward_ms_per_pass"] == 50.0
+    assert "eagle3_speedup" not in v and set(v["by_category"]) == {"extractive", "chat"}
+    assert v["ours_speedup"] == pytest.approx(report["overall"]["speedup"])
+    md = markdown(report)
+    assert "## vLLM" in md and "decodes faster" in md and "**vLLM eagle3 (k = 2) failed:**" in md
+    assert "| vLLM | ngram | " in md and "top-2 logit gaps" in md
+    assert "vLLM ngram" in html(report)
+    assert "anchors" in report and "ar_vs_hf_generate" not in report["anchors"]  # no transformers anchors asked
+
+
+# --- the real engine ---------------------------------------------------------------------------------------------
+
+def vllm_python():
+    python = find_python(os.environ.get(VLLM_PYTHON_ENV))
+    if python is None:
+        return None
+    ok = subprocess.run([str(python), "-c", "import importlib.util, sys; sys.exit(not importlib.util.find_spec('vllm'))"],
+                        capture_output=True)
+    return python if ok.returncode == 0 else None
+
+
+NEEDS_VLLM = pytest.mark.skipif(vllm_python() is None,
+                                reason="vLLM is not installed (bash run.sh vllm, or SPECDEMO_VLLM_PYTHON)")
+VLLM_PROPOSALS = """
+import json, sys
+import numpy as np
+from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as find
+cases = json.load(sys.stdin)
+print(json.dumps([find(np.array(c["ids"], dtype=np.int32), c["min"], c["max"], 1 << 20, c["k"]).tolist()
+                  for c in cases]))
+"""
+
+
+@pytest.mark.slow
+@NEEDS_VLLM
+def test_our_prompt_lookup_is_vllms_ngram_except_for_short_matches():
+    """vLLM's own proposer on random sequences: with full_ngram=1 our NgramDrafter proposes exactly its tokens (the
+    longest suffix match within [min, max], ties to the earliest, up to k tokens after it); with our default
+    full_ngram=3 the only difference is a match shorter than 3, where we propose just its length's prefix."""
+    import random
+
+    from specdemo.config import SamplingConfig
+    from specdemo.drafters import DraftRequest
+
+    rng = random.Random(0)
+    cases = [{"ids": [rng.randrange(4) for _ in range(rng.randrange(2, 40))], "k": rng.randrange(1, 7),
+              "min": (lo := rng.randrange(1, 4)), "max": rng.randrange(lo, 9)} for _ in range(400)]
+    run = subprocess.run([str(vllm_python()), "-c", VLLM_PROPOSALS], input=json.dumps(cases), capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    theirs = json.loads(run.stdout.strip().splitlines()[-1])
+    short = 0
+    for case, vllm_tokens in zip(cases, theirs):
+        request = DraftRequest(case["ids"], case["k"], SamplingConfig(), None)
+        exact = NgramDrafter(max_ngram=case["max"], min_ngram=case["min"], full_ngram=1)
+        assert exact.propose(request).tokens == vllm_tokens, case
+        length, _ = exact.match(case["ids"])
+        ours = NgramDrafter(max_ngram=case["max"], min_ngram=case["min"]).propose(request).tokens
+        if length >= 3 or not vllm_tokens:
+            assert ours == vllm_tokens, case
+        else:
+            short += ours != vllm_tokens
+            assert ours == vllm_tokens[:length], case
+    assert short > 0  # the difference is real on these sequences
+
+
+@pytest.mark.slow
+@NEEDS_VLLM
+def test_vllm_ngram_greedy_output_is_ours_on_three_prompts(tmp_path, monkeypatch):
+    """The bench with --anchors vllm on the bundled model: vLLM's plain and ngram (k = 4) greedy tokens equal our
+    autoregressive tokens on the first three dev prompts, and its spec-decode counters are consistent."""
+    monkeypatch.setenv(VLLM_PYTHON_ENV, str(vllm_python()))
+    assert bench_main(["--limit", "3", "--max-new-tokens", "32", "--k", "4", "--drafter", "ngram", "--anchors",
+                       "vllm", "--out", str(tmp_path), "--quiet", "--no-theory"]) == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    v = report["anchors"]["vllm"]
+    diffs = {r["id"]: {m: r.get(f"vllm_{m}_mismatch") for m in ("plain", "ngram")} for r in report["results"]}
+    assert v["plain_identical_fraction"] == 1.0 and v["ngram_identical_fraction"] == 1.0, diffs
+    assert not report["config"]["vllm"]["failed"]
+    for r in report["results"]:
+        assert r["vllm_ngram_tokens"] == r["ar_tokens"] == r["vllm_plain_tokens"]
+        assert 0 <= r["vllm_ngram_accepted"] <= r["vllm_ngram_draft_tokens"] <= 4 * r["vllm_ngram_drafts"]
+    assert sum(r["vllm_ngram_drafts"] for r in report["results"]) > 0  # extractive prompts: the lookup drafts
+    assert v["ngram_tokens_per_s"] > 0 and v["plain_tokens_per_s"] > 0
