@@ -166,6 +166,18 @@ stage bench_hybrid 70 "${B[@]}" --drafter hybrid --k 8 --out "$R/bench-hybrid"
 [ -f "$R/draft-cuda/eagle_config.json" ] && \
   stage bench_cuda_draft 70 "${B[@]}" --draft "$R/draft-cuda" --k 1,2 --out "$R/bench-cuda-draft"
 stage bench_fp32 70 "${B[@]}" --drafter model --k 3 --dtype fp32 --out "$R/bench-draft-fp32"  # greedy without bf16 ties
+# --- stage: batch (issue 30) ---
+# throughput and speedup against batch size on the GPU (the CPU's crossover comes at a few rows; here it should come
+# much later), prompt lookup and the trained draft at auto k, generate on the same padded batches as the baseline
+# check; BATCH_SIZES (default 1,...,64), BATCH_TOKENS (default 64 new tokens per row), BATCH_MAX_BATCHES (batches per
+# size, default 4: B = 1 runs 4 rows, B = 64 one batch of 64), BATCH_CAP (seconds per sweep, default 150)
+BS=${BATCH_SIZES:-1,2,4,8,16,32,64}; BT=${BATCH_TOKENS:-64}
+[ "$DRY" = 1 ] && BS=1,2 && BT=8
+BB=($PY -m specdemo bench --prompts "$R/prompts.jsonl" --max-new-tokens "$BT" --device "$DEV" --quiet
+    --batch-size "$BS" --k auto --anchors --max-batches "${BATCH_MAX_BATCHES:-4}")
+stage bench_batch_ngram "${BATCH_CAP:-150}" "${BB[@]}" --drafter ngram --out "$R/bench-batch-ngram"
+stage bench_batch_draft "${BATCH_CAP:-150}" "${BB[@]}" --drafter model --out "$R/bench-batch-draft"
+# --- end stage: batch ---
 # --- stage: vllm (issue 32) ---
 # vLLM's plain and ngram decoding beside ours on the same prompt ids (bench --anchors vllm, docs/vllm.md), where the
 # machine already has vLLM: it cannot be installed there (no package index is reachable). VLLM_PY names its python,

@@ -142,3 +142,52 @@ def k_sweep(rows: list[dict], theory: list[tuple[int, float]], best_measured: in
     fig.update_layout(yaxis2=dict(title="acceptance rate", overlaying="y", side="right", range=[0, 1.05]))
     fig.update_xaxes(dtick=1)
     return _layout(fig, "Speedup and acceptance vs k", "k (draft tokens per step)", "speedup ×")
+
+
+# ---- the batch-size sweep (specdemo.batch_sweep): throughput and speedup against batch size ----
+
+def _batch_axis(fig: go.Figure, sizes: list[int]) -> None:
+    fig.update_xaxes(type="log", tickvals=sizes, ticktext=[str(b) for b in sizes])
+
+
+def _mark_crossover(fig: go.Figure, crossover: int | None) -> None:
+    if crossover is not None:
+        fig.add_vline(x=crossover, line=dict(color="#dc2626", dash="dot"),
+                      annotation_text=f"SD stops paying at B={crossover}", annotation_position="top left")
+
+
+def batch_throughput(points: list[dict], crossover: int | None = None) -> go.Figure:
+    """Total tokens/s of batched autoregressive and speculative decoding (and generate, where measured) against
+    batch size. points: dicts with batch_size, ar_tokens_per_s, sd_tokens_per_s, hf_generate_tokens_per_s."""
+    sizes = [p["batch_size"] for p in points]
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=sizes, y=[p["ar_tokens_per_s"] for p in points], name="autoregressive",
+                             mode="lines+markers", line=dict(color=AR_COLOR)))
+    fig.add_trace(go.Scatter(x=sizes, y=[p["sd_tokens_per_s"] for p in points], name="speculative",
+                             mode="lines+markers", line=dict(color=SD_COLOR)))
+    if any(p.get("hf_generate_tokens_per_s") for p in points):
+        fig.add_trace(go.Scatter(x=sizes, y=[p.get("hf_generate_tokens_per_s") for p in points],
+                                 name="transformers generate", mode="lines+markers",
+                                 line=dict(color=AR_COLOR, dash="dash")))
+    _batch_axis(fig, sizes)
+    _mark_crossover(fig, crossover)
+    return _layout(fig, "Throughput vs batch size", "batch size (prompts decoded together)", "tokens/s, all rows")
+
+
+def batch_speedup(points: list[dict], crossover: int | None = None) -> go.Figure:
+    """Speculative over autoregressive throughput against batch size, each point labelled with its k, the theory's
+    expected speedup at the auto k beside it, and the crossover marked."""
+    sizes = [p["batch_size"] for p in points]
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=sizes, y=[p["speedup"] for p in points], name="measured speedup",
+                             mode="lines+markers+text", text=[f"k={p['k']}" for p in points],
+                             textposition="top center", line=dict(color=SD_COLOR)))
+    if any("expected_speedup" in p for p in points):
+        fig.add_trace(go.Scatter(x=sizes, y=[p.get("expected_speedup") for p in points],
+                                 name="theory at auto k", mode="lines+markers+text",
+                                 text=[f"auto k={p.get('auto_k')}" for p in points], textposition="bottom center",
+                                 line=dict(color=THEORY_COLOR, dash="dash")))
+    fig.add_hline(y=1.0, line=dict(color=AR_COLOR, dash="dot"))
+    _batch_axis(fig, sizes)
+    _mark_crossover(fig, crossover)
+    return _layout(fig, "Speedup vs batch size", "batch size (prompts decoded together)", "speedup ×")

@@ -58,7 +58,7 @@ class StepEvent:
         return self.drafted[self.num_accepted :]
 
 
-class _Committer:
+class Committer:
     """Appends tokens one at a time, stopping at EOS, a stop string or max_new_tokens; same rules for both decoders."""
 
     def __init__(self, tokenizer, prompt_ids: list[int], config: GenerationConfig, eos: frozenset[int]):
@@ -115,7 +115,8 @@ def encode_prompt(tokenizer, prompt: str, use_chat_template: bool = True) -> lis
     return list(tokenizer(prompt)["input_ids"])
 
 
-def _check(prompt_ids: list[int], config: GenerationConfig) -> None:
+def check_request(prompt_ids: list[int], config: GenerationConfig) -> None:
+    """Refuse an empty prompt or invalid settings with a GenerationError saying what to change."""
     if not prompt_ids:
         raise GenerationError("the prompt is empty; type something for the model to continue")
     try:
@@ -124,7 +125,8 @@ def _check(prompt_ids: list[int], config: GenerationConfig) -> None:
         raise GenerationError(str(exc)) from exc
 
 
-def _generator(device: torch.device, seed: int) -> torch.Generator:
+def seeded_generator(device: torch.device, seed: int) -> torch.Generator:
+    """The explicit torch.Generator a run samples from (its own, so a seed reproduces the run)."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     return gen
@@ -186,10 +188,10 @@ def _new_cache(model):
 @torch.inference_mode()
 def autoregressive(target, tokenizer, prompt_ids: list[int], config: GenerationConfig) -> Iterator[StepEvent]:
     """Plain decoding with a KV cache: one target pass per token."""
-    _check(prompt_ids, config)
+    check_request(prompt_ids, config)
     clock = Clock(target.device)
-    gen = _generator(target.device, config.seed)
-    out = _Committer(tokenizer, prompt_ids, config, eos_ids(target, tokenizer))
+    gen = seeded_generator(target.device, config.seed)
+    out = Committer(tokenizer, prompt_ids, config, eos_ids(target, tokenizer))
     cache = _new_cache(target)
     feed, kind = prompt_ids, "prefill"
     while out.finish_reason is None:
@@ -208,11 +210,11 @@ def speculative(
     target, tokenizer, drafter: Drafter, prompt_ids: list[int], config: GenerationConfig
 ) -> Iterator[StepEvent]:
     """Draft k tokens, verify them in one target pass, keep the agreed prefix plus the target's own next token."""
-    _check(prompt_ids, config)
+    check_request(prompt_ids, config)
     clock = Clock(target.device)
-    gen = _generator(target.device, config.seed)
+    gen = seeded_generator(target.device, config.seed)
     eos = eos_ids(target, tokenizer)
-    out = _Committer(tokenizer, prompt_ids, config, eos)
+    out = Committer(tokenizer, prompt_ids, config, eos)
     cache = _new_cache(target)
     feature_layers = tuple(drafter.target_layers) if drafter.needs_target_hidden else None  # None: logits only
     sampling = config.sampling

@@ -38,14 +38,14 @@ __all__ = ["AppLimits", "Handlers", "Outputs", "RaceOutputs", "SettingsOutputs",
 
 # ---- the components the handlers update, built by ui.build_demo; field order is each event's outputs order ----
 
-class _Ordered:
+class OrderedOutputs:
     def order(self) -> list[Component]:
         """The components in field order: the event's outputs list."""
         return [getattr(self, f.name) for f in fields(self)]
 
 
 @dataclass(frozen=True)
-class RaceOutputs(_Ordered):
+class RaceOutputs(OrderedOutputs):
     """The Race tab, in the /compare event's outputs order (API clients read result_json as outputs[7])."""
 
     ar_html: Component
@@ -62,7 +62,7 @@ class RaceOutputs(_Ordered):
 
 
 @dataclass(frozen=True)
-class SweepOutputs(_Ordered):
+class SweepOutputs(OrderedOutputs):
     """The Tune-k tab, in the /sweep_k event's outputs order."""
 
     plot: Component
@@ -139,7 +139,7 @@ def _panel(events: list[StepEvent], segments: list[list[Segment]], n: int, hide_
     return segments_html([s for step in segments[:n] for s in step], hide_rejected, stats)
 
 
-def _hold(lock: threading.Lock, stopped: Callable[[], bool] = lambda: False) -> Iterator[str]:
+def hold_hardware(lock: threading.Lock, stopped: Callable[[], bool] = lambda: False) -> Iterator[str]:
     """Wait for the hardware, yielding so a Stop can end the wait."""
     while not lock.acquire(timeout=0.25):
         if stopped():
@@ -190,7 +190,7 @@ class Handlers:
                                     max_new_tokens, self.limits)
             hide, pace = flag(hide_rejected, "hide rejected drafts"), flag(replay, "replay")
             stopped = lambda: session in self.stopping  # noqa: E731
-            yield from ({self.outputs.race.status: s} for s in _hold(self.hardware, stopped))
+            yield from ({self.outputs.race.status: s} for s in hold_hardware(self.hardware, stopped))
             try:
                 check_prompt_tokens(request, self.limits, self.runtime)  # the tokenizer only: no weights yet
                 yield self._reset()
@@ -358,7 +358,7 @@ class Handlers:
         k_max = number(k_max, "the largest k", whole=True)
         if not MIN_K <= k_max <= MAX_K:
             raise UserError(f"the largest k must be between {MIN_K} and {MAX_K}, got {k_max}")
-        yield from ({out.table: s} for s in _hold(self.hardware, stopped))
+        yield from ({out.table: s} for s in hold_hardware(self.hardware, stopped))
         try:
             check_prompt_tokens(request, self.limits, self.runtime)
             result = None

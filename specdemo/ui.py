@@ -11,6 +11,7 @@ import gradio as gr
 from . import charts
 from .compare import trained_draft_path
 from .config import BUNDLED_ID, MAX_K, MIN_K, PRESETS, TRAINED_DRAFT_ID, GenerationConfig, Runtime, SamplingConfig
+from .batch_handlers import BATCH_NOTE, BATCH_SIZES, BatchHandlers, BatchOutputs
 from .handlers import Handlers, Outputs, RaceOutputs, SettingsOutputs, SweepOutputs
 from .race import AppLimits, allowed, preset_fields
 from .render import CSS, INSPECTOR_JS, inspector_html, legend_html, segments_html
@@ -157,7 +158,42 @@ def build_demo(limits: AppLimits = AppLimits(), runtime: Runtime = Runtime(),
                                       show_progress="minimal", preprocess=False)
         sweep_stop.click(h.stop_sweep, None, None, queue=False, api_name=False)
         apply_btn.click(h.apply_best_k, best_state, k, api_name=False)
+        batch_tab(h, [target, drafter, draft, k], [temperature, top_p], limits, runtime, gpu)
     return demo
+
+
+def batch_tab(h: Handlers, model_inputs: list, sampling_inputs: list, limits: AppLimits, runtime: Runtime,
+              gpu: Callable | None) -> None:
+    """The Batch tab (inside build_demo's Blocks): several prompts decoded together at each batch size, AR then SD;
+    it reads the shared target, drafter, draft, k, temperature and top-p, and shares the race's hardware lock."""
+    with gr.Tab("Batch"):
+        gr.Markdown("Decodes several prompts together at each batch size, autoregressive then speculative (one "
+                    "target pass verifies every row's drafts), and plots total throughput and the speedup against "
+                    "batch size. Every size runs the same prompts.")
+        with gr.Row():
+            prompts = gr.Textbox(label="Prompts, one per line", lines=6, scale=3,
+                                 placeholder="one prompt per line (or use the examples)")
+            with gr.Column(scale=2):
+                use_examples = gr.Checkbox(label="use the example prompts instead", value=True)
+                largest = gr.Dropdown(list(BATCH_SIZES), value=8, label="largest batch size (1, 2, 4, … up to it)")
+                new_tokens = gr.Slider(1, limits.max_new_tokens, value=min(32, limits.max_new_tokens), step=1,
+                                       label="new tokens per prompt")
+                with gr.Row():
+                    auto_k = gr.Checkbox(label="auto k per batch size", value=True)
+                    anchors = gr.Checkbox(label="also time transformers' generate", value=False)
+        with gr.Row():
+            run_btn = gr.Button("Sweep batch sizes", variant="primary")
+            stop_btn = gr.Button("Stop", variant="stop")
+        with gr.Row():
+            throughput = gr.Plot(label="throughput vs batch size")
+            speedup = gr.Plot(label="speedup vs batch size")
+        table = gr.Markdown()
+        gr.Markdown(BATCH_NOTE)
+    outputs = BatchOutputs(throughput, speedup, table)
+    b = BatchHandlers(outputs, [p for _, p in EXAMPLES], h.hardware, limits, runtime, gpu)
+    event = run_btn.click(b.run, [prompts, use_examples, *model_inputs, auto_k, *sampling_inputs, new_tokens,
+                                  largest, anchors], outputs.order(), api_name=False, show_progress="minimal")
+    stop_btn.click(b.stop, None, table, cancels=[event], api_name=False)
 
 
 def launch_options() -> dict:

@@ -14,8 +14,8 @@ import torch
 from ..config import DRAFTER_KINDS, runtime_from_env
 from ..engine import GenerationError
 from ..loading import ModelLoadError, TokenizerMismatchError
-from .report import baseline_warning
-from .run import BenchConfig, run_bench
+from .report import baseline_warning, batch_baseline_warning
+from .run import BenchConfig, run_batch_bench, run_bench
 from .vllm import VLLM_PYTHON_ENV, VllmOptions, VllmUnavailable
 
 ANCHORS = ("hf", "vllm")
@@ -58,6 +58,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-chat-template", action="store_true")
     p.add_argument("--no-theory", action="store_true", help="skip the verify-cost micro-benchmark and theory curve")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--batch-size", dest="batch_sizes", default=D.batch_sizes,
+                   help="batch sizes like 1,2,4,8,16: batched AR and SD (and, with --anchors, generate on the same "
+                        "padded batches) at each size, the speedup against batch size and where it drops below 1; "
+                        "--k takes one value or 'auto' (k chosen per batch size from measured costs)")
+    p.add_argument("--max-batches", type=int, default=D.max_batches,
+                   help="with --batch-size: at most this many batches per batch size (default: all)")
     return p
 
 
@@ -80,7 +86,8 @@ def bench_config(args: argparse.Namespace, env=os.environ) -> BenchConfig:
                        max_new_tokens=args.max_new_tokens, seed=args.seed, anchors="hf" in anchors,
                        vllm="vllm" in anchors, vllm_options=vllm, out=args.out,
                        device=args.device, dtype=args.dtype, chat_template=not args.no_chat_template,
-                       theory=not args.no_theory, quiet=args.quiet, runtime=runtime_from_env(env))
+                       theory=not args.no_theory, quiet=args.quiet, runtime=runtime_from_env(env),
+                       batch_sizes=args.batch_sizes, max_batches=args.max_batches)
 
 
 def summary_line(report: dict) -> str:
@@ -113,10 +120,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the prompt file {args.prompts} does not exist", file=sys.stderr)
         return 2
     try:
-        report = run_bench(bench_config(args))
+        config = bench_config(args)
+        report = run_batch_bench(config) if config.batch_sizes else run_bench(config)
     except (ModelLoadError, TokenizerMismatchError, GenerationError, VllmUnavailable, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if config.batch_sizes:
+        return _batch_done(report, args.out)
     print(summary_line(report))
     for f in (report["config"].get("vllm") or {}).get("failed") or []:
         print(f"warning: vLLM {f['name']} (k = {f['k']}) failed: {f['error']}", file=sys.stderr)
@@ -124,4 +134,29 @@ def main(argv: list[str] | None = None) -> int:
     if warning:
         print(warning.replace("**", ""), file=sys.stderr, end="")
     print(f"wrote {Path(args.out) / 'bench.json'}, bench.md, bench.html")
+    return 0
+
+
+def batch_summary_lines(report: dict) -> list[str]:
+    """One line per batch size (throughput, speedup, k, the baseline check), then where speculation stops paying."""
+    lines = []
+    for b, p in report["by_batch_size"].items():
+        line = (f"B={b}: AR {p['ar_tokens_per_s']:.1f} tok/s, SD {p['sd_tokens_per_s']:.1f} tok/s, speedup "
+                f"{p['speedup']:.2f}x (k {p['k']}, auto k {p['auto_k']}), mean accepted {p['mean_accepted']:.2f}, "
+                f"verify cost {p['verify_cost']:.2f}, identical {p['identical_fraction']:.2f}")
+        if p.get("ar_vs_hf_generate") is not None:
+            line += f" | AR/HF generate {p['ar_vs_hf_generate']:.3f}"
+        lines.append(line)
+    cross = report.get("crossover_batch_size")
+    lines.append(f"speculation stops paying at batch size {cross}" if cross is not None
+                 else "speculation pays at every measured batch size")
+    return lines
+
+
+def _batch_done(report: dict, out: str) -> int:
+    print("\n".join(batch_summary_lines(report)))
+    warning = batch_baseline_warning(report)
+    if warning:
+        print(warning.replace("**", ""), file=sys.stderr, end="")
+    print(f"wrote {Path(out) / 'bench.json'}, bench.md, bench.html")
     return 0

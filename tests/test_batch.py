@@ -1,0 +1,306 @@
+"""Batched decoders on tiny random llamas: per-row losslessness, per-row KV rollback against fresh prefills, rows
+that finish early, auto k, and the sampled distribution with several rows."""
+
+import pytest
+import torch
+
+from specdemo import batch
+from specdemo.batch import (AutoK, BatchKV, batch_autoregressive, batch_drafter, batch_speculative, batch_stats,
+                            choose_k, greedy_accept_batch, left_padded, row_outputs)
+from specdemo.config import GenerationConfig, SamplingConfig
+from specdemo.drafters import HybridDrafter, ModelDrafter, NgramDrafter, with_cache
+from specdemo.eagle import EagleDrafter, build_head
+from specdemo.engine import GenerationError, autoregressive, generated_ids
+from specdemo.verify import greedy_accept
+
+from conftest import tiny_llama
+
+PROMPTS = [[3, 5, 7, 3, 5, 9, 2], [4, 4, 1], [9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 8], [2]]  # mixed lengths
+NEAR_TIE = 1e-3  # top-2 logit gap below which a tiny fp32 model's batched numerics may pick the other token
+
+
+@pytest.fixture(scope="module")
+def eagle_target():
+    return tiny_llama(16, seed=3, sharpness=8.0)
+
+
+def eagle_drafter(target, seed: int = 0, fuse: tuple[int, ...] = ()) -> EagleDrafter:
+    """A random EAGLE head over the whole tiny vocabulary, with weights large enough that its drafts vary."""
+    torch.manual_seed(seed)
+    head = build_head(target, torch.arange(16), fuse)
+    with torch.no_grad():
+        if head.fuse is not None:
+            head.fuse.weight.normal_(0.0, head.fuse.weight.shape[1] ** -0.5)
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    return EagleDrafter(head.eval())
+
+
+def make(kind, draft, target):
+    if kind == "ngram":
+        return NgramDrafter()
+    if kind == "model":
+        return ModelDrafter(draft)
+    if kind == "eagle":
+        return eagle_drafter(target)
+    return HybridDrafter(ModelDrafter(draft), min_match=2)
+
+
+def single(target, tok, prompts, config):
+    return [generated_ids(list(autoregressive(target, tok, p, config))) for p in prompts]
+
+
+def top2_gap(model, ids):
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ids], device=model.device)).logits[0, -1].float()
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])
+
+
+def assert_lossless(model, prompts, expected, got):
+    """Each row equals its single-sequence greedy output, or first differs where the target's top-2 gap is a tie."""
+    for p, e, g in zip(prompts, expected, got):
+        i = next((j for j, (x, y) in enumerate(zip(e, g)) if x != y), None)
+        if i is None:
+            assert len(e) == len(g), (p, e, g)
+            continue
+        gap = top2_gap(model, p + e[:i])
+        assert gap < NEAR_TIE, f"row {p} differs at token {i} with a top-2 logit gap of {gap}"
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("kind", ["ngram", "model", "hybrid", "eagle"])
+def test_greedy_batch_equals_each_rows_single_sequence_output(tiny_target, tiny_draft, eagle_target, tiny_tok,
+                                                             kind, k):
+    """Every row of a batched speculative run is that prompt's own greedy output, for every drafter and k."""
+    target = eagle_target if kind == "eagle" else tiny_target
+    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=k)
+    expected = single(target, tiny_tok, PROMPTS, config)
+    events = list(batch_speculative(target, tiny_tok, batch_drafter(make(kind, tiny_draft, target)), PROMPTS, config))
+    assert_lossless(target, PROMPTS, expected, row_outputs(events, len(PROMPTS)))
+    assert batch_stats(events).drafted > 0
+
+
+@pytest.mark.parametrize("kind", ["ngram", "model", "hybrid", "eagle", "eagle-confident"])
+def test_each_row_drafts_what_its_single_sequence_drafter_drafts(tiny_target, tiny_draft, eagle_target, tiny_tok,
+                                                                kind):
+    """Step by step, every row's proposal in the batch equals the proposal of the same drafter decoding that prompt
+    alone: the batched draft state (KV slots, pending EAGLE features, the hybrid's catch-up) follows each row."""
+    from specdemo.engine import speculative
+
+    target = eagle_target if kind.startswith("eagle") else tiny_target
+
+    def fresh():
+        d = make(kind.split("-")[0], tiny_draft, target)
+        if kind == "eagle-confident":
+            d.min_confidence = 0.9  # stops early on unsure drafts, differently per row
+        return d
+
+    config = GenerationConfig(max_new_tokens=30, num_draft_tokens=4)
+    alone = [[e.drafted for e in speculative(target, tiny_tok, fresh(), p, config) if e.kind == "spec"]
+             for p in PROMPTS]
+    together = [[] for _ in PROMPTS]
+    for e in batch_speculative(target, tiny_tok, batch_drafter(fresh()), PROMPTS, config):
+        for i, d in zip(e.rows, e.drafted):
+            together[i].append(d)
+    assert together == alone
+    assert len({len(d) for row in alone for d in row}) > 1  # proposals of different lengths
+
+
+def test_batched_autoregressive_equals_single_sequence(tiny_target, tiny_tok):
+    config = GenerationConfig(max_new_tokens=30)
+    events = list(batch_autoregressive(tiny_target, tiny_tok, PROMPTS, config))
+    assert_lossless(tiny_target, PROMPTS, single(tiny_target, tiny_tok, PROMPTS, config),
+                    row_outputs(events, len(PROMPTS)))
+    assert all(len(e.tokens) == len(e.rows) and all(len(t) == 1 for t in e.tokens) for e in events)
+
+
+def _fresh_kv(model, ids):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids], device=model.device), **with_cache(model, cache), use_cache=True)
+    return cache
+
+
+def _assert_rows_match_fresh_prefill(kv: BatchKV, model, sequences):
+    """At its valid slots, each row's cache equals a fresh single-sequence prefill of its ids, position by position."""
+    for r, ids in enumerate(sequences):
+        assert kv.counts[r] == len(ids)
+        fresh = _fresh_kv(model, ids)
+        for layer in range(len(fresh.layers)):
+            keys, values = kv.row_keys_values(r, layer)
+            assert torch.allclose(keys, fresh.layers[layer].keys[0], atol=1e-5)
+            assert torch.allclose(values, fresh.layers[layer].values[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("slack", [32, 0])  # 0: compaction after every step that leaves a hole
+def test_ragged_rollback_leaves_each_row_a_fresh_prefill(tiny_target, tiny_draft, tiny_tok, monkeypatch, slack):
+    """Rows accept different lengths in one step; after each rollback the target's and the draft's caches hold, at
+    each row's valid positions, exactly a fresh prefill of that row's committed ids."""
+    monkeypatch.setattr(batch, "COMPACT_SLACK", slack)
+    monkeypatch.setattr(batch, "COMPACT_FRACTION", 0.5 if slack else 0.0)
+    config = GenerationConfig(max_new_tokens=24, num_draft_tokens=4)
+    drafter = batch_drafter(ModelDrafter(tiny_draft))
+    ids = {i: list(p) for i, p in enumerate(PROMPTS)}
+    ragged = holes = 0
+    for event in batch_speculative(tiny_target, tiny_tok, drafter, PROMPTS, config):
+        for i, t in zip(event.rows, event.tokens):
+            ids[i] += t
+        if event.kind != "spec":
+            continue
+        ragged += len(set(event.num_accepted)) > 1
+        kv = event.target_kv
+        holes += kv.slots.length > max(kv.counts)  # a column that the longest row does not hold
+        _assert_rows_match_fresh_prefill(kv, tiny_target, [ids[i][:-1] for i in event.rows])  # last one pending
+        if not event.finished:  # the draft holds committed ids only, up to where the target agreed
+            _assert_rows_match_fresh_prefill(drafter.kv, tiny_draft,
+                                             [ids[i][: drafter.kv.counts[r]] for r, i in enumerate(event.rows)])
+    assert ragged > 0
+    if slack:
+        assert holes > 0  # rejected drafts left holes between rows' valid slots, and the check read around them
+    else:
+        assert holes == 0  # compacted after every step, and still exact
+
+
+def _single_reasons(target, tok, prompts, config):
+    return [list(autoregressive(target, tok, p, config))[-1].finish_reason for p in prompts]
+
+
+def test_rows_finish_independently_and_leave_the_batch(tiny_target, tiny_tok):
+    """Rows end at an EOS, a stop string or the length bound, each where its single-sequence run ends and for the
+    same reason, and a finished row is in no later pass."""
+    config = GenerationConfig(max_new_tokens=20, num_draft_tokens=3, stop_strings=("w12",))
+    old = tiny_target.generation_config.eos_token_id
+    tiny_target.generation_config.eos_token_id = [0, 5]  # row 3 says w5 at its 7th token, before any w12
+    try:
+        reasons = _single_reasons(tiny_target, tiny_tok, PROMPTS, config)
+        assert reasons == ["length", "stop", "length", "eos"]  # what the tiny target's own runs do
+        expected = single(tiny_target, tiny_tok, PROMPTS, config)
+        runs = [list(batch_speculative(tiny_target, tiny_tok, batch_drafter(NgramDrafter()), PROMPTS, config)),
+                list(batch_autoregressive(tiny_target, tiny_tok, PROMPTS, config))]
+    finally:
+        tiny_target.generation_config.eos_token_id = old
+    for run in runs:
+        assert_lossless(tiny_target, PROMPTS, expected, row_outputs(run, len(PROMPTS)))
+        finished = {i: r for e in run for i, r in e.finished.items()}
+        assert [finished[i] for i in range(len(PROMPTS))] == reasons
+        for n, e in enumerate(run):
+            assert not {i for later in run[n + 1:] for i in later.rows} & set(e.finished)
+        assert min(len(e.rows) for e in run) < len(PROMPTS)
+
+
+def test_max_new_tokens_is_respected_per_row(tiny_target, tiny_draft, tiny_tok):
+    for limit in (1, 2, 7):
+        config = GenerationConfig(max_new_tokens=limit, num_draft_tokens=4)
+        events = list(batch_speculative(tiny_target, tiny_tok, batch_drafter(ModelDrafter(tiny_draft)), PROMPTS,
+                                        config))
+        assert [len(o) for o in row_outputs(events, len(PROMPTS))] == [limit] * len(PROMPTS)
+
+
+def test_greedy_accept_batch_equals_greedy_accept_per_row():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 4, 7)
+    choice = logits.argmax(-1)
+    drafted = choice[:, :3].clone()
+    drafted[1, 0] += 1  # row 1 rejects its first draft
+    drafted[2, 2] = (drafted[2, 2] + 1) % 7  # row 2 its third
+    lengths = torch.tensor([3, 3, 3, 2, 0])
+    accepted, nxt = greedy_accept_batch(drafted, lengths, logits)
+    for r in range(5):
+        n = int(lengths[r])
+        assert (accepted[r], nxt[r]) == greedy_accept(drafted[r, :n], logits[r, : n + 1])
+    assert accepted == [3, 0, 2, 2, 0]
+
+
+def test_choose_k_returns_zero_where_verify_passes_cost_too_much():
+    cheap = {k: 1.0 for k in range(1, 9)}
+    dear = {k: 1.0 + 0.8 * k for k in range(1, 9)}  # a compute-bound pass: each token costs most of a pass
+    k, s = choose_k(0.7, 0.05, cheap, 8)
+    assert k >= 3 and s > 1.5
+    assert choose_k(0.7, 0.05, dear, 8) == (0, 1.0)
+    assert choose_k(0.0, 0.0, cheap, 8) == (0, 1.0)
+
+
+def test_auto_k_follows_the_shrinking_batch_and_stays_lossless(tiny_target, tiny_tok):
+    """A policy that speculates only at batch sizes below 3: k changes as rows finish; outputs stay exact."""
+    policy = AutoK({1: 4, 3: 0})
+    assert [policy(b) for b in (1, 2, 3, 4, 16)] == [4, 4, 0, 0, 0]
+    config = GenerationConfig(max_new_tokens=30, num_draft_tokens=4)
+    old = tiny_target.generation_config.eos_token_id
+    free = single(tiny_target, tiny_tok, PROMPTS, config)
+    tiny_target.generation_config.eos_token_id = [0, free[2][4]]  # row 2 (and maybe others) finish early
+    try:
+        expected = single(tiny_target, tiny_tok, PROMPTS, config)
+        events = list(batch_speculative(tiny_target, tiny_tok, batch_drafter(NgramDrafter()), PROMPTS, config,
+                                        k_policy=policy))
+    finally:
+        tiny_target.generation_config.eos_token_id = old
+    assert_lossless(tiny_target, PROMPTS, expected, row_outputs(events, len(PROMPTS)))
+    spec = [e for e in events if e.kind == "spec"]
+    assert all(e.k == 0 and e.width == 1 for e in spec if len(e.rows) >= 3)
+    assert any(e.k > 0 for e in spec if len(e.rows) < 3)
+
+
+def test_batch_forward_seconds_measures_every_width(tiny_target):
+    seconds = batch.batch_forward_seconds(tiny_target, PROMPTS, [2, 5], repeats=1)
+    assert sorted(seconds) == [1, 2, 5] and all(0 < s < float("inf") for s in seconds.values())
+    costs = batch.verify_costs_from({1: 1.0, 2: 1.2, 5: 2.0}, 4)
+    assert costs[1] == pytest.approx(1.2) and costs[4] == pytest.approx(2.0) and costs[2] == pytest.approx(1.2 + 0.8 / 3)
+
+
+def test_left_padding_puts_each_row_last_token_in_the_last_column():
+    tokens, real = left_padded([[1, 2, 3], [4], []], torch.device("cpu"))
+    assert tokens[:, -1].tolist() == [3, 4, batch.PAD]
+    assert real.tolist() == [[True] * 3, [False, False, True], [False] * 3]
+
+
+def test_bad_batches_are_refused(tiny_target, tiny_tok):
+    with pytest.raises(GenerationError, match="empty"):
+        list(batch_autoregressive(tiny_target, tiny_tok, [], GenerationConfig()))
+    with pytest.raises(GenerationError, match="empty"):
+        list(batch_autoregressive(tiny_target, tiny_tok, [[1, 2], []], GenerationConfig()))
+    with pytest.raises(GenerationError, match="between 1 and"):
+        list(batch_speculative(tiny_target, tiny_tok, batch_drafter(NgramDrafter()), PROMPTS,
+                               GenerationConfig(num_draft_tokens=10_000)))
+
+
+def _second_token_distribution(model, prompt, eos=0):
+    """Exact P(second new token | first is not EOS), marginalizing the first, from one model alone."""
+    with torch.inference_mode():
+        p1 = torch.softmax(model(input_ids=torch.tensor([prompt], device=model.device)).logits[0, -1], -1).cpu()
+        vocab = p1.shape[0]
+        seqs = torch.tensor([prompt + [t] for t in range(vocab)], device=model.device)
+        p2 = torch.softmax(model(input_ids=seqs).logits[:, -1], -1).cpu()  # (V, V)
+    p1 = p1.clone()
+    p1[eos] = 0.0
+    return (p1[:, None] * p2).sum(0) / p1.sum()
+
+
+def test_sampled_distribution_matches_target_in_every_row(tiny_target, tiny_draft, tiny_tok):
+    """With 8 rows of two prompts of different lengths, each prompt's second sampled token follows the target's
+    distribution (seeded trials, a total-variation bound), far from the draft model's."""
+    prompts = [list(range(1, 16)) + [3], [5, 9, 2]]
+    rows = [prompts[i % 2] for i in range(8)]
+    expected = [_second_token_distribution(tiny_target, p) for p in prompts]
+    drafts = [_second_token_distribution(tiny_draft, p) for p in prompts]
+    counts = [torch.zeros_like(e) for e in expected]
+    runs, drafted = 500, 0
+    for seed in range(runs):
+        config = GenerationConfig(max_new_tokens=3, num_draft_tokens=1, sampling=SamplingConfig(1.0),
+                                  seed=seed * len(rows))
+        events = list(batch_speculative(tiny_target, tiny_tok, batch_drafter(ModelDrafter(tiny_draft)), rows,
+                                        config))
+        drafted += batch_stats(events).drafted
+        for r, ids in enumerate(row_outputs(events, len(rows))):
+            if len(ids) >= 2:
+                counts[r % 2][ids[1]] += 1
+    assert drafted > runs * len(rows) // 4
+    for c, e, d in zip(counts, expected, drafts):
+        assert c.sum() > 0.9 * runs * len(rows) / 2
+        empirical = c / c.sum()
+        assert 0.5 * float((empirical - e).abs().sum()) < 0.06
+        assert 0.5 * float((d - e).abs().sum()) > 0.2
+        assert 0.5 * float((empirical - d).abs().sum()) > 0.15

@@ -1,0 +1,74 @@
+"""The Batch tab's handlers without a server, on a tiny model: request checks, frames over the tab's outputs only,
+the crossover in the plots, the hardware lock released on success and on error."""
+
+import threading
+
+import pytest
+import torch
+
+from specdemo import compare
+from specdemo.compare import Pair
+from specdemo.drafters import NgramDrafter
+from specdemo.handlers import BATCH_SIZES, AppLimits, BatchHandlers, BatchOutputs, UserError, make_batch_request
+from specdemo.loading import LoadedModel
+
+OUTPUTS = BatchOutputs("throughput_plot", "speedup_plot", "table")  # names stand in for components
+KEYS = {"throughput_plot", "speedup_plot", "table"}
+PROMPTS = "w3 w5 w7 w3 w5 w9 w2\nw4 w4 w1\n\nw9 w8 w7 w6 w5"
+LIMITS = AppLimits(max_new_tokens=64, device="cpu")
+
+
+def request(**changes):
+    values = dict(prompts_text=PROMPTS, use_examples=False, examples=["an example"], target="smollm2-135m",
+                  drafter="ngram", draft="", k=3, auto_k=False, temperature=0.0, top_p=1.0, new_tokens=8, largest=4,
+                  anchors=False, limits=LIMITS)
+    return make_batch_request(**{**values, **changes})
+
+
+def test_batch_request_checks_its_values():
+    r = request()
+    assert r.prompts == ("w3 w5 w7 w3 w5 w9 w2", "w4 w4 w1", "w9 w8 w7 w6 w5")  # one per line, blank lines dropped
+    assert r.batch_sizes == (1, 2, 4) and r.k == 3 and r.config.max_new_tokens == 8
+    assert request(auto_k=True).k is None and request(use_examples=True).prompts == ("an example",)
+    assert request(largest=max(BATCH_SIZES)).batch_sizes == BATCH_SIZES
+    for bad, match in [(dict(prompts_text=" \n "), "No prompts"), (dict(largest=3), "largest batch size"),
+                       (dict(new_tokens=65), "max new tokens"), (dict(drafter="magic"), "Unknown drafter"),
+                       (dict(prompts_text="p\n" * 65), "At most")]:
+        with pytest.raises(UserError, match=match):
+            request(**bad)
+
+
+@pytest.fixture
+def tiny_loads(monkeypatch, tiny_target, tiny_tok):
+    def load_pair(target, kind="model", draft=None, **kwargs):
+        loaded = LoadedModel("tiny", tiny_target, tiny_tok, torch.device("cpu"), torch.float32, "folder")
+        return Pair(loaded, NgramDrafter(), kind, None)
+
+    monkeypatch.setattr(compare, "load_pair", load_pair)
+
+
+def test_batch_sweep_frames_name_only_the_tabs_outputs(tiny_loads):
+    """Status lines, then after each batch size both plots and the table; the last says Done; the lock is free."""
+    lock = threading.Lock()
+    h = BatchHandlers(OUTPUTS, ["w1 w2 w1 w2"], lock, LIMITS)
+    outs = list(h.run(PROMPTS, False, "tiny", "ngram", "", 3, True, 0.0, 1.0, 8, 2, True))
+    assert all(isinstance(o, dict) and set(o) <= KEYS for o in outs)
+    plotted = [o for o in outs if "speedup_plot" in o]
+    assert len(plotted) == 2 and set(plotted[-1]) == KEYS
+    assert outs[-1]["table"].startswith("Done") and "| 2 |" in outs[-1]["table"]
+    assert "Speedup vs batch size" in plotted[-1]["speedup_plot"].layout.title.text
+    assert not lock.locked()
+
+
+def test_batch_errors_are_messages_and_release_the_hardware():
+    def fails(request, device, runtime):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+        yield
+
+    lock = threading.Lock()
+    h = BatchHandlers(OUTPUTS, [], lock, LIMITS, gpu=lambda fn: fails)
+    with pytest.warns(UserWarning, match="Out of memory"):
+        outs = list(h.run(PROMPTS, False, "tiny", "ngram", "", 3, False, 0.0, 1.0, 8, 2, False))
+    assert outs[-1]["table"].startswith("**Error:** Out of memory") and not lock.locked()
+    assert list(h.run("", False, "tiny", "ngram", "", 3, False, 0.0, 1.0, 8, 2, False))[-1]["table"].startswith(
+        "**Error:** No prompts")
