@@ -5,7 +5,6 @@ run overlaps another. No layout here (ui.batch_tab)."""
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ import gradio as gr
 
 from . import charts
 from .config import Runtime
-from .handlers import Component, hold_hardware, OrderedOutputs
+from .handlers import Component, Handlers, OrderedOutputs, Stopped, hold_hardware, session_key
 from .race import KNOWN_ERRORS, AppLimits, UserError, friendly_error, make_request
 
 log = logging.getLogger(__name__)
@@ -78,39 +77,39 @@ def batch_table(sweep) -> str:
 
 
 class BatchHandlers:
-    """The Batch tab's handlers; they share the app's hardware lock, so no timed run overlaps another."""
+    """The Batch tab's handlers; they share the race's Handlers: its hardware lock (no timed run overlaps another) and
+    its Stop marks (a run ends at its next step and says "Stopped." itself)."""
 
-    def __init__(self, outputs: BatchOutputs, examples: list[str], hardware: threading.Lock,
+    def __init__(self, outputs: BatchOutputs, examples: list[str], handlers: Handlers,
                  limits: AppLimits = AppLimits(), runtime: Runtime = Runtime(), gpu: Callable | None = None):
         from .batch_sweep import sweep_batches
 
-        self.outputs, self.examples, self.hardware = outputs, list(examples), hardware
+        self.outputs, self.examples, self.handlers = outputs, list(examples), handlers
         self.limits, self.runtime = limits, runtime
         self.step = gpu(sweep_batches) if gpu else sweep_batches
 
     def run(self, prompts_text, use_examples, target, drafter, draft, k, auto_k, temperature, top_p, new_tokens,
-            largest, anchors) -> Iterator[dict]:
+            largest, anchors, visitor: gr.Request = None) -> Iterator[dict]:
         """Sweep the batch sizes: throughput and speedup against batch size, crossover marked."""
-        out = self.outputs
+        out, h = self.outputs, self.handlers
         try:
             request = make_batch_request(prompts_text, use_examples, self.examples, target, drafter, draft, k,
                                          auto_k, temperature, top_p, new_tokens, largest, anchors, self.limits)
         except KNOWN_ERRORS as exc:
             yield {out.table: f"**Error:** {friendly_error(exc)}"}
             return
-        yield from ({out.table: s} for s in hold_hardware(self.hardware))
+        session = session_key(visitor, "batch")
+        stopped = lambda: session in h.stopping  # noqa: E731
+        h.running.add(session)
+        h.stopping.discard(session)
         try:
-            with closing(self.step(request, self.limits.device, self.runtime)) as steps:
-                for item in steps:
-                    if isinstance(item, str):
-                        yield {out.table: item}
-                        continue
-                    points = [p.as_dict() for p in item.points]
-                    done = len(item.points) == len(request.batch_sizes)
-                    yield {out.throughput_plot: charts.batch_throughput(points, item.crossover),
-                           out.speedup_plot: charts.batch_speedup(points, item.crossover),
-                           out.table: ("Done." if done else f"Measured batch size {item.points[-1].batch_size}…")
-                           + "\n\n" + batch_table(item)}
+            yield from ({out.table: s} for s in hold_hardware(h.hardware, stopped))
+            try:
+                yield from self._sweep(request, stopped)
+            finally:
+                h.hardware.release()
+        except Stopped:
+            yield {out.table: "Stopped."}
         except KNOWN_ERRORS as exc:
             gr.Warning(friendly_error(exc))
             yield {out.table: f"**Error:** {friendly_error(exc)}"}
@@ -118,7 +117,25 @@ class BatchHandlers:
             log.exception("batch sweep failed")
             yield {out.table: f"**Error:** unexpected: {exc}"}
         finally:
-            self.hardware.release()
+            h.running.discard(session)
+            h.stopping.discard(session)
 
-    def stop(self) -> dict:
-        return {self.outputs.table: "Stopped."}
+    def _sweep(self, request, stopped: Callable[[], bool]) -> Iterator[dict]:
+        out = self.outputs
+        with closing(self.step(request, self.limits.device, self.runtime)) as steps:  # closing stops the decoders
+            for item in steps:
+                if stopped():
+                    raise Stopped
+                if isinstance(item, str):
+                    yield {out.table: item}
+                    continue
+                points = [p.as_dict() for p in item.points]
+                done = len(item.points) == len(request.batch_sizes)
+                yield {out.throughput_plot: charts.batch_throughput(points, item.crossover),
+                       out.speedup_plot: charts.batch_speedup(points, item.crossover),
+                       out.table: ("Done." if done else f"Measured batch size {item.points[-1].batch_size}…")
+                       + "\n\n" + batch_table(item)}
+
+    def stop(self, visitor: gr.Request = None) -> None:
+        """Ask this visitor's batch sweep to stop; it ends at its next step and says "Stopped." itself."""
+        self.handlers.stop(session_key(visitor, "batch"))

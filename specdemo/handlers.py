@@ -151,7 +151,8 @@ class Stopped(Exception):
     """The visitor pressed Stop: the run ends at the next decoder step and says so itself."""
 
 
-def _session(visitor: gr.Request | None, tab: str) -> tuple[str | None, str]:
+def session_key(visitor: gr.Request | None, tab: str) -> tuple[str | None, str]:
+    """Whose run in which tab: what a Stop marks."""
     return getattr(visitor, "session_hash", None), tab
 
 
@@ -182,7 +183,7 @@ class Handlers:
     def run_compare(self, prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max_new_tokens,
                     hide_rejected, replay=True, visitor: gr.Request = None) -> Iterator[dict]:
         """The main run (API: /compare): validate, wait for the hardware, stream both runs live, then race them."""
-        session, runs = _session(visitor, "race"), Runs()
+        session, runs = session_key(visitor, "race"), Runs()
         self.running.add(session)
         self.stopping.discard(session)
         try:
@@ -214,7 +215,7 @@ class Handlers:
         if not isinstance(runs, Runs) or not runs.done:
             yield {self.outputs.race.status: "Nothing to replay yet: press Run first."}
             return
-        session = _session(visitor, "race")
+        session = session_key(visitor, "race")
         self.running.add(session)
         self.stopping.discard(session)
         try:
@@ -326,16 +327,17 @@ class Handlers:
 
     def stop_race(self, visitor: gr.Request = None) -> None:
         """Ask this visitor's run or replay to stop; it ends at its next step and says "Stopped." itself."""
-        self._stop(_session(visitor, "race"))
+        self.stop(session_key(visitor, "race"))
 
-    def _stop(self, session: tuple) -> None:
+    def stop(self, session: tuple) -> None:
+        """Mark a running session's run to stop at its next step (no gradio cancel: the run writes "Stopped.")."""
         if session in self.running:
             self.stopping.add(session)
 
     def run_sweep(self, prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens,
                   visitor: gr.Request = None) -> Iterator[dict]:
         """The Tune-k tab (API: /sweep_k): sweep k = 1..k_max on the current prompt; measured and expected speedup."""
-        out, session = self.outputs.sweep, _session(visitor, "sweep")
+        out, session = self.outputs.sweep, session_key(visitor, "sweep")
         self.running.add(session)
         self.stopping.discard(session)
         try:
@@ -383,7 +385,7 @@ class Handlers:
 
     def stop_sweep(self, visitor: gr.Request = None) -> None:
         """Ask this visitor's sweep to stop at its next step."""
-        self._stop(_session(visitor, "sweep"))
+        self.stop(session_key(visitor, "sweep"))
 
     def apply_preset(self, label: str) -> dict:
         """Fill target, drafter and draft from a preset; Custom leaves them alone."""

@@ -190,10 +190,10 @@ def batch_tab(h: Handlers, model_inputs: list, sampling_inputs: list, limits: Ap
         table = gr.Markdown()
         gr.Markdown(BATCH_NOTE)
     outputs = BatchOutputs(throughput, speedup, table)
-    b = BatchHandlers(outputs, [p for _, p in EXAMPLES], h.hardware, limits, runtime, gpu)
-    event = run_btn.click(b.run, [prompts, use_examples, *model_inputs, auto_k, *sampling_inputs, new_tokens,
-                                  largest, anchors], outputs.order(), api_name=False, show_progress="minimal")
-    stop_btn.click(b.stop, None, table, cancels=[event], api_name=False)
+    b = BatchHandlers(outputs, [p for _, p in EXAMPLES], h, limits, runtime, gpu)
+    run_btn.click(b.run, [prompts, use_examples, *model_inputs, auto_k, *sampling_inputs, new_tokens, largest, anchors],
+                  outputs.order(), api_name=False, show_progress="minimal")
+    stop_btn.click(b.stop, None, None, queue=False, api_name=False)  # the run itself writes "Stopped."
 
 
 def launch_options() -> dict:

@@ -1,15 +1,15 @@
 """The Batch tab's handlers without a server, on a tiny model: request checks, frames over the tab's outputs only,
 the crossover in the plots, the hardware lock released on success and on error."""
 
-import threading
-
 import pytest
 import torch
 
 from specdemo import compare
 from specdemo.compare import Pair
 from specdemo.drafters import NgramDrafter
-from specdemo.handlers import BATCH_SIZES, AppLimits, BatchHandlers, BatchOutputs, UserError, make_batch_request
+from specdemo.handlers import Handlers
+from specdemo.batch_handlers import BATCH_SIZES, BatchHandlers, BatchOutputs, make_batch_request
+from specdemo.race import AppLimits, UserError
 from specdemo.loading import LoadedModel
 
 OUTPUTS = BatchOutputs("throughput_plot", "speedup_plot", "table")  # names stand in for components
@@ -49,8 +49,9 @@ def tiny_loads(monkeypatch, tiny_target, tiny_tok):
 
 def test_batch_sweep_frames_name_only_the_tabs_outputs(tiny_loads):
     """Status lines, then after each batch size both plots and the table; the last says Done; the lock is free."""
-    lock = threading.Lock()
-    h = BatchHandlers(OUTPUTS, ["w1 w2 w1 w2"], lock, LIMITS)
+    race = Handlers(None, LIMITS)
+    lock = race.hardware
+    h = BatchHandlers(OUTPUTS, ["w1 w2 w1 w2"], race, LIMITS)
     outs = list(h.run(PROMPTS, False, "tiny", "ngram", "", 3, True, 0.0, 1.0, 8, 2, True))
     assert all(isinstance(o, dict) and set(o) <= KEYS for o in outs)
     plotted = [o for o in outs if "speedup_plot" in o]
@@ -65,10 +66,24 @@ def test_batch_errors_are_messages_and_release_the_hardware():
         raise torch.OutOfMemoryError("CUDA out of memory")
         yield
 
-    lock = threading.Lock()
-    h = BatchHandlers(OUTPUTS, [], lock, LIMITS, gpu=lambda fn: fails)
+    race = Handlers(None, LIMITS)
+    lock = race.hardware
+    h = BatchHandlers(OUTPUTS, [], race, LIMITS, gpu=lambda fn: fails)
     with pytest.warns(UserWarning, match="Out of memory"):
         outs = list(h.run(PROMPTS, False, "tiny", "ngram", "", 3, False, 0.0, 1.0, 8, 2, False))
     assert outs[-1]["table"].startswith("**Error:** Out of memory") and not lock.locked()
     assert list(h.run("", False, "tiny", "ngram", "", 3, False, 0.0, 1.0, 8, 2, False))[-1]["table"].startswith(
         "**Error:** No prompts")
+
+
+def test_stop_ends_the_batch_sweep_and_frees_the_hardware(tiny_loads):
+    """Stop marks the visitor's sweep (as in the race: no gradio cancel); it ends at its next step with "Stopped."."""
+    race = Handlers(None, LIMITS)
+    h = BatchHandlers(OUTPUTS, [], race, LIMITS)
+    run = h.run(PROMPTS, False, "tiny", "ngram", "", 3, False, 0.0, 1.0, 8, 2, False)
+    first = next(run)
+    assert set(first) <= KEYS
+    h.stop()
+    outs = list(run)
+    assert outs[-1] == {"table": "Stopped."} and not race.hardware.locked()
+    assert not race.running and not race.stopping
