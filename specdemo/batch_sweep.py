@@ -15,9 +15,10 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from .batch import (AutoK, BatchDrafter, BatchStats, batch_autoregressive, batch_drafter, batch_forward_seconds,
-                    batch_speculative, batch_stats, choose_k, cost_widths, left_padded, row_outputs,
-                    verify_costs_from)
+from .batch import (AutoK, BatchStats, batch_autoregressive, batch_forward_seconds, batch_speculative, batch_stats,
+                    choose_k, cost_widths, row_outputs, verify_costs_from)
+from .batch_drafters import BatchDrafter, batch_drafter
+from .batch_kv import left_padded
 from .compare import Pair, first_mismatch
 from .config import GenerationConfig
 from .engine import eos_ids
