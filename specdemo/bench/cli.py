@@ -14,7 +14,8 @@ import torch
 from ..config import DRAFTER_KINDS, runtime_from_env
 from ..engine import GenerationError
 from ..loading import ModelLoadError, TokenizerMismatchError
-from .report import baseline_warning, batch_baseline_warning
+from .batch_report import batch_baseline_warning
+from .report import baseline_warning
 from .run import BenchConfig, run_batch_bench, run_bench
 from .vllm import VLLM_PYTHON_ENV, VllmOptions, VllmUnavailable
 
