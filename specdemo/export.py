@@ -106,18 +106,21 @@ def export_eagle3(draft: str, out: str | Path, k: int | None = None, target: str
 
 
 def serve_hint(target: str, draft: str | None, k: int, runtime: Runtime = Runtime()) -> str | None:
-    """Markdown for the app after Tune k with an EAGLE-3 draft: how to serve it at k in vLLM and SGLang (exported
-    first), or None for other drafts."""
-    if not draft:
-        return None
+    """Markdown for the app after Tune k with an EAGLE-3 draft: the commands that serve it at k in vLLM and SGLang
+    (a hub head as it is, ours exported first); None for other drafts."""
+    from .compare import default_draft
+
+    draft = draft or default_draft(target)
     try:
-        source = head_folder(draft, runtime)
+        source = head_folder(draft, runtime) if draft else None
     except (Eagle3FormatError, OSError, RuntimeError):
         return None
+    if source is None:
+        return None
     served, _ = serve_target(target, runtime)
-    out = f"{Path(draft).name or 'draft'}-eagle3"
-    spec = vllm_speculative_config("eagle3", k, out)
-    return (f"**Serve this draft with k = {k} in vLLM** (export it first; the folder is the checkpoint vLLM and "
-            f"SGLang load):\n\n```\npython -m specdemo export --draft {draft} --out {out} --k {k} --target {target}\n"
-            f"{vllm_serve_command(served, spec)}\n# SGLang:\n{sglang_command(served, 'eagle3', k, out)}\n```\n"
-            f"(the head read here: `{source}`)")
+    local = Path(draft).is_dir() or draft == TRAINED_DRAFT_ID
+    model = f"{Path(draft).name}-eagle3" if local else draft  # vLLM and SGLang load a published head by its hub id
+    export = f"python -m specdemo export --draft {draft} --out {model} --k {k} --target {target}\n" if local else ""
+    spec = vllm_speculative_config("eagle3", k, model)
+    return (f"**Serve this draft with k = {k} in vLLM**{' (export it first)' if local else ''}:\n\n```\n{export}"
+            f"{vllm_serve_command(served, spec)}\n# SGLang:\n{sglang_command(served, 'eagle3', k, model)}\n```")

@@ -270,3 +270,38 @@ def test_sampled_distribution_is_exact_through_d2t(target8, tok100):
     binned = lambda d: torch.cat([d[top], d[rest_in].sum()[None], d[rest_out].sum()[None]])
     assert 0.5 * float((binned(empirical) - binned(expected)).abs().sum()) < 0.05
     assert abs(float(empirical[outside].sum()) - float(expected[outside].sum())) < 0.04  # the head's own q has 0 there
+
+
+@pytest.mark.slow
+def test_bundled_target_with_an_eagle3_head_is_lossless_end_to_end(bundled, tmp_path):
+    """The real bundled target with a random EAGLE-3 head (saved, then loaded by the CLI's path): greedy speculative
+    output equals the target's greedy output, for several k."""
+    from specdemo.compare import make_drafter
+    from specdemo.engine import encode_prompt
+
+    torch.manual_seed(0)
+    head = build_head(bundled.model, torch.arange(8192))  # the 8192 first ids, as a draft vocabulary
+    assert head.aux_layer_ids == (2, 15, 27)  # vLLM's default for a 30-layer target
+    save_eagle3(head, tmp_path / "head")
+    drafter, _, _ = make_drafter(bundled, "model", str(tmp_path / "head"))
+    assert isinstance(drafter, Eagle3Drafter)
+    for k, prompt in ((1, "Write a haiku about autumn leaves."), (4, "What is the capital of Japan? Answer briefly.")):
+        config = GenerationConfig(max_new_tokens=32, num_draft_tokens=k)
+        ids = encode_prompt(bundled.tokenizer, prompt)
+        ar = generated_ids(list(autoregressive(bundled.model, bundled.tokenizer, ids, config)))
+        events = list(speculative(bundled.model, bundled.tokenizer, drafter, ids, config))
+        assert generated_ids(events) == ar
+        assert any(e.kind == "spec" and e.drafted for e in events)
+
+
+def test_serve_hint_after_tune_k_names_k_and_the_commands(target8, tmp_path):
+    """After Tune k the app shows how to serve an EAGLE-3 draft at the tuned k (export, vllm serve, SGLang) and
+    nothing for other drafts."""
+    from specdemo.export import serve_hint
+
+    save_eagle3(random_head(target8), tmp_path / "head")
+    hint = serve_hint("smollm2-135m", str(tmp_path / "head"), 3)
+    assert "k = 3 in vLLM" in hint and "python -m specdemo export" in hint and "vllm serve" in hint
+    assert '"num_speculative_tokens":3' in hint and "--speculative-algorithm EAGLE3" in hint
+    target8.config.save_pretrained(tmp_path / "lm")
+    assert serve_hint("smollm2-135m", str(tmp_path / "lm"), 3) is None
