@@ -57,9 +57,9 @@ GREEDY, SAMPLED = SamplingConfig(temperature=0.0), SamplingConfig(temperature=1.
 def proposals(drafter, target, ids, k=4, sampling=GREEDY, seed=0):
     """Begin on `ids` with the target's features and propose once."""
     with torch.inference_mode():
-        feats = target_features(target, drafter.target_layers, input_ids=torch.tensor([ids[:-1]]))[1][0]
+        feats = target_features(target, drafter.target_layers, input_ids=torch.tensor([ids[:-1]], device=target.device))[1][0]
     drafter.begin(ids[:-1], feats)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=target.device).manual_seed(seed)
     return drafter.propose(DraftRequest(ids, k, sampling, gen))
 
 
@@ -104,8 +104,9 @@ def test_q_is_zero_outside_the_draft_vocabulary(target8):
     p = proposals(Eagle3Drafter(head), target8, PROMPT, k=3, sampling=SAMPLED)
     allowed = torch.zeros(VOCAB, dtype=torch.bool)
     allowed[draft_vocab()] = True
-    assert p.probs.shape == (3, VOCAB) and float(p.probs[:, ~allowed].abs().sum()) == 0.0
-    assert torch.allclose(p.probs.sum(-1), torch.ones(3)) and all(allowed[t] for t in p.tokens)
+    probs = p.probs.cpu()
+    assert probs.shape == (3, VOCAB) and float(probs[:, ~allowed].abs().sum()) == 0.0
+    assert torch.allclose(probs.sum(-1), torch.ones(3)) and all(allowed[t] for t in p.tokens)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -233,8 +234,10 @@ def test_export_refuses_our_older_eagle_head_and_plain_models(target8, tmp_path)
 def second_token_distribution(model, prompt, eos=0):
     """Exact P(second new token | first is not EOS) under the target alone."""
     with torch.inference_mode():
-        p1 = torch.softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1], -1)
-        p2 = torch.softmax(model(input_ids=torch.tensor([prompt + [t] for t in range(VOCAB)])).logits[:, -1], -1)
+        x = torch.tensor([prompt], device=model.device)
+        p1 = torch.softmax(model(input_ids=x).logits[0, -1], -1).cpu()
+        seqs = torch.tensor([prompt + [t] for t in range(VOCAB)], device=model.device)
+        p2 = torch.softmax(model(input_ids=seqs).logits[:, -1], -1).cpu()
     p1 = p1.clone()
     p1[eos] = 0.0
     return (p1[:, None] * p2).sum(0) / p1.sum()
