@@ -425,8 +425,9 @@ class Eagle3Drafter(EagleDrafter):
         self.num_speculative_tokens = num_speculative_tokens
 
 
-def load_eagle3(folder: str | Path, target_loaded) -> Eagle3Drafter:
-    """An Eagle3Drafter from a checkpoint folder, bound to the target in a loading.LoadedModel."""
+def load_eagle3(spec: str | Path, target_loaded, runtime: Runtime = Runtime()) -> Eagle3Drafter:
+    """An Eagle3Drafter from a checkpoint folder or hub id, bound to the target in a loading.LoadedModel."""
+    folder = locate_eagle3(str(spec), runtime) or Path(spec)
     head, meta = load_head(folder, target_loaded.model)
     fast = getattr(target_loaded, "fast_linear", True)
     if fast and kernels.enabled_for(head.norm.weight.device, head.norm.weight.dtype):
