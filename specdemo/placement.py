@@ -103,7 +103,8 @@ def model_placement(model: nn.Module, strategy: dict | None = None) -> dict:
     dev = device_name(execution_device(model))
     if not device_map:
         count = sum(p.numel() for p in model.parameters())
-        return {"device_map": None, "execution_device": dev, "parts": {dev: ["all"]}, "parameters": {dev: count}}
+        return {**(strategy or {"device_map": None}), "execution_device": dev, "parts": {dev: ["all"]},
+                "parameters": {dev: count}}
     names: dict[str, list[str]] = {}
     counts: dict[str, int] = {}
     order = [n for n, _ in model.named_modules()]  # the model's own order: embeddings, layers 0.., norm, head
