@@ -31,9 +31,9 @@ def _entry_for(device_map: dict, name: str) -> str | None:
     """The device-map key that holds module `name` (itself or its closest ancestor; "" holds everything)."""
     best = None
     for key in device_map:
-        if key == "" or name == key or name.startswith(key + "."):
-            if best is None or len(key) > len(best):
-                best = key
+        holds = key == "" or name == key or name.startswith(key + ".")
+        if holds and (best is None or len(key) > len(best)):
+            best = key
     return best
 
 

@@ -4,17 +4,16 @@ the app refusing a pair that cannot fit, then serving the next request (issue 31
 from __future__ import annotations
 
 import pytest
+import torch
+from conftest import WORDS, tiny_llama, tiny_tokenizer
+from test_handlers import OUTPUTS
 
 from app import limits_from_env
-from conftest import WORDS, tiny_llama, tiny_tokenizer
 from specdemo.config import PRESETS, Placement, placement_from
 from specdemo.fit import GIB, estimate_fit, folder_params, size_bytes
 from specdemo.handlers import Handlers
 from specdemo.loading import cache_root
 from specdemo.race import AppLimits, UserError, check_fit, make_request, placement_for
-from test_handlers import OUTPUTS
-
-import torch
 
 CPU = torch.device("cpu")
 

@@ -8,15 +8,27 @@ import json
 
 import pytest
 import torch
-
 from conftest import WORDS, tiny_llama, tiny_tokenizer
+
 from specdemo.compare import compare, load_pair, pair_placement
-from specdemo.config import GenerationConfig, Placement, Runtime, parse_max_memory, placement_from
+from specdemo.config import (
+    GenerationConfig,
+    Placement,
+    Runtime,
+    parse_max_memory,
+    placement_from,
+)
 from specdemo.drafters import ModelDrafter, NgramDrafter
 from specdemo.eagle import build_head
 from specdemo.engine import autoregressive, generated_ids, speculative
 from specdemo.loading import ModelLoadError, load_model
-from specdemo.placement import execution_device, is_offloaded, module_ranges, placement_line, weight_of
+from specdemo.placement import (
+    execution_device,
+    is_offloaded,
+    module_ranges,
+    placement_line,
+    weight_of,
+)
 
 PROMPT = "w3 w5 w7 w3 w5 w9 w2 w3 w5 w7 w3 w5"
 CPU_ONLY = Runtime(fast_linear=False)
