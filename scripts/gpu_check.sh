@@ -169,13 +169,15 @@ B=($PY -m specdemo bench --prompts "$R/prompts.jsonl" --limit "$N" --max-new-tok
 # GPU), where a pass is bound by PCIe, so a verify pass of k + 1 tokens costs about what a 1-token pass does and the
 # speedup should approach the mean accepted length (scripts/offload_regime.py, against the same target in memory).
 # DRY=1: the CPU with layers on disk instead. ONLY_DEVICES=1 stops after these stages (one short device call).
+# DEVICES_CAP: each bench stage's cap in seconds (default 90; the regime gets 60 more; a DRY run on a busy CPU needs more)
+DC=${DEVICES_CAP:-90}
 SPLIT_MEM=${SPLIT_MEM:-0=200MiB,cpu=8GiB}; OFFLOAD_MEM=${OFFLOAD_MEM:-0=80MiB,cpu=8GiB}; OFF=()
 if [ "$DRY" = 1 ]; then SPLIT_MEM=cpu=150MiB; OFFLOAD_MEM=cpu=150MiB; OFF=(--offload-folder "$KEEP/offload"); fi
 DN=$N; [ "$DN" -gt 4 ] && DN=4
-stage bench_draft_on_cpu 90 "${B[@]}" --limit "$DN" --drafter model --k 1,2 --draft-device cpu --out "$R/bench-draft-on-cpu"
-stage bench_split 90 "${B[@]}" --limit "$DN" --drafter model --k 1,3 --device-map auto --max-memory "$SPLIT_MEM" \
+stage bench_draft_on_cpu "$DC" "${B[@]}" --limit "$DN" --drafter model --k 1,2 --draft-device cpu --out "$R/bench-draft-on-cpu"
+stage bench_split "$DC" "${B[@]}" --limit "$DN" --drafter model --k 1,3 --device-map auto --max-memory "$SPLIT_MEM" \
   "${OFF[@]}" --out "$R/bench-split"
-stage offload_regime 150 $PY scripts/offload_regime.py --device "$DEV" --max-memory "$OFFLOAD_MEM" --limit "$DN" \
+stage offload_regime $((DC + 60)) $PY scripts/offload_regime.py --device "$DEV" --max-memory "$OFFLOAD_MEM" --limit "$DN" \
   --max-new-tokens "$TOKENS" --ks 1,2,4,8 --out "$R/offload"
 [ "${ONLY_DEVICES:-0}" = 1 ] && exit 0
 # --- end stage: devices ---
