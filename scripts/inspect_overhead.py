@@ -10,12 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from specdemo import engine
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file from a clone
+
+from specdemo import engine  # noqa: E402
 from specdemo.compare import load_pair, warmup
 from specdemo.config import GenerationConfig
 from specdemo.engine import encode_prompt, speculative

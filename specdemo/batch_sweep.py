@@ -15,9 +15,10 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from .batch import (AutoK, BatchDrafter, BatchStats, batch_autoregressive, batch_drafter, batch_forward_seconds,
-                    batch_speculative, batch_stats, choose_k, cost_widths, left_padded, row_outputs,
-                    verify_costs_from)
+from .batch import (AutoK, BatchStats, batch_autoregressive, batch_forward_seconds, batch_speculative, batch_stats,
+                    choose_k, cost_widths, row_outputs, verify_costs_from)
+from .batch_drafters import BatchDrafter, batch_drafter
+from .batch_kv import left_padded
 from .compare import Pair, first_mismatch
 from .config import GenerationConfig
 from .engine import eos_ids
@@ -200,18 +201,28 @@ def point(batch_size: int, k: int, cal: Calibration, ar: Sequence[BatchRun], sd:
     return out
 
 
+def _pays(p: BatchPoint) -> float:
+    """The speedup that says whether speculation pays at p: at k = 0 (auto k turned speculation off there) both runs
+    do the same work, so their measured ratio is only the run's noise, and the answer is 1 (it no longer pays)."""
+    return 1.0 if p.k == 0 else p.speedup
+
+
 def crossover(points: Sequence[BatchPoint]) -> int | None:
-    """The smallest measured batch size at which speculation no longer pays (speedup below 1); None if it pays at
-    every measured size."""
-    return next((p.batch_size for p in sorted(points, key=lambda p: p.batch_size) if p.speedup < 1.0), None)
+    """The smallest measured batch size at which speculation no longer pays (speedup below 1, or auto k chose no
+    speculation); None if it pays at every measured size."""
+    return next((p.batch_size for p in sorted(points, key=lambda p: p.batch_size) if p.k == 0 or p.speedup < 1.0),
+                None)
 
 
 def crossover_interpolated(points: Sequence[BatchPoint]) -> float | None:
-    """Where the speedup curve crosses 1, linear in log2(batch size) between the two measured sizes around it."""
+    """Where the speedup curve reaches 1, linear in log2(batch size) between the two measured sizes around it (the
+    smallest size, if speculation does not pay there already)."""
     ps = sorted(points, key=lambda p: p.batch_size)
+    if ps and crossover(ps) == ps[0].batch_size:
+        return float(ps[0].batch_size)
     for a, b in zip(ps, ps[1:]):
-        if a.speedup >= 1.0 > b.speedup:
-            t = (a.speedup - 1.0) / (a.speedup - b.speedup)
+        if b.batch_size == crossover(ps):
+            t = (_pays(a) - 1.0) / (_pays(a) - _pays(b)) if _pays(a) != _pays(b) else 1.0
             return 2 ** (math.log2(a.batch_size) + t * (math.log2(b.batch_size) - math.log2(a.batch_size)))
     return None
 

@@ -48,13 +48,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SERVER_CPU = 0  # with SPECDEMO_TEST_PIN=1: app.py on this core, the browser and the test on the others
+
+
+def pinned() -> bool:
+    """SPECDEMO_TEST_PIN=1: give app.py a core of its own, so that the browser's drawing never shares the core a
+    timed run uses (for the README screenshot and the page's timing figures on a small machine)."""
+    return os.environ.get("SPECDEMO_TEST_PIN") == "1" and hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1
+
+
 def launch(port: int, **env) -> subprocess.Popen:
     """Start app.py on a port; one torch thread, since the CPU is shared (SPECDEMO_TEST_THREADS=2 for figures)."""
     threads = os.environ.get("SPECDEMO_TEST_THREADS", "1")
     env = {**os.environ, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port),
            "OMP_NUM_THREADS": threads, "GRADIO_ANALYTICS_ENABLED": "False", "SPECDEMO_MAX_NEW_TOKENS": "512", **env}
+    pin = (lambda: os.sched_setaffinity(0, {SERVER_CPU})) if pinned() else None
     return subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=pin)
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:

@@ -4,9 +4,11 @@ that finish early, auto k, and the sampled distribution with several rows."""
 import pytest
 import torch
 
-from specdemo import batch
-from specdemo.batch import (AutoK, BatchKV, batch_autoregressive, batch_drafter, batch_speculative, batch_stats,
-                            choose_k, greedy_accept_batch, left_padded, row_outputs)
+from specdemo import batch, batch_kv
+from specdemo.batch import (AutoK, batch_autoregressive, batch_speculative, batch_stats, choose_k,
+                            greedy_accept_batch, row_outputs)
+from specdemo.batch_drafters import batch_drafter
+from specdemo.batch_kv import BatchKV, left_padded
 from specdemo.config import GenerationConfig, SamplingConfig
 from specdemo.drafters import HybridDrafter, ModelDrafter, NgramDrafter, with_cache
 from specdemo.eagle import EagleDrafter, build_head
@@ -140,8 +142,8 @@ def _assert_rows_match_fresh_prefill(kv: BatchKV, model, sequences):
 def test_ragged_rollback_leaves_each_row_a_fresh_prefill(tiny_target, tiny_draft, tiny_tok, monkeypatch, slack):
     """Rows accept different lengths in one step; after each rollback the target's and the draft's caches hold, at
     each row's valid positions, exactly a fresh prefill of that row's committed ids."""
-    monkeypatch.setattr(batch, "COMPACT_SLACK", slack)
-    monkeypatch.setattr(batch, "COMPACT_FRACTION", 0.5 if slack else 0.0)
+    monkeypatch.setattr(batch_kv, "COMPACT_SLACK", slack)
+    monkeypatch.setattr(batch_kv, "COMPACT_FRACTION", 0.5 if slack else 0.0)
     config = GenerationConfig(max_new_tokens=24, num_draft_tokens=4)
     drafter = batch_drafter(ModelDrafter(tiny_draft))
     ids = {i: list(p) for i, p in enumerate(PROMPTS)}
@@ -253,7 +255,7 @@ def test_batch_forward_seconds_measures_every_width(tiny_target):
 
 def test_left_padding_puts_each_row_last_token_in_the_last_column():
     tokens, real = left_padded([[1, 2, 3], [4], []], torch.device("cpu"))
-    assert tokens[:, -1].tolist() == [3, 4, batch.PAD]
+    assert tokens[:, -1].tolist() == [3, 4, batch_kv.PAD]
     assert real.tolist() == [[True] * 3, [False, False, True], [False] * 3]
 
 

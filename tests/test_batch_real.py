@@ -4,7 +4,8 @@ single-sequence greedy output, with prompt lookup, the shipped trained draft and
 import pytest
 import torch
 
-from specdemo.batch import batch_autoregressive, batch_drafter, batch_speculative, batch_stats, row_outputs
+from specdemo.batch import batch_autoregressive, batch_speculative, batch_stats, row_outputs
+from specdemo.batch_drafters import batch_drafter
 from specdemo.compare import first_mismatch, make_drafter
 from specdemo.config import GenerationConfig
 from specdemo.engine import autoregressive, encode_prompt, generated_ids

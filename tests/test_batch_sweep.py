@@ -10,7 +10,7 @@ from specdemo.batch_sweep import (BatchPoint, BatchSweep, batches, crossover, cr
                                   hf_generate_batch, iter_batch_sweep, run_batch_ar, shared_rows)
 from specdemo.bench.anchors import hf_kwargs
 from specdemo.bench.cli import batch_summary_lines
-from specdemo.bench.report import batch_baseline_warning, batch_markdown, build_batch_report, write_batch_outputs
+from specdemo.bench.batch_report import batch_baseline_warning, batch_markdown, build_batch_report, write_batch_outputs
 from specdemo.bench.run import batch_k, parse_batch_sizes
 from specdemo.compare import Pair
 from specdemo.config import GenerationConfig
@@ -76,8 +76,8 @@ def test_max_batches_caps_the_batches_of_each_size(tiny_target, tiny_tok):
     assert all(p.identical_to_single_fraction == 1.0 for p in sweep.points)
 
 
-def _point(b, speedup, ratio=1.0):
-    return BatchPoint(b, 1, b, 4, 4, 10, 1.0, 10, 1.0 / speedup, 10.0, 10.0 * speedup, speedup, 2.0, 0.5, 1.0,
+def _point(b, speedup, ratio=1.0, k=4):
+    return BatchPoint(b, 1, b, k, k, 10, 1.0, 10, 1.0 / speedup, 10.0, 10.0 * speedup, speedup, 2.0, 0.5, 1.0,
                       1.2, 1.3, speedup, {"verify_costs": {"1": 1.1, "2": 1.2, "4": 1.5, "8": 2.0},
                                           "one_pass_seconds": 0.01, "alpha": 0.6, "c": 0.05, "k": 4},
                       ar_vs_hf_generate=ratio, hf_generate_tokens_per_s=10.0 / ratio)
@@ -88,6 +88,13 @@ def test_crossover_is_the_first_batch_size_where_speculation_stops_paying():
     assert crossover(points) == 8
     assert crossover_interpolated(points) == pytest.approx(2 ** (2 + 0.1 / 0.3))
     assert crossover(points[:3]) is None and crossover_interpolated(points[:3]) is None
+
+
+def test_auto_k_turning_speculation_off_is_where_it_stops_paying_whatever_the_noise_says():
+    """At k = 0 both runs do the same work: a measured 1.17x there is noise, and speculation has stopped paying."""
+    points = [_point(1, 1.3), _point(2, 1.22), _point(4, 1.02), _point(8, 1.17, k=0), _point(16, 0.85, k=0)]
+    assert crossover(points) == 8
+    assert crossover_interpolated(points) == pytest.approx(8.0)
 
 
 def test_batch_report_files_and_the_baseline_check(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 
 from specdemo.ui import EXAMPLES
 
-from test_app_client import server  # noqa: F401  (the shared app.py fixture)
+from test_app_client import SERVER_CPU, pinned, server  # noqa: F401  (server: the shared app.py fixture)
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -62,6 +62,8 @@ def page(request):
         pytest.skip(f"Debian chromium is not at {CHROMIUM} (apt-get install -y chromium)")
     sync_api = pytest.importorskip("playwright.sync_api")
     url = request.getfixturevalue("server")
+    if pinned():  # the browser (a child of this process) keeps off the server's core
+        os.sched_setaffinity(0, set(range(os.cpu_count())) - {SERVER_CPU})
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})

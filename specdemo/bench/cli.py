@@ -15,19 +15,26 @@ from ..cliargs import add_placement_args, placement_args
 from ..config import DRAFTER_KINDS, runtime_from_env
 from ..engine import GenerationError
 from ..loading import ModelLoadError, TokenizerMismatchError
-from .report import baseline_warning, batch_baseline_warning
+from .batch_report import batch_baseline_warning
+from .report import baseline_warning
 from .run import BenchConfig, run_batch_bench, run_bench
 from .vllm import VLLM_PYTHON_ENV, VllmOptions, VllmUnavailable
 
 ANCHORS = ("hf", "vllm")
 
 D = BenchConfig()
+DESCRIPTION = """`python -m specdemo bench`: our autoregressive and speculative decoders on a prompt set, against transformers.
+
+For each prompt: autoregressive, then speculative at each k (greedy unless told otherwise), one after the other;
+with --anchors also transformers' generate (plain, assisted, prompt lookup) at the same k on the same input ids, and
+with --anchors vllm (or hf,vllm) vLLM's plain, ngram and eagle3 decoding in its own venv and process, after ours.
+Writes bench.json, bench.md and bench.html. Forward passes are timed by hooks, so the per-step cost outside the
+model (drafting logic, acceptance, rollback, detokenization) is reported too.
+"""
 
 
 def parser() -> argparse.ArgumentParser:
-    from . import __doc__ as doc
-
-    p = argparse.ArgumentParser(prog="python -m specdemo bench", description=doc,
+    p = argparse.ArgumentParser(prog="python -m specdemo bench", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", default=D.prompts, help="JSONL prompt file (default: the in-repo dev set, %(default)s)")
     p.add_argument("--limit", type=int, default=D.limit, help="only the first N prompts")

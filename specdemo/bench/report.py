@@ -197,7 +197,7 @@ def write_outputs(report: dict, out: Path) -> None:
         log.warning("plotly is not installed; skipped bench.html")
 
 
-def _f(x, digits: int = 2) -> str:
+def fmt(x, digits: int = 2) -> str:
     if x is None:
         return "-"
     if isinstance(x, bool):
@@ -207,9 +207,10 @@ def _f(x, digits: int = 2) -> str:
     return str(x)
 
 
-def _table(header: list[str], rows: list[list]) -> str:
+def md_table(header: list[str], rows: list[list]) -> str:
+    """A markdown table."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(_f(x) for x in row) + " |" for row in rows]
+    lines += ["| " + " | ".join(fmt(x) for x in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -248,12 +249,12 @@ def markdown(report: dict) -> str:
         + (f"placement: {placement_line(c['placement'])}\n\n" if c.get("placement") else "") +
         f"machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), "
         f"{m['device']} {m['dtype']}, torch {m['torch']}, transformers {m['transformers']}; "
-        f"load average {_f((m.get('load_average_start') or [None])[0])} at start, "
-        f"{_f((m.get('load_average_end') or [None])[0])} at end\n\n"
+        f"load average {fmt((m.get('load_average_start') or [None])[0])} at start, "
+        f"{fmt((m.get('load_average_end') or [None])[0])} at end\n\n"
         f"Speedup = total autoregressive seconds / total speculative seconds (wall clock, perf_counter); "
         f"mean accepted = tokens per verify pass, bonus included.\n",
         *([warning] if warning else []),
-        "## Overall\n\n" + _table(
+        "## Overall\n\n" + md_table(
             ["speedup", "AR tok/s", "SD tok/s", "mean accepted", "acceptance", "identical"],
             [[o["speedup"], o["ar_tokens_per_s"], o["sd_tokens_per_s"], o["mean_accepted"], o["acceptance_rate"],
               o["identical_fraction"]]]),
@@ -263,7 +264,7 @@ def markdown(report: dict) -> str:
     for c, a in report["by_category"].items():
         cat_rows.append([c, a["prompts"], a["speedup"], *[a.get(f"{n}_speedup") for n in anchor_cols],
                          a["mean_accepted"], a["acceptance_rate"], a["identical_fraction"]])
-    parts.append("## By category\n\n" + _table(
+    parts.append("## By category\n\n" + md_table(
         ["category", "rows", "speedup (ours)", *[f"speedup ({n})" for n in anchor_cols], "mean accepted",
          "acceptance", "identical"], cat_rows))
     theory = report.get("theory")
@@ -274,7 +275,7 @@ def markdown(report: dict) -> str:
         k_rows.append([k, a["speedup"], *[a.get(f"{n}_speedup") for n in anchor_cols], a["mean_accepted"],
                        a["acceptance_rate"], p.get("alpha"), p.get("c"), p.get("verify_cost"),
                        p.get("expected_speedup")])
-    parts.append("## By k\n\n" + _table(
+    parts.append("## By k\n\n" + md_table(
         ["k", "speedup (ours)", *[f"speedup ({n})" for n in anchor_cols], "mean accepted", "acceptance", "alpha",
          "c", "verify cost", "theory speedup"], k_rows))
     if theory:
@@ -294,12 +295,12 @@ def markdown(report: dict) -> str:
                      [f"{n} tok/s", anchors[f"{n}_tokens_per_s"]],
                      [f"our SD tok/s / {n} tok/s", anchors[f"ours_vs_{n}_tokens_per_s"]],
                      [f"{n} tokens identical to our AR", anchors[f"{n}_identical_fraction"]]]
-        parts.append("## transformers anchors (same ids, k, max_new_tokens, clock)\n\n" + _table(["", "value"], rows))
+        parts.append("## transformers anchors (same ids, k, max_new_tokens, clock)\n\n" + md_table(["", "value"], rows))
     if anchors.get("vllm") or cfg.get("vllm"):
         parts.append(vllm_markdown(report))
     ov = report.get("overhead") or {}
     if ov:
-        parts.append("## Per-step time outside model forwards\n\n" + _table(
+        parts.append("## Per-step time outside model forwards\n\n" + md_table(
             ["measure", "ms per target pass"], [[k.replace("_ms_per_step", ""), v] for k, v in ov.items()
                                                 if k.endswith("_ms_per_step")])
             + "\nForward fraction (time inside forwards / wall): " + ", ".join(
@@ -308,7 +309,7 @@ def markdown(report: dict) -> str:
     prompt_rows = [[r["id"], r["category"], r["k"], r["ar_tokens_per_s"], r["sd_tokens_per_s"], r["speedup"],
                     r.get("hf_prompt_lookup_tokens_per_s", r.get("hf_assisted_tokens_per_s")),
                     r["mean_accepted"], r["acceptance_rate"], r["identical"]] for r in report["results"]]
-    parts.append("## Per prompt\n\n" + _table(
+    parts.append("## Per prompt\n\n" + md_table(
         ["id", "category", "k", "AR tok/s", "SD tok/s", "speedup", "HF assisted/PLD tok/s", "mean accepted",
          "acceptance", "identical"], prompt_rows))
     gaps = report.get("mismatch_top2_logit_gaps")
@@ -338,7 +339,7 @@ def vllm_markdown(report: dict) -> str:
             ["vLLM", "plain", v["plain_tokens_per_s"], 1.0, None, None, None, v["plain_identical_fraction"]]]
     rows += [["vLLM", m, v[f"{m}_tokens_per_s"], v[f"{m}_speedup"], v[f"{m}_acceptance_rate"],
               v[f"{m}_mean_accepted"], v[f"{m}_tokens_per_pass"], v[f"{m}_identical_fraction"]] for m in methods]
-    text += _table(["engine", "decoding", "tok/s", "speedup over its own plain", "acceptance",
+    text += md_table(["engine", "decoding", "tok/s", "speedup over its own plain", "acceptance",
                     "mean accepted (per drafting step)", "tokens per verify pass", "identical to our AR"], rows)
     faster = "our loop" if v["ar_vs_vllm_plain"] >= 1 else "vLLM"
     text += (f"\nAt batch 1 on this machine {faster} decodes faster: our autoregressive run makes "
@@ -358,14 +359,14 @@ def vllm_markdown(report: dict) -> str:
                v.get("plain_target_passes")]]
     passes += [[f"vLLM {m}", v.get(f"{m}_forward_ms_per_pass"), v.get(f"{m}_outside_forward_ms_per_pass"),
                 v.get(f"{m}_target_passes")] for m in methods]
-    text += "\n\n" + _table(["run", "forward ms per target pass", "outside-forward ms per target pass",
+    text += "\n\n" + md_table(["run", "forward ms per target pass", "outside-forward ms per target pass",
                                "target passes"], passes)
     text += ("\nForward = the target model's forward and logits, timed by hooks inside each engine's worker (a "
              "draft model or the lookup is outside it). vLLM's mean accepted is its own metric, 1 + accepted / "
              "steps that drafted; tokens per verify pass counts every pass after the prefill, like ours.\n")
     cats = v.get("by_category") or {}
     if cats and methods:
-        text += "\n" + _table(["category", "rows", "ours speedup", *[f"vLLM {m} speedup" for m in methods],
+        text += "\n" + md_table(["category", "rows", "ours speedup", *[f"vLLM {m} speedup" for m in methods],
                                 "ours tok/s", "vLLM plain tok/s", *[f"vLLM {m} tok/s" for m in methods]],
                                [[cat, a["prompts"], a["ours_speedup"], *[a.get(f"{m}_speedup") for m in methods],
                                  a["ours_tokens_per_s"], a["plain_tokens_per_s"],
@@ -374,8 +375,8 @@ def vllm_markdown(report: dict) -> str:
         versions = sorted({str(m["vllm"]) for m in meta.get("methods", []) if m.get("vllm")})
         text += (f"\nvLLM {', '.join(versions)} from `{meta.get('python')}`, model `{meta.get('model')}`, CPU "
                  f"threads bind {meta.get('threads_bind')}, enforce_eager {meta.get('enforce_eager')}, lookup "
-                 f"window {meta.get('lookup')}; load average {_f((meta.get('load_average_start') or [None])[0])} "
-                 f"before vLLM's runs, {_f((meta.get('load_average_end') or [None])[0])} after.\n")
+                 f"window {meta.get('lookup')}; load average {fmt((meta.get('load_average_start') or [None])[0])} "
+                 f"before vLLM's runs, {fmt((meta.get('load_average_end') or [None])[0])} after.\n")
     gaps = [r[f"vllm_{m}_mismatch"]["top2_logit_gap"] for r in report["results"] for m in ("plain", *methods)
             if r.get(f"vllm_{m}_mismatch")]
     if gaps:
@@ -429,105 +430,3 @@ def html(report: dict) -> str:
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>specdemo bench</title></head><body>"
             f"<h1>Speculative decoding benchmark</h1><pre>{json.dumps(report['overall'], indent=1)}</pre>{body}"
             f"</body></html>\n")
-
-
-# ---- the batch-size sweep (bench --batch-size) ----
-
-def build_batch_report(config: dict, machine: dict, sweep: dict) -> dict:
-    """The bench.json object of a batch sweep: config, machine, and batch_sweep.BatchSweep.as_dict()
-    (by_batch_size, crossover_batch_size, ...)."""
-    return {"config": config, "machine": machine, **sweep}
-
-
-def batch_baseline_warning(report: dict) -> str:
-    """A loud line naming each batch size where our batched AR loop ran slower than generate on the same batches."""
-    slow = {b: p["ar_vs_hf_generate"] for b, p in report["by_batch_size"].items()
-            if p.get("ar_vs_hf_generate") is not None and p["ar_vs_hf_generate"] < HONEST_BASELINE}
-    if not slow:
-        return ""
-    where = ", ".join(f"B={b}: {r:.2f}×" for b, r in slow.items())
-    return (f"**Baseline check failed** at {where}: our batched autoregressive loop ran slower than transformers' "
-            f"`generate` on the same padded batches (at least {HONEST_BASELINE} is required), so the speedups at "
-            f"those batch sizes are measured against a slow baseline and are not figures to report.\n")
-
-
-def batch_markdown(report: dict) -> str:
-    """Markdown: the setup, one row per batch size, the crossover, and the verify-cost micro-benchmark."""
-    cfg, m = report["config"], {"cpu": "?", "cores": "?", "torch_threads": "?", **report["machine"]}
-    points = list(report["by_batch_size"].values())
-    cross = report.get("crossover_batch_size")
-    anchors = any(p.get("ar_vs_hf_generate") is not None for p in points)
-    rows = [[p["batch_size"], p["batches"], p["k"], p["auto_k"], p["ar_tokens_per_s"], p["sd_tokens_per_s"],
-             p["speedup"], p["expected_speedup"], p["mean_accepted"], p["acceptance_rate"], p["verify_cost"],
-             p["verify_cost_measured"], p["identical_fraction"],
-             *([p["hf_generate_tokens_per_s"], p["ar_vs_hf_generate"], p["hf_generate_identical_fraction"]]
-               if anchors else [])] for p in points]
-    header = ["B", "batches", "k", "auto k", "AR tok/s", "SD tok/s", "speedup", "theory at auto k",
-              "mean accepted", "acceptance", "verify cost", "verify cost (runs)", "identical",
-              *(["HF generate tok/s", "AR / HF generate", "HF identical"] if anchors else [])]
-    single = [p for p in points if p.get("identical_to_single_fraction") is not None]
-    gaps = [g for p in points for g in p.get("mismatch_top2_logit_gaps") or []]
-    parts = [
-        f"# Batch speculative decoding benchmark\n\n"
-        f"target `{cfg.get('target')}`, drafter `{cfg.get('drafter')}`"
-        f"{' (' + str(cfg['draft']) + ')' if cfg.get('draft') else ''}, k = {cfg.get('k_arg')}, temperature "
-        f"{cfg.get('temperature')}, {cfg.get('max_new_tokens')} new tokens per row, {cfg.get('rows')} rows from "
-        f"{cfg.get('num_prompts')} prompts in `{Path(str(cfg.get('prompts'))).name}` ({cfg.get('batching')})\n\n"
-        f"machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), {m.get('device')} "
-        f"{m.get('dtype')}, torch {m.get('torch')}, transformers {m.get('transformers')}; load average "
-        f"{_f((m.get('load_average_start') or [None])[0])} at start, {_f((m.get('load_average_end') or [None])[0])}"
-        f" at end\n\n"
-        f"Throughput = all rows' new tokens / wall seconds; speedup = SD tok/s / AR tok/s at the same batch size; "
-        f"mean accepted = tokens per row per verify pass, bonus included; verify cost = a B x (k+1) target pass over "
-        f"a B x 1 pass (micro-benchmark), and in the runs: seconds per speculative step over seconds per "
-        f"autoregressive step.\n",
-    ]
-    warning = batch_baseline_warning(report)
-    if warning:
-        parts.append(warning)
-    parts.append("## By batch size\n\n" + _table(header, rows))
-    parts.append(f"Speculation stops paying at batch size **{cross}**"
-                 + (f" (the curve crosses 1 near B = {report['crossover_batch_size_interpolated']:.1f})"
-                    if report.get("crossover_batch_size_interpolated") else "") + ".\n"
-                 if cross is not None else "Speculation pays at every measured batch size.\n")
-    if single:
-        parts.append("Rows identical to their batch-1 (single-sequence) autoregressive output: " + ", ".join(
-            f"B={p['batch_size']}: {p['identical_to_single_fraction']:.2f}" for p in single) + ".\n")
-    if gaps:
-        parts.append(f"Greedy mismatches (SD vs AR in the same batch): {len(gaps)}; target top-2 logit gaps at the "
-                     f"first difference: " + ", ".join(f"{g:.4f}" for g in gaps) + "\n")
-    cal_rows = []
-    for p in points:
-        c = p["calibration"]
-        costs = c["verify_costs"]
-        cal_rows.append([p["batch_size"], c["one_pass_seconds"] * 1000, *[costs.get(str(k)) for k in (1, 2, 4, 8)],
-                         c["alpha"], c["c"], c["k"]])
-    parts.append("## Auto k: measured costs per batch size\n\n" + _table(
-        ["B", "B x 1 pass (ms)", "verify cost k=1", "k=2", "k=4", "k=8", "alpha (probe)", "c (probe)", "auto k"],
-        cal_rows) + "\nauto k = the k in 0..8 with the best expected speedup E[tokens] / (k c + verify cost) "
-        "(Leviathan et al.); 0 means no speculation.\n")
-    return "\n".join(parts)
-
-
-def batch_html(report: dict) -> str:
-    """Plotly figures: throughput and speedup against batch size, the crossover marked (charts.batch_*)."""
-    from .. import charts
-
-    points = list(report["by_batch_size"].values())
-    cross = report.get("crossover_batch_size")
-    body = (charts.batch_throughput(points, cross).to_html(full_html=False, include_plotlyjs=True)
-            + charts.batch_speedup(points, cross).to_html(full_html=False, include_plotlyjs=False))
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>specdemo batch bench</title></head><body>"
-            f"<h1>Batch speculative decoding benchmark</h1><pre>{json.dumps(report['config'], indent=1)}</pre>"
-            f"{body}</body></html>\n")
-
-
-def write_batch_outputs(report: dict, out: Path) -> None:
-    """bench.json, bench.md and bench.html of a batch sweep in `out`."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    (out / "bench.md").write_text(batch_markdown(report), encoding="utf-8")
-    try:
-        (out / "bench.html").write_text(batch_html(report), encoding="utf-8")
-    except ImportError:  # plotly is optional for the CLI
-        log.warning("plotly is not installed; bench.html not written")

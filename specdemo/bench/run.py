@@ -317,7 +317,7 @@ def run_batch_bench(bc: BenchConfig) -> dict:
     from tqdm.auto import tqdm
 
     from ..batch_sweep import iter_batch_sweep, shared_rows
-    from .report import build_batch_report, write_batch_outputs
+    from .batch_report import build_batch_report, write_batch_outputs
 
     items = read_prompts(bc.prompts, bc.limit)
     if not items:

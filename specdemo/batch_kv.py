@@ -1,0 +1,192 @@
+"""The batch's KV cache: B rows of different lengths in one left-padded cache, each row's valid positions as slots.
+
+Rows grow, accept or roll back on their own; holes left by rollbacks are masked and compacted now and then. Knows
+nothing of drafting or acceptance.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .drafters import crop_cache, with_cache
+from .engine import GenerationError, target_features
+from .kernels import left_pad
+
+PAD = 0  # the token id fed at padded positions; they are masked out, so any id would do
+# compaction: when a storage holds more than COMPACT_SLACK + COMPACT_FRACTION x the longest row's slots of holes
+COMPACT_SLACK = 32
+COMPACT_FRACTION = 0.5
+
+
+# ---- which storage slots each row holds ----
+
+class Slots:
+    """Which slots of a (B, L) storage each row attends to, and each row's next RoPE position.
+
+    The rollback choice: rows share one storage length L, and a slot a row does not keep (left padding, a padded
+    query, a rejected draft) stays in storage as a hole, masked out by `valid`. Rollback is then a mask update, never
+    a copy; columns that no row holds any more are cut off the end (trim), and when holes outgrow the rows' own
+    lengths the storage is compacted by one gather (compaction). Positions count a row's valid slots only, so every
+    row sees exactly the RoPE positions of its own single-sequence run; causality follows storage order, which is
+    the order in which tokens were fed.
+    """
+
+    def __init__(self, rows: int, device: torch.device):
+        self.valid = torch.zeros(rows, 0, dtype=torch.bool, device=device)  # (B, L)
+        self.counts = [0] * rows  # valid slots per row: the next position of each row
+
+    @property
+    def length(self) -> int:
+        return self.valid.shape[1]
+
+    def positions(self, real: torch.Tensor) -> torch.Tensor:
+        """RoPE positions (B, T) of a pass whose real (not padded) entries are `real` (B, T) bool."""
+        start = torch.tensor(self.counts, device=real.device)[:, None]
+        return (start + real.long().cumsum(1) - 1).clamp(min=0)
+
+    def mask(self, real: torch.Tensor) -> torch.Tensor:
+        """The 2D attention mask (B, L + T) of a pass: the valid slots, then the pass's real entries."""
+        return torch.cat([self.valid, real], dim=1)
+
+    def append(self, real: torch.Tensor) -> None:
+        self.valid = torch.cat([self.valid, real], dim=1)
+        self.counts = [c + n for c, n in zip(self.counts, real.sum(1).tolist())]
+
+    def keep(self, counts: Sequence[int]) -> int:
+        """Keep each row's first counts[r] valid slots (in storage order); returns the trimmed storage length."""
+        if list(counts) != self.counts:
+            n = torch.tensor(counts, device=self.valid.device)[:, None]
+            self.valid = self.valid & (self.valid.cumsum(1) <= n)
+            self.counts = [min(a, b) for a, b in zip(self.counts, counts)]
+        return self.trim()
+
+    def trim(self) -> int:
+        """Cut storage columns that no row holds; returns the new length."""
+        used = self.valid.any(0).nonzero()
+        length = int(used[-1]) + 1 if used.numel() else 0
+        self.valid = self.valid[:, :length]
+        return length
+
+    def select(self, rows: Sequence[int]) -> int:
+        """Keep only these rows, in this order; returns the trimmed storage length."""
+        index = torch.tensor(rows, device=self.valid.device)
+        self.valid = self.valid[index]
+        self.counts = [self.counts[r] for r in rows]
+        return self.trim()
+
+    def compaction(self) -> torch.Tensor | None:
+        """Where holes have piled up (past COMPACT_SLACK + COMPACT_FRACTION x the longest row): the gather index
+        (B, m) that moves each row's valid slots, in order, to the front of m = max(counts) slots; else None."""
+        m = max(self.counts, default=0)
+        if self.length - m <= COMPACT_SLACK + COMPACT_FRACTION * m:
+            return None
+        slots = torch.arange(self.length, device=self.valid.device)
+        key = torch.where(self.valid, slots, slots + self.length)  # valid slots first, each row in storage order
+        index = key.argsort(dim=1)[:, :m]
+        self.valid = torch.arange(m, device=self.valid.device)[None, :] < torch.tensor(self.counts,
+                                                                                    device=self.valid.device)[:, None]
+        return index
+
+
+def gather_slots(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x (B, H, L, D) -> (B, H, m, D) at each row's slots index (B, m)."""
+    b, h, _, d = x.shape
+    return x.gather(2, index[:, None, :, None].expand(b, h, index.shape[1], d))
+
+
+class BatchKV:
+    """A transformers DynamicCache over B rows with per-row valid slots (see Slots), and the forward that feeds it."""
+
+    def __init__(self, model, rows: int):
+        from transformers import DynamicCache
+
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.cache = DynamicCache(config=model.config)
+        self.slots = Slots(rows, self.device)
+
+    @property
+    def counts(self) -> list[int]:
+        return self.slots.counts
+
+    def inputs(self, tokens: torch.Tensor, real: torch.Tensor) -> dict:
+        """Forward keyword arguments for tokens (B, T) whose real entries are `real` (B, T) bool."""
+        mask = self.slots.mask(real)
+        return dict(input_ids=tokens, attention_mask=None if bool(mask.all()) else mask,
+                    position_ids=self.slots.positions(real), use_cache=True, **with_cache(self.model, self.cache))
+
+    def forward(self, tokens: torch.Tensor, real: torch.Tensor, keep: int,
+                layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the model on tokens (B, T) after the cache; logits (B, keep, V) and, unless layers is None, the
+        features (B, T, W) of engine.target_features."""
+        before = self.cache.get_seq_length()
+        inputs = self.inputs(tokens, real)
+        features = None
+        if layers is None:
+            logits = self.model(**inputs, logits_to_keep=keep).logits
+        else:
+            last, features = target_features(self.model, layers, **inputs)
+            logits = self.model.lm_head(last[:, -keep:])
+        if self.cache.get_seq_length() != before + tokens.shape[1]:
+            raise GenerationError(f"{type(self.model).__name__}'s forward did not fill the KV cache it was given")
+        self.slots.append(real)
+        return logits, features
+
+    def step(self, feeds: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Feed each row its own tokens (left-padded to one width; a row may feed none) and return the logits (B, V)
+        at each row's newest token."""
+        tokens, real = left_padded(feeds, self.device)
+        return self.forward(tokens, real, 1)[0][:, -1]
+
+    def keep(self, counts: Sequence[int]) -> None:
+        """Roll each row back to its first counts[r] valid positions."""
+        crop_cache(self.cache, self.slots.keep(counts))
+
+    def select(self, rows: Sequence[int]) -> None:
+        """Keep only these rows (finished ones leave the batch)."""
+        if list(rows) == list(range(len(self.counts))):
+            return
+        self.cache.reorder_cache(torch.tensor(rows, device=self.device))
+        crop_cache(self.cache, self.slots.select(rows))
+        self.compact()
+
+    def compact(self) -> None:
+        """Gather each row's valid slots to the front where holes have piled up (Slots.compaction)."""
+        index = self.slots.compaction()
+        if index is None:
+            return
+        for layer in self.cache.layers:
+            layer.keys, layer.values = gather_slots(layer.keys, index), gather_slots(layer.values, index)
+
+    def row_keys_values(self, row: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row `row`'s keys and values (H, n, D) at its valid slots, for checks against a fresh prefill."""
+        valid = self.slots.valid[row]
+        entry = self.cache.layers[layer]
+        return entry.keys[row][:, valid], entry.values[row][:, valid]
+
+
+def left_padded(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> (tokens (B, T), real (B, T) bool), padded on the left so each row ends in the last column
+    (kernels.left_pad; a row may be empty)."""
+    tokens, mask = left_pad([list(r) for r in rows], PAD, device)
+    return tokens, mask.bool()
+
+
+def right_padded(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> (tokens (B, T), real (B, T) bool), padded on the right: entry j of a row is its j-th token."""
+    width = max((len(r) for r in rows), default=0)
+    tokens = torch.full((len(rows), width), PAD, dtype=torch.long)
+    real = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
+        real[i, : len(r)] = True
+    return tokens.to(device), real.to(device)
+
+
+def check_cache(model) -> None:
+    """Holes and per-row positions assume full attention over one growing cache."""
+    types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+    if types != {"full_attention"}:
+        raise GenerationError(f"batched decoding supports full-attention models only ({type(model).__name__} has "
+                              f"{sorted(types)} layers)")
