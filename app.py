@@ -9,6 +9,13 @@ SPECDEMO_MODEL_ALLOWLIST    comma-separated model ids users may load (the bundle
                             only the presets' ids may load
 SPECDEMO_ALLOW_LOCAL_PATHS  1: model ids may be folders on this machine (default 0: refused)
 SPECDEMO_DEVICE             cpu, cuda, ... (default: CUDA when present)
+SPECDEMO_DEVICE_MAP         auto, balanced or sequential: load every target through accelerate's device map (default:
+                            none; the presets that need one, such as the 32B pair, use "auto" anyway)
+SPECDEMO_MAX_MEMORY         the device map's limits, e.g. 0=20GiB,cpu=60GiB (default: what the devices have free);
+                            checked against each pair's size before it loads
+SPECDEMO_OFFLOAD_FOLDER     where the device map may put weights that fit in no memory (default: none, so such a
+                            pair is refused before loading)
+SPECDEMO_DRAFT_DEVICE       the draft's device, e.g. cpu beside a GPU target (default: the target's)
 SPECDEMO_CONCURRENCY        concurrent handlers (default 4; timed runs still take turns on the hardware)
 SPECDEMO_QUEUE_SIZE         requests waiting in the queue (default 32)
 SPACE_ID                    set by Hugging Face Spaces; makes the presets the default allowlist
@@ -22,8 +29,9 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 
-from specdemo.config import runtime_from_env
+from specdemo.config import placement_from, runtime_from_env
 from specdemo.race import AppLimits, preset_ids
 from specdemo.ui import build_demo, launch_options
 
@@ -43,10 +51,19 @@ def limits_from_env(env=os.environ) -> AppLimits:
     allow = tuple(s.strip() for s in env.get("SPECDEMO_MODEL_ALLOWLIST", "").split(",") if s.strip())
     if not allow and env.get("SPACE_ID"):
         allow = preset_ids()
+    memory = env.get("SPECDEMO_MAX_MEMORY") or env.get("SPECDEMO_OFFLOAD_FOLDER")
+    try:  # memory limits alone keep "no map" for other targets, and give the presets that need a map their limits
+        placement = placement_from(env.get("SPECDEMO_DEVICE_MAP") or ("auto" if memory else None),
+                                   env.get("SPECDEMO_MAX_MEMORY"), env.get("SPECDEMO_OFFLOAD_FOLDER"))
+    except ValueError as exc:
+        raise SystemExit(f"SPECDEMO_DEVICE_MAP / SPECDEMO_MAX_MEMORY / SPECDEMO_OFFLOAD_FOLDER: {exc}") from None
+    if not env.get("SPECDEMO_DEVICE_MAP") and placement.active:
+        placement = replace(placement, device_map=None)
     return AppLimits(max_new_tokens=_int(env, "SPECDEMO_MAX_NEW_TOKENS", 256), allowlist=allow,
                      device=env.get("SPECDEMO_DEVICE") or None,
                      max_prompt_tokens=_int(env, "SPECDEMO_MAX_PROMPT_TOKENS", None),
-                     allow_local_paths=env.get("SPECDEMO_ALLOW_LOCAL_PATHS", "").strip() == "1")
+                     allow_local_paths=env.get("SPECDEMO_ALLOW_LOCAL_PATHS", "").strip() == "1",
+                     placement=placement, draft_device=env.get("SPECDEMO_DRAFT_DEVICE") or None)
 
 
 def zero_gpu():

@@ -16,7 +16,10 @@
 #                                    them while answering); distill runs the shipped recipe (its defaults); DISTILL_ARGS: more
 #                                    distill options, e.g. "--self-instruct 12000" to add the target's own
 #                                    instructions to the cache on the GPU first, or "--draft-layers 2" for the deeper
-#                                    head; DISTILL_CAP: the distill stage's cap in seconds, default 280)
+#                                    head; DISTILL_CAP: the distill stage's cap in seconds, default 280); first the
+#                                    device stages of issue 31 (a CPU draft beside the GPU target, the target split over
+#                                    GPU and CPU, the target offloaded to CPU memory: SPLIT_MEM, OFFLOAD_MEM;
+#                                    ONLY_DEVICES=1 runs only those)
 #   EAGLE3_HEAD=DIR EAGLE3_TARGET=T  either mode, also the benchmark of that EAGLE-3 head (e.g. a published one) with
 #                                    its target on CUDA: identical greedy output and acceptance (bench-eagle3; `real`
 #                                    defaults EAGLE3_TARGET to the bundled model, e.g. for a head from distill --arch eagle3)
@@ -187,6 +190,25 @@ mkdir -p "$KEEP/distill-cache"
 [ -n "${SAMPLES:-}" ] && cp "$SAMPLES"/*.jsonl "$KEEP/distill-cache/"
 note "prompts per benchmark: $N, new tokens: $TOKENS, k: $KS, distill data: ${SAMPLES:-generated here}"
 B=($PY -m specdemo bench --prompts "$R/prompts.jsonl" --limit "$N" --max-new-tokens "$TOKENS" --device "$DEV" --quiet)
+# --- stage: devices (issue 31, docs/devices.md) ---
+# the target and the draft on different devices: a GPU target with the trained draft head on the CPU; the target split
+# across the GPU and CPU memory by accelerate's device map (SPLIT_MEM: most layers on the GPU, the rest streamed over
+# PCIe at every pass); and the target offloaded to CPU memory (OFFLOAD_MEM: only the embeddings and head stay on the
+# GPU), where a pass is bound by PCIe, so a verify pass of k + 1 tokens costs about what a 1-token pass does and the
+# speedup should approach the mean accepted length (scripts/offload_regime.py, against the same target in memory).
+# DRY=1: the CPU with layers on disk instead. ONLY_DEVICES=1 stops after these stages (one short device call).
+# DEVICES_CAP: each bench stage's cap in seconds (default 90; the regime gets 60 more; a DRY run on a busy CPU needs more)
+DC=${DEVICES_CAP:-90}
+SPLIT_MEM=${SPLIT_MEM:-0=200MiB,cpu=8GiB}; OFFLOAD_MEM=${OFFLOAD_MEM:-0=80MiB,cpu=8GiB}; OFF=()
+if [ "$DRY" = 1 ]; then SPLIT_MEM=cpu=150MiB; OFFLOAD_MEM=cpu=150MiB; OFF=(--offload-folder "$KEEP/offload"); fi
+DN=$N; [ "$DN" -gt 4 ] && DN=4
+stage bench_draft_on_cpu "$DC" "${B[@]}" --limit "$DN" --drafter model --k 1,2 --draft-device cpu --out "$R/bench-draft-on-cpu"
+stage bench_split "$DC" "${B[@]}" --limit "$DN" --drafter model --k 1,3 --device-map auto --max-memory "$SPLIT_MEM" \
+  "${OFF[@]}" --out "$R/bench-split"
+stage offload_regime $((DC + 60)) $PY scripts/offload_regime.py --device "$DEV" --max-memory "$OFFLOAD_MEM" --limit "$DN" \
+  --max-new-tokens "$TOKENS" --ks 1,2,4,8 --out "$R/offload"
+[ "${ONLY_DEVICES:-0}" = 1 ] && exit 0
+# --- end stage: devices ---
 stage bench_draft 200 "${B[@]}" --drafter model --k "$KS" --anchors --out "$R/bench-draft"
 stage distill "${DISTILL_CAP:-280}" $PY -m specdemo distill --target smollm2-135m --out "$R/draft-cuda" --work "$KEEP/distill-cache" \
   --device "$DEV" --instructions written,written2 --train-dtype bf16 --min-confidence 0.8 "${DISTILL[@]}" ${DISTILL_ARGS:-}

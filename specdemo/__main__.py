@@ -10,6 +10,7 @@ import os
 import sys
 from dataclasses import replace
 
+from .cliargs import add_placement_args, placement_args
 from .config import (BUNDLED_ID, DEFAULT_DRAFTER, DRAFTER_KINDS, MAX_K_ENGINE, MIN_K, GenerationConfig, SamplingConfig,
                      runtime_from_env)
 
@@ -37,7 +38,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--seed", type=int, default=G.seed)
     p.add_argument("--device", default=None, help="auto (default), cpu, cuda, cuda:1, mps")
-    p.add_argument("--draft-device", default=None)
+    add_placement_args(p)
     p.add_argument("--dtype", default=None, help="fp32, bf16, fp16 (default: bf16/fp16 on GPU, fp32 on CPU)")
     p.add_argument("--no-chat-template", action="store_true")
     p.add_argument("--trust-remote-code", action="store_true")
@@ -46,6 +47,7 @@ def _generate_parser(sub) -> None:
 
 def run_generate(args) -> int:
     from .compare import compare, drafter_k, load_pair
+    from .placement import placement_line
 
     kind = args.drafter
     if kind == "ngram" and args.draft:
@@ -60,7 +62,7 @@ def run_generate(args) -> int:
     if not args.prompt.strip():
         raise ValueError("the prompt is empty; type something for the model to continue")
     pair = load_pair(args.target, kind, args.draft, args.device, args.dtype, args.draft_device, args.trust_remote_code,
-                     runtime=runtime_from_env(os.environ))
+                     runtime=runtime_from_env(os.environ), placement=placement_args(args))
     if args.k is None and drafter_k(pair.drafter):
         config = replace(config, num_draft_tokens=drafter_k(pair.drafter))
         config.validate()
@@ -71,6 +73,7 @@ def run_generate(args) -> int:
     ar, sd = result["ar"], result["sd"]
     print(f"target {result['target']}  drafter {result['drafter']} ({result['draft'] or 'prompt lookup'})  "
           f"k={result['k']}  device {result['device']}")
+    print(placement_line(result["placement"]))
     print(f"\n--- autoregressive: {ar['tokens']} tokens, {ar['tokens_per_s']:.1f} tok/s\n{ar['text']}")
     print(f"\n--- speculative: {sd['tokens']} tokens, {sd['tokens_per_s']:.1f} tok/s, "
           f"acceptance {sd['acceptance_rate']:.2f}, mean accepted {sd['mean_accepted']:.2f} tokens/pass\n{sd['text']}")

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import torch
 
-from .config import BUNDLED_HUB_ID, BUNDLED_ID, DRAFTER_KINDS, TRAINED_DRAFT_ID, GenerationConfig, Runtime
+from .config import BUNDLED_HUB_ID, BUNDLED_ID, DRAFTER_KINDS, TRAINED_DRAFT_ID, GenerationConfig, Placement, Runtime
 from .drafters import Drafter, ModelDrafter, NgramDrafter
 from .engine import StepEvent, autoregressive, encode_prompt, generated_ids, speculative
 from .hybrid import HybridCalibration, calibrated_hybrid
 from .loading import BUNDLED_ALIASES, LoadedModel, ModelLoadError, check_tokenizers, load_model
 from .metrics import RunStats, run_stats, speedup
+from .placement import drafter_device
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
@@ -49,13 +50,14 @@ def _is_trained_draft(path: Path) -> bool:
     return (path / CONFIG_FILE).exists() or is_eagle3(path)
 
 
-def _head_drafter(path: Path, target: LoadedModel) -> Drafter:
-    """The drafter of a head folder: an EAGLE-3 checkpoint (detected from its config.json) or our EAGLE-style head."""
+def _head_drafter(path: Path, target: LoadedModel, device=None) -> Drafter:
+    """The drafter of a head folder: an EAGLE-3 checkpoint (detected from its config.json; it computes where the
+    target's embeddings are) or our EAGLE-style head (on `device`, see eagle.load_trained_draft)."""
     from .eagle import load_trained_draft
     from .eagle3 import Eagle3FormatError, is_eagle3, load_eagle3
 
     if not is_eagle3(path):
-        return load_trained_draft(path, target)
+        return load_trained_draft(path, target, device)
     try:
         return load_eagle3(path, target)
     except Eagle3FormatError as exc:
@@ -79,6 +81,7 @@ def make_drafter(target: LoadedModel, kind: str, draft: str | None, device=None,
     """Build a drafter by name: prompt lookup, the shipped trained draft, an EAGLE-3 head (a folder or hub id whose
     config.json says so), any causal LM sharing the tokenizer, or "hybrid": one of those drafts with prompt lookup
     taking over where the context repeats (calibrated here).
+    `device` is the draft's (None: the default device; a trained draft head: where the target's output head computes).
     Returns (drafter, draft name or None, the hybrid's calibration or None)."""
     if kind == "ngram":
         return NgramDrafter(), None, None
@@ -97,25 +100,35 @@ def make_drafter(target: LoadedModel, kind: str, draft: str | None, device=None,
         path = ASSETS / TRAINED_DRAFT_ID if draft == TRAINED_DRAFT_ID else Path(draft)
         if not _is_trained_draft(path):
             raise ModelLoadError(f"the trained draft '{draft}' is not in {path}; train it with `python -m specdemo distill`")
-        return _head_drafter(path, target), draft, None
+        return _head_drafter(path, target, device), draft, None
     from .eagle3 import locate_eagle3
 
     hub_head = locate_eagle3(draft, runtime)  # a hub id whose config.json is an EAGLE-3 head
     if hub_head is not None:
-        return _head_drafter(hub_head, target), draft, None
+        return _head_drafter(hub_head, target, device), draft, None
     loaded = load_model(draft, device=device, dtype=dtype, trust_remote_code=trust_remote_code, runtime=runtime)
     check_tokenizers(target, loaded.name, loaded.tokenizer)
     return ModelDrafter(loaded.model, target.device), draft, None
 
 
 def load_pair(target: str, kind: str = "model", draft: str | None = None, device=None, dtype=None,
-              draft_device=None, trust_remote_code: bool = False, runtime: Runtime = Runtime()) -> Pair:
-    """Load a target and its drafter (models are cached between calls)."""
+              draft_device=None, trust_remote_code: bool = False, runtime: Runtime = Runtime(),
+              placement: Placement = Placement()) -> Pair:
+    """Load a target (with accelerate's device map when `placement` names one) and its drafter, on draft_device when
+    given (else `device`; a trained draft head: where the target's head computes). Models are cached between calls."""
     loaded = load_model(target or BUNDLED_ID, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
-                        runtime=runtime)
-    drafter, draft_name, calibration = make_drafter(loaded, kind, draft, draft_device or device, dtype,
+                        runtime=runtime, placement=placement)
+    draft_device = draft_device or (None if placement.active else device)  # `device` names no device under a map
+    drafter, draft_name, calibration = make_drafter(loaded, kind, draft, draft_device, dtype,
                                                     trust_remote_code, runtime)
     return Pair(loaded, drafter, kind, draft_name, calibration)
+
+
+def pair_placement(pair: Pair) -> dict:
+    """Where the target's parts and the drafter live: the result JSON's `placement`."""
+    return {"target": pair.target.where(),
+            "draft": {"name": pair.draft_name, "kind": type(pair.drafter).__name__,
+                      "device": drafter_device(pair.drafter)}}
 
 
 def warmup(pair: Pair, prompt_ids: list[int], config: GenerationConfig) -> None:
@@ -165,6 +178,7 @@ def result_dict(pair: Pair, config: GenerationConfig, ar_events: list[StepEvent]
         "max_new_tokens": config.max_new_tokens,
         "device": str(pair.target.device),
         "dtype": str(pair.target.dtype).replace("torch.", ""),
+        "placement": pair_placement(pair),
         "ar": _run_json(ar_events, ar),
         "sd": {**_run_json(sd_events, sd), "acceptance_rate": sd.acceptance_rate, "mean_accepted": sd.mean_accepted,
                "steps": sd.steps, "drafted": sd.drafted, "accepted": sd.accepted,

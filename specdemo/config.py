@@ -74,6 +74,7 @@ class Preset:
     draft: str | None  # None: prompt lookup
     offline: bool = False
     drafter: str = ""  # "hybrid" for the draft plus prompt lookup; empty: "model", or "ngram" without a draft
+    device_map: str = ""  # "auto" etc.: the target is too large for one device and loads through accelerate's map
 
 
 PRESETS: tuple[Preset, ...] = (
@@ -88,7 +89,82 @@ PRESETS: tuple[Preset, ...] = (
     Preset("Llama-3.1-8B-Instruct + its EAGLE-3 head (hub, GPU)", "meta-llama/Llama-3.1-8B-Instruct",
            "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"),
     Preset("Qwen3-8B + its EAGLE-3 head (hub, GPU)", "Qwen/Qwen3-8B", "Tengyunw/qwen3_8b_eagle3"),
+    # larger than one 24-80 GB GPU in bf16 (about 66 GB and 141 GB): loaded with a device map over the GPUs, CPU memory
+    # and the offload folder the server allows (SPECDEMO_MAX_MEMORY, SPECDEMO_OFFLOAD_FOLDER); refused before loading
+    # when they cannot hold it (specdemo.fit)
+    Preset("Qwen2.5-32B-Instruct + Qwen2.5-0.5B-Instruct (hub, device map)", "Qwen/Qwen2.5-32B-Instruct",
+           "Qwen/Qwen2.5-0.5B-Instruct", device_map="auto"),
+    Preset("Llama-3.1-70B-Instruct + Llama-3.2-1B-Instruct (hub, gated, device map)",
+           "meta-llama/Llama-3.1-70B-Instruct", "meta-llama/Llama-3.2-1B-Instruct", device_map="auto"),
 )
+
+DEVICE_MAPS = ("auto", "balanced", "sequential")  # transformers' / accelerate's device_map strategies
+MEMORY_UNITS = ("B", "KB", "MB", "GB", "TB", "KIB", "MIB", "GIB", "TIB")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the target's parts go when one device cannot hold it: accelerate's device map strategy, its memory
+    limits per device (GPU index, "cpu" or "disk" -> a size like "20GiB") and the folder for weights offloaded to disk.
+    The default (no device_map) puts the whole model on one device."""
+
+    device_map: str | None = None  # one of DEVICE_MAPS
+    max_memory: tuple[tuple[int | str, str], ...] = ()  # accelerate's max_memory dict, as hashable pairs
+    offload_folder: str | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.device_map is not None
+
+    def max_memory_dict(self) -> dict[int | str, str] | None:
+        return dict(self.max_memory) or None
+
+    def validate(self) -> None:
+        if self.device_map is not None and self.device_map not in DEVICE_MAPS:
+            raise ValueError(f"unknown device map '{self.device_map}'; choose one of {', '.join(DEVICE_MAPS)}")
+        if not self.active and (self.max_memory or self.offload_folder):
+            raise ValueError("a max-memory or offload folder needs a device map (for example --device-map auto)")
+
+    def as_dict(self) -> dict:
+        return {"device_map": self.device_map, "max_memory": {str(k): v for k, v in self.max_memory} or None,
+                "offload_folder": self.offload_folder}
+
+
+def parse_max_memory(text: str | None) -> tuple[tuple[int | str, str], ...]:
+    """'0=20GiB,cpu=60GiB' -> ((0, '20GiB'), ('cpu', '60GiB')): GPU indices as ints (cuda:1 -> 1), as accelerate
+    wants them; sizes are a number and a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB) or a plain byte count."""
+    pairs: list[tuple[int | str, str]] = []
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        key, sep, size = part.partition("=")
+        key, size = key.strip().lower(), size.strip().replace(" ", "")
+        if key.startswith("cuda:"):
+            key = key[5:]
+        if not sep or not size or not (key.isdigit() or key in ("cpu", "disk", "mps")):
+            raise ValueError(f"--max-memory takes DEVICE=SIZE pairs like 0=20GiB,cpu=60GiB; got '{part.strip()}'")
+        number = size.rstrip("BKMGTIbkmgti")
+        unit = size[len(number):].upper()
+        try:
+            ok = float(number) > 0 and (unit in MEMORY_UNITS or (unit == "" and number.isdigit()))
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"--max-memory: '{size}' is not a size like 20GiB, 500MB or a byte count")
+        pairs.append((int(key) if key.isdigit() else key, size))
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"--max-memory names a device twice: '{text}'")
+    return tuple(pairs)
+
+
+def placement_from(device_map: str | None, max_memory: str | None = None,
+                   offload_folder: str | None = None) -> Placement:
+    """A checked Placement from the flags (or environment values) as text; empty strings mean unset."""
+    placement = Placement((device_map or "").strip().lower() or None, parse_max_memory(max_memory),
+                          (offload_folder or "").strip() or None)
+    placement.validate()
+    return placement
 
 
 @dataclass(frozen=True)

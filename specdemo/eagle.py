@@ -17,6 +17,7 @@ from torch import nn
 
 from . import kernels
 from .drafters import Drafter, DraftRequest, Proposal, Verdict
+from .placement import module_device, weight_of
 from .verify import logits_to_probs
 
 CONFIG_FILE = "eagle_config.json"
@@ -245,12 +246,14 @@ def save_draft(head: EagleHead, path: str | Path, meta: dict | None = None) -> N
 
 
 def build_head(target_model: nn.Module, subset: torch.Tensor, fuse_layers: tuple[int, ...] = (),
-               num_layers: int = 1) -> EagleHead:
-    """A fresh head on the target's device and dtype, borrowing its frozen embeddings and output head."""
+               num_layers: int = 1, device: str | torch.device | None = None) -> EagleHead:
+    """A fresh head in the target's dtype, borrowing its frozen embeddings and output head, on `device` (None: where
+    the target's output head computes; under a device map its weights are read back from any offload)."""
     c = EagleConfig.from_target(target_model.config, len(subset), fuse_layers, num_layers)
-    embed = target_model.get_input_embeddings().weight
-    head = target_model.get_output_embeddings().weight
-    return EagleHead(c, embed, head, subset).to(device=embed.device, dtype=embed.dtype)
+    out = target_model.get_output_embeddings()
+    embed, head = weight_of(target_model.get_input_embeddings()), weight_of(out)
+    device = torch.device(device) if device is not None else module_device(out)
+    return EagleHead(c, embed.to(device), head.to(device), subset).to(device=device, dtype=embed.dtype)
 
 
 def init_from_target_layer(head: EagleHead, target_model: nn.Module, index: int) -> None:
@@ -267,8 +270,9 @@ def init_from_target_layer(head: EagleHead, target_model: nn.Module, index: int)
         head.norm.weight.copy_(target_model.model.norm.weight)
 
 
-def load_trained_draft(path: str | Path, target_loaded) -> EagleDrafter:
-    """An EagleDrafter from an asset folder, bound to the target in a loading.LoadedModel."""
+def load_trained_draft(path: str | Path, target_loaded, device: str | torch.device | None = None) -> EagleDrafter:
+    """An EagleDrafter from an asset folder, bound to the target in a loading.LoadedModel, computing on `device`
+    (None: where the target's output head does)."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -278,7 +282,7 @@ def load_trained_draft(path: str | Path, target_loaded) -> EagleDrafter:
     if meta["config"]["vocab_size"] != model.config.vocab_size or meta["config"]["hidden_size"] != model.config.hidden_size:
         raise ValueError(f"the draft in {path} was trained for a different target (config {meta['config']})")
     head = build_head(model, tensors["subset"].long(), meta["config"].get("fuse_layers", ()),
-                      meta["config"].get("num_layers", 1))
+                      meta["config"].get("num_layers", 1), device)
     head.load_state_dict({k: v for k, v in tensors.items()})
     head.fast_linear = getattr(target_loaded, "fast_linear", True)  # the head's products follow the target's (config.Runtime)
     if head.fast_linear and kernels.enabled_for(head.subset.device, head.head_weight.dtype):
@@ -331,10 +335,10 @@ class EagleDrafter(Drafter):
 
     def _step(self, features: torch.Tensor, tokens: list[int], start: int) -> torch.Tensor:
         """Feed features (T, H) and their following tokens at positions start.. ; return the last predicted feature."""
-        weight = self.head.norm.weight  # the head's device and dtype
+        weight = self.head.norm.weight  # the head's device and dtype (either head class)
         tok = torch.tensor([tokens], device=weight.device)
         pos = torch.arange(start, start + len(tokens), device=weight.device)
-        out, k, v = self.head(features[None].to(weight.dtype), tok, pos, self.k, self.v)
+        out, k, v = self.head(features[None].to(weight.device, weight.dtype), tok, pos, self.k, self.v)
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
         return out[0, -1]
@@ -352,7 +356,8 @@ class EagleDrafter(Drafter):
         m = len(self.pending)
         if self.num_true + m != len(ids) - 1:
             raise ValueError(f"draft state covers {self.num_true + m} positions but the request has {len(ids) - 1}")
-        feature = self._step(self.head.prepare(self.pending.to(self.head.norm.weight.dtype)), ids[self.num_true + 1 :],
+        weight = self.head.norm.weight
+        feature = self._step(self.head.prepare(self.pending.to(weight.device, weight.dtype)), ids[self.num_true + 1 :],
                              self.num_true)
         self.num_true += m
         self.last_true, self.pending = self.pending[-1:], None

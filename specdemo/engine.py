@@ -13,6 +13,7 @@ import torch
 
 from .config import MAX_K_ENGINE, GenerationConfig
 from .drafters import Drafter, DraftRequest, Verdict, crop_cache, with_cache
+from .placement import execution_device
 from .text import IncrementalDetokenizer, find_stop
 from .timing import Clock
 from .verify import choose, greedy_accept, logits_to_probs, rejection_accept
@@ -143,15 +144,17 @@ def target_features(model, layers: tuple[int, ...] = (), **inputs) -> tuple[torc
 
 
 def _target_pass(target, ids: list[int], cache, keep: int, layers: tuple[int, ...] | None):
-    """Run the target on `ids` after its cache; return logits (keep, V) and, unless layers is None, features (len, W)."""
-    x, before = torch.tensor([ids], device=target.device), cache.get_seq_length()
+    """Run the target on `ids` after its cache; return logits (keep, V) and, unless layers is None, features (len, W),
+    both on the device of its input ids (under a device map the head may compute elsewhere)."""
+    x, before = torch.tensor([ids], device=execution_device(target)), cache.get_seq_length()
     features = None
     if layers is not None:
         last, features = target_features(target, layers, input_ids=x, use_cache=True,
                                          **with_cache(target.model, cache))  # (1, T, .)
-        logits, features = target.lm_head(last[:, -keep:])[0], features[0]
+        logits, features = target.lm_head(last[:, -keep:])[0].to(x.device), features[0].to(x.device)
     else:
         logits = target(input_ids=x, **with_cache(target, cache), use_cache=True, logits_to_keep=keep).logits[0]
+        logits = logits.to(x.device)
     if cache.get_seq_length() != before + len(ids):  # a forward that drops the cache would decode from nothing
         raise GenerationError(f"{type(target).__name__}'s forward did not fill the KV cache it was given "
                               f"({before} + {len(ids)} positions expected, {cache.get_seq_length()} held)")
@@ -189,8 +192,9 @@ def _new_cache(model):
 def autoregressive(target, tokenizer, prompt_ids: list[int], config: GenerationConfig) -> Iterator[StepEvent]:
     """Plain decoding with a KV cache: one target pass per token."""
     check_request(prompt_ids, config)
-    clock = Clock(target.device)
-    gen = seeded_generator(target.device, config.seed)
+    device = execution_device(target)
+    clock = Clock(device)
+    gen = seeded_generator(device, config.seed)
     out = Committer(tokenizer, prompt_ids, config, eos_ids(target, tokenizer))
     cache = _new_cache(target)
     feed, kind = prompt_ids, "prefill"
@@ -211,8 +215,9 @@ def speculative(
 ) -> Iterator[StepEvent]:
     """Draft k tokens, verify them in one target pass, keep the agreed prefix plus the target's own next token."""
     check_request(prompt_ids, config)
-    clock = Clock(target.device)
-    gen = seeded_generator(target.device, config.seed)
+    device = execution_device(target)
+    clock = Clock(device)
+    gen = seeded_generator(device, config.seed)
     eos = eos_ids(target, tokenizer)
     out = Committer(tokenizer, prompt_ids, config, eos)
     cache = _new_cache(target)
@@ -244,7 +249,7 @@ def speculative(
             num_accepted, next_token = greedy_accept(draft_t, logits)
             inspected = inspect_verify(logits, None, draft_t)
         else:
-            q = proposal.probs[: len(drafted)] if proposal and proposal.probs is not None else None
+            q = proposal.probs[: len(drafted)].to(logits.device) if proposal and proposal.probs is not None else None
             p = logits_to_probs(logits, sampling)
             num_accepted, next_token = rejection_accept(draft_t, q, p, gen)
             inspected = inspect_verify(logits, p, draft_t)

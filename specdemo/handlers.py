@@ -22,9 +22,9 @@ from .config import MAX_K, MIN_K, Runtime
 from .engine import StepEvent, encode_prompt
 from .export import serve_hint
 from .metrics import run_stats
-from .race import (KNOWN_ERRORS, AppLimits, RunRequest, Runs, Throttle, UserError, check_prompt_tokens, drafted_at,
-                   final_stats_markdown, flag, friendly_error, make_request, number, passes, points, preset_fields,
-                   replay_frames, run_point, sweep_table)
+from .race import (KNOWN_ERRORS, AppLimits, RunRequest, Runs, Throttle, UserError, check_fit, check_prompt_tokens,
+                   drafted_at, final_stats_markdown, flag, free_memory, friendly_error, make_request, number, passes,
+                   placement_for, points, preset_fields, replay_frames, run_point, sweep_table)
 from .render import Segment, event_segments, panel_stats, segments_html
 from .sweep import Sweep, iter_sweep_summaries
 
@@ -101,8 +101,8 @@ def compute(request: RunRequest, limits: AppLimits, runtime: Runtime) -> Iterato
     ("ar" | "sd", event, its display segments) as each decoder yields, then the result dict."""
     label = "prompt lookup" if request.drafter == "ngram" else request.draft or "the default draft"
     label += " + prompt lookup" if request.drafter == "hybrid" else ""
-    yield f"Loading {request.target} with {label} (cached after the first load)…"
-    pair = load_pair(request.target, request.drafter, request.draft, device=limits.device, runtime=runtime)
+    pair = yield from _load(request, limits, runtime, f"Loading {request.target} with {label} (cached after the first "
+                                                      "load)…")
     config = request.config()
     prompt_ids = encode_prompt(pair.target.tokenizer, request.prompt, config.use_chat_template)
     yield f"Warming up on {pair.target.device} (untimed)…"
@@ -117,10 +117,19 @@ def compute(request: RunRequest, limits: AppLimits, runtime: Runtime) -> Iterato
                                               config.sampling.greedy)
 
 
+def _load(request: RunRequest, limits: AppLimits, runtime: Runtime, status: str) -> Iterator[str]:
+    """Check the pair's memory against the limits (race.check_fit), yield status lines while loading; returns the
+    Pair. A target that needs a device map gets one (race.placement_for)."""
+    placement = placement_for(request.target, limits)
+    estimate = check_fit(request, limits, runtime, placement)
+    yield status + (f" {estimate}" if estimate else "")
+    return load_pair(request.target, request.drafter, request.draft, device=limits.device,
+                     draft_device=limits.draft_device, runtime=runtime, placement=placement)
+
+
 def sweep_k(request: RunRequest, limits: AppLimits, runtime: Runtime, k_max: int) -> Iterator[str | Sweep]:
     """sweep.iter_sweep_summaries on the current prompt, k = 1..k_max: status lines, then the Sweep after each k."""
-    yield f"Loading {request.target}…"
-    pair = load_pair(request.target, request.drafter, request.draft, device=limits.device, runtime=runtime)
+    pair = yield from _load(request, limits, runtime, f"Loading {request.target}…")
     config = request.config()
     prompt_ids = encode_prompt(pair.target.tokenizer, request.prompt, config.use_chat_template)
     yield "Timing the autoregressive baseline, then one speculative run per k…"
@@ -203,6 +212,7 @@ class Handlers:
         except Stopped:
             yield {self.outputs.race.status: "Stopped."}
         except KNOWN_ERRORS as exc:
+            free_memory(exc)
             yield self._error(friendly_error(exc))
         except Exception as exc:  # the app keeps serving; the log has the traceback
             log.exception("run failed")

@@ -21,7 +21,8 @@ from urllib.parse import urlparse
 import torch
 
 from . import kernels
-from .config import BUNDLED_HUB_ID, BUNDLED_ID, Runtime
+from .config import BUNDLED_HUB_ID, BUNDLED_ID, Placement, Runtime
+from .placement import execution_device, model_placement
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,11 @@ class LoadedModel:
     load_seconds: float = 0.0
     fast_linear: bool = True  # config.Runtime.fast_linear at load: kernels' few-row products where they apply (a
     # draft head bound to this target follows suit)
+    placement: Placement = Placement()  # the device map it was loaded with (none: all of it on `device`)
+
+    def where(self) -> dict:
+        """Where each part lives (placement.model_placement): the result JSON's placement of this model."""
+        return model_placement(self.model, self.placement.as_dict() if self.placement.active else None)
 
 
 def cache_root(runtime: Runtime = Runtime()) -> Path:
@@ -238,37 +244,96 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     trust_remote_code: bool = False,
     runtime: Runtime = Runtime(),
+    placement: Placement = Placement(),
 ) -> LoadedModel:
-    """Load (or reuse) a causal LM and its tokenizer. `spec` is a hub id, a folder, or "smollm2-135m"."""
+    """Load (or reuse) a causal LM and its tokenizer. `spec` is a hub id, a folder, or "smollm2-135m".
+
+    With placement.device_map the weights go where accelerate's device map puts them (transformers' from_pretrained
+    with device_map, max_memory and offload_folder); `device` then only picks the default dtype."""
     spec = (spec or "").strip()
     if not spec:
         raise ModelLoadError("no model id given")
-    dev = resolve_device(device)
+    placement.validate()
+    dev = load_device(placement, device)
     dt = parse_dtype(dtype) or default_dtype(dev)
-    key = (spec, str(dev), dt, trust_remote_code, runtime)
+    key = (spec, str(dev), dt, trust_remote_code, runtime, placement)
     with _cache_lock:
         if key in _cache:
             return _cache[key]
         start = time.perf_counter()
         path, source = _locate(spec, runtime)
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, trust_remote_code=trust_remote_code)
-        except torch.cuda.OutOfMemoryError as exc:
-            raise ModelLoadError(f"out of memory while loading '{spec}' on {dev}: {exc}") from exc
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"cannot load '{spec}': {exc}") from exc
-        model.to(dev).eval()
-        if runtime.fast_linear and kernels.enabled_for(dev, dt):
-            kernels.patch_linears(model)
-        kernels.plan_free_attention(dev, keep_cudnn=runtime.cudnn_sdpa)
+        model, tokenizer = _from_pretrained(spec, path, dev, dt, trust_remote_code, placement)
+        model.eval()
+        if placement.active:
+            dev = execution_device(model)
+            if dev.type == "meta":
+                raise ModelLoadError(f"the device map put the embeddings of '{spec}' on the meta device; give the "
+                                     "first device more memory (--max-memory)")
+        else:
+            model.to(dev)
+        _fast_kernels(model, dev, dt, runtime)
         loaded = LoadedModel(spec, model, tokenizer, dev, dt, source, time.perf_counter() - start,
-                            runtime.fast_linear)
+                             runtime.fast_linear, placement)
         _cache[key] = loaded
-        log.info("loaded %s from %s on %s (%s) in %.1fs", spec, source, dev, dt, loaded.load_seconds)
+        log.info("loaded %s from %s on %s (%s) in %.1fs%s", spec, source, dev, dt, loaded.load_seconds,
+                 f"; device map {loaded.where()['parts']}" if placement.active else "")
         return loaded
+
+
+def load_device(placement: Placement, device: str | torch.device | None = None) -> torch.device:
+    """Where a model will compute (and so its default dtype): `device` (resolve_device), or under a device map its main
+    device: a GPU when one is present and the memory limits leave it any room, else the CPU."""
+    if not placement.active:
+        return resolve_device(device)
+    limits = placement.max_memory_dict()
+    gpus = [k for k in (limits or {}) if isinstance(k, int)]
+    if torch.cuda.is_available() and (limits is None or gpus):
+        return torch.device(f"cuda:{min(gpus) if gpus else 0}")
+    return torch.device("cpu")
+
+
+def _from_pretrained(spec: str, path: str, dev: torch.device, dt: torch.dtype, trust_remote_code: bool,
+                     placement: Placement):
+    """(model, tokenizer), with ModelLoadError saying why when they cannot load (out of memory included)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    mapped = {}
+    if placement.active:
+        mapped = {"device_map": placement.device_map, "max_memory": placement.max_memory_dict(),
+                  "offload_folder": placement.offload_folder}
+    where = f"device map {placement.device_map}" + (f", max memory {placement.as_dict()['max_memory']}"
+                                                    if placement.max_memory else "") if mapped else str(dev)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, trust_remote_code=trust_remote_code, **mapped)
+    except (torch.cuda.OutOfMemoryError, MemoryError) as exc:
+        raise ModelLoadError(f"out of memory while loading '{spec}' on {where}: {exc}") from exc
+    except (OSError, ValueError, RuntimeError) as exc:
+        if mapped and "offload" in str(exc).lower() and not placement.offload_folder:
+            raise ModelLoadError(f"'{spec}' does not fit in {where} without offloading part of it to disk, and no "
+                                 f"offload folder was given (--offload-folder): {exc}") from exc
+        raise ModelLoadError(f"cannot load '{spec}'{' with ' + where if mapped else ''}: {exc}") from exc
+    return model, tokenizer
+
+
+def _fast_kernels(model: torch.nn.Module, dev: torch.device, dt: torch.dtype, runtime: Runtime) -> None:
+    """The few-row CPU products (kernels.patch_linears) where they apply, and CUDA's attention setting; says why not."""
+    if runtime.fast_linear and kernels.enabled_for(dev, dt):
+        kernels.patch_linears(model)
+    elif runtime.fast_linear:
+        log.info("fast CPU linears not used: the model computes on %s in %s (they serve float32 on the CPU)", dev, dt)
+    kernels.plan_free_attention(dev, keep_cudnn=runtime.cudnn_sdpa)
+
+
+def is_loaded(spec: str) -> bool:
+    """Whether a model of this id is in the cache already (in any placement)."""
+    with _cache_lock:
+        return any(key[0] == (spec or "").strip() for key in _cache)
+
+
+def locate(spec: str, runtime: Runtime = Runtime()) -> tuple[str, str]:
+    """(path or hub id, source) of a model spec without loading it; ModelLoadError when it cannot be found."""
+    return _locate((spec or "").strip(), runtime)
 
 
 def check_tokenizers(target: LoadedModel, draft_name: str, draft_tokenizer) -> None:
@@ -298,7 +363,7 @@ def load_tokenizer(spec: str, trust_remote_code: bool = False,
     if not spec:
         raise ModelLoadError("no model id given")
     with _cache_lock:
-        loaded = next((m for key, m in _cache.items() if key[0] == spec and key[3:] == (trust_remote_code, runtime)),
+        loaded = next((m for key, m in _cache.items() if key[0] == spec and key[3:5] == (trust_remote_code, runtime)),
                       None)
         if loaded is not None:
             return loaded.tokenizer, getattr(loaded.model.config, "max_position_embeddings", None)

@@ -14,11 +14,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import (BUNDLED_ID, DRAFTER_KINDS, MAX_K, MIN_K, PRESETS, TRAINED_DRAFT_ID, GenerationConfig, Runtime,
-                     SamplingConfig)
+from .config import (BUNDLED_ID, DRAFTER_KINDS, MAX_K, MIN_K, PRESETS, TRAINED_DRAFT_ID, GenerationConfig, Placement,
+                     Runtime, SamplingConfig)
 from .engine import GenerationError, StepEvent, encode_prompt
 from .hybrid import describe_hybrid_cap
-from .loading import BUNDLED_ALIASES, ModelLoadError, TokenizerMismatchError, load_tokenizer
+from .fit import estimate_fit, parameter_count
+from .loading import (BUNDLED_ALIASES, ModelLoadError, TokenizerMismatchError, default_dtype, is_loaded, load_device,
+                      load_tokenizer, locate)
+from .placement import placement_line
 from .render import Segment
 from .sweep import Run, Sweep, SweepPoint, point
 
@@ -42,6 +45,9 @@ class AppLimits:
     device: str | None = None  # None: CUDA when present, else CPU
     max_prompt_tokens: int | None = None  # None: the target's context minus max new tokens, at most 4096
     allow_local_paths: bool = False  # whether model ids may be folders on the server's disk
+    placement: Placement = Placement()  # a device map for every target (SPECDEMO_DEVICE_MAP, SPECDEMO_MAX_MEMORY,
+    # SPECDEMO_OFFLOAD_FOLDER); without one, only the presets that need a map get it (with these memory limits)
+    draft_device: str | None = None  # the draft's device (SPECDEMO_DRAFT_DEVICE); None: the target's
 
 
 # ---- requests ----
@@ -154,6 +160,45 @@ def preset_fields(label: str) -> tuple[str, str, str] | None:
     return preset.target, preset.drafter or ("ngram" if preset.draft is None else "model"), preset.draft or ""
 
 
+def placement_for(target: str, limits: AppLimits) -> Placement:
+    """The server's device map for every target, else a preset's for its target (with the server's memory limits and
+    offload folder), else none: the whole target on one device."""
+    if limits.placement.active:
+        return limits.placement
+    strategy = next((p.device_map for p in PRESETS if p.target == target and p.device_map), None)
+    if strategy is None:
+        return Placement()
+    return Placement(strategy, limits.placement.max_memory, limits.placement.offload_folder)
+
+
+# ---- memory, before loading any weights ----
+
+def check_fit(request: RunRequest, limits: AppLimits, runtime: Runtime, placement: Placement) -> str | None:
+    """About how much memory the pair needs against what this server allows (fit.estimate_fit), from parameter counts
+    alone; UserError when it cannot fit. Returns the estimate in words, or None when a model is already loaded or no
+    count can be had (then loading itself says what goes wrong)."""
+    if is_loaded(request.target):
+        return None
+    names = [request.target] + ([request.draft] if request.draft and request.drafter != "ngram" else [])
+    counts = []
+    for name in names:
+        if name == TRAINED_DRAFT_ID:
+            continue  # a draft head of a few million parameters, borrowing the target's embeddings
+        try:
+            count = parameter_count(*locate(name, runtime), runtime)
+        except ModelLoadError:  # not found: loading says so in full
+            return None
+        if count is None:
+            return None
+        counts.append(count)
+    device = load_device(placement, limits.device)
+    fit = estimate_fit(counts, default_dtype(device).itemsize, placement, device)
+    message = fit.message(" + ".join(names))
+    if not fit.fits:
+        raise UserError(f"This pair does not fit here: {message}")
+    return message
+
+
 # ---- the prompt's length, before any model work ----
 
 def check_prompt_chars(prompt: str, limits: AppLimits) -> None:
@@ -259,6 +304,8 @@ def final_stats_markdown(result: dict, c: float | None = None, verify_cost: floa
     lines.append(f"- outputs: {same}; {result['target']} on {result['device']} ({result['dtype']}), "
                  f"drafter {result['drafter']} ({result['draft'] or 'prompt lookup'}), k={result['k']}"
                  + (" (dynamic)" if result["dynamic_k"] else ""))
+    if result.get("placement"):
+        lines.append(f"- placement: {placement_line(result['placement'])}")
     return "\n".join(lines + _hybrid_lines(result))
 
 
@@ -288,7 +335,7 @@ def sweep_table(result: Sweep) -> str:
 
 def friendly_error(exc: Exception) -> str:
     """A one-paragraph message for the status line."""
-    if isinstance(exc, OOM):
+    if isinstance(exc, (OOM, MemoryError)) or (isinstance(exc, ModelLoadError) and "out of memory" in str(exc)):
         return f"Out of memory: {exc}. Try a smaller model pair or fewer new tokens."
     if isinstance(exc, TokenizerMismatchError):
         return f"Tokenizer mismatch: {exc}"
@@ -297,7 +344,13 @@ def friendly_error(exc: Exception) -> str:
     return str(exc)
 
 
-KNOWN_ERRORS = (UserError, ModelLoadError, TokenizerMismatchError, GenerationError, ValueError, OOM)
+def free_memory(exc: Exception) -> None:
+    """After running out of memory, hand CUDA's cached blocks back, so that the next (smaller) request can load."""
+    if "out of memory" in friendly_error(exc).lower()[:20] and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+KNOWN_ERRORS = (UserError, ModelLoadError, TokenizerMismatchError, GenerationError, ValueError, OOM, MemoryError)
 
 
 # ---- pacing ----

@@ -15,14 +15,17 @@ import torch
 
 from .config import MAX_K
 from .drafters import crop_cache, with_cache
+from .placement import execution_device
 
 T = TypeVar("T")
 
 
 def sync(device: torch.device | str | None) -> None:
-    """Wait for queued GPU work, so that perf_counter readings mean something."""
+    """Wait for queued GPU work, so that perf_counter readings mean something (on every GPU: a device map may
+    spread one pass over several)."""
     if device is not None and torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+        for i in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(i)
 
 
 def now(device: torch.device | str | None = None) -> float:
@@ -102,7 +105,7 @@ def forward_seconds(model, prompt_ids: list[int], widths: Sequence[int], repeats
     hybrid load on a noisy 2-core machine timed a 3-token pass at 0.85x a 1-token one (1.10x in a quiet sitting)."""
     from transformers import DynamicCache
 
-    device = next(model.parameters()).device
+    device = execution_device(model)
     cache = DynamicCache(config=model.config)
     model(input_ids=torch.tensor([prompt_ids], device=device), **with_cache(model, cache), use_cache=True,
           logits_to_keep=1)

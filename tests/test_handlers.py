@@ -13,7 +13,7 @@ import torch
 
 from specdemo import handlers as handlers_module, race
 from specdemo.compare import Pair
-from specdemo.config import Runtime
+from specdemo.config import Placement, Runtime
 from specdemo.drafters import NgramDrafter
 from specdemo.handlers import Handlers, Outputs, RaceOutputs, SettingsOutputs, SweepOutputs
 from specdemo.loading import LoadedModel
@@ -109,7 +109,8 @@ def test_compare_frames_name_only_the_events_outputs_and_the_last_fills_them(tin
     assert outs[-1]["result_json"]["identical"] is True and outs[-1]["result_json"]["sd"]["tokens"] == 12
     assert committed_text(outs[-1]["sd_html"]) == outs[-1]["result_json"]["sd"]["text"]
     assert isinstance(outs[-1]["runs_state"], Runs) and outs[-1]["timeline_plot"].data
-    assert tiny_loads == [{"device": "cpu", "runtime": runtime}]  # app.py's Runtime reaches load_pair
+    assert tiny_loads == [{"device": "cpu", "draft_device": None, "runtime": runtime,  # app.py's Runtime reaches it
+                           "placement": Placement()}]
     assert not h.hardware.locked()
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..cliargs import add_placement_args, placement_args
 from ..config import DRAFTER_KINDS, runtime_from_env
 from ..engine import GenerationError
 from ..loading import ModelLoadError, TokenizerMismatchError
@@ -60,6 +61,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=D.out, help="output folder for bench.json, bench.md, bench.html "
                                                 "(default %(default)s, git-ignored)")
     p.add_argument("--device", default=D.device)
+    add_placement_args(p)
     p.add_argument("--dtype", default=D.dtype)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-chat-template", action="store_true")
@@ -93,6 +95,7 @@ def bench_config(args: argparse.Namespace, env=os.environ) -> BenchConfig:
                        max_new_tokens=args.max_new_tokens, seed=args.seed, anchors="hf" in anchors,
                        vllm="vllm" in anchors, vllm_options=vllm, out=args.out,
                        device=args.device, dtype=args.dtype, chat_template=not args.no_chat_template,
+                       placement=placement_args(args), draft_device=args.draft_device,
                        theory=not args.no_theory, quiet=args.quiet, runtime=runtime_from_env(env),
                        batch_sizes=args.batch_sizes, max_batches=args.max_batches)
 

@@ -9,6 +9,7 @@ from itertools import zip_longest
 from pathlib import Path
 
 from ..hybrid import describe_hybrid_cap
+from ..placement import placement_line
 from .timing import ratio
 
 log = logging.getLogger(__name__)
@@ -245,6 +246,7 @@ def markdown(report: dict) -> str:
         f"k = {c['k']}, temperature {c['temperature']}, {c['max_new_tokens']} new tokens, "
         f"{c['num_prompts']} prompts from `{Path(str(c['prompts'])).name}`"
         f"{_hybrid_line(c)}\n\n"
+        + (f"placement: {placement_line(c['placement'])}\n\n" if c.get("placement") else "") +
         f"machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), "
         f"{m['device']} {m['dtype']}, torch {m['torch']}, transformers {m['transformers']}; "
         f"load average {fmt((m.get('load_average_start') or [None])[0])} at start, "

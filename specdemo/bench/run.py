@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from ..compare import Pair, first_mismatch, load_pair, warmup
-from ..config import BUNDLED_ID, MAX_K, MAX_K_ENGINE, GenerationConfig, Runtime, SamplingConfig
+from ..compare import Pair, first_mismatch, load_pair, pair_placement, warmup
+from ..config import BUNDLED_ID, MAX_K, MAX_K_ENGINE, GenerationConfig, Placement, Runtime, SamplingConfig
 from ..engine import encode_prompt, eos_ids
 from ..prompts import DEFAULT_PROMPTS, PromptItem, read_prompts
 from ..serving import Lookup, eagle3_export, serve_target
@@ -55,6 +55,8 @@ class BenchConfig:
     runtime: Runtime = Runtime()
     batch_sizes: str | None = None  # "1,2,4,8,16": the batch-size sweep instead of per-prompt runs (run_batch_bench)
     max_batches: int | None = None  # the batch sweep: at most this many batches per batch size
+    placement: Placement = Placement()  # the target's device map, memory limits and offload folder
+    draft_device: str | None = None  # None: the target's device (a draft head: where the target's head computes)
 
     @property
     def drafter_kind(self) -> str:
@@ -228,7 +230,8 @@ def run_bench(bc: BenchConfig) -> dict:
     config.validate()
     if bc.vllm:
         check_vllm(bc)
-    pair = load_pair(bc.target, kind, bc.draft, bc.device, bc.dtype, runtime=bc.runtime)
+    pair = load_pair(bc.target, kind, bc.draft, bc.device, bc.dtype, bc.draft_device, runtime=bc.runtime,
+                     placement=bc.placement)
     tok = pair.target.tokenizer
     prompt_ids = [encode_prompt(tok, it.prompt, config.use_chat_template) for it in items]
     calibration = None
@@ -270,7 +273,7 @@ def run_bench(bc: BenchConfig) -> dict:
         "prompts": str(bc.prompts), "limit": bc.limit, "num_prompts": len(items), "target": pair.target.name,
         "drafter": kind, "draft": pair.draft_name, "k": ks, "k_arg": bc.k, "temperature": bc.temperature,
         "max_new_tokens": bc.max_new_tokens, "seed": bc.seed, "anchors": bc.anchors,
-        "chat_template": config.use_chat_template,
+        "chat_template": config.use_chat_template, "placement": pair_placement(pair),
         "speedup": "total autoregressive seconds / total speculative seconds, wall clock around each run",
         "mean_accepted": "tokens per verify pass, bonus/correction included",
         "overhead": "wall seconds outside every target/draft forward call, per target forward call",
@@ -329,7 +332,8 @@ def run_batch_bench(bc: BenchConfig) -> dict:
     config = GenerationConfig(max_new_tokens=bc.max_new_tokens, sampling=SamplingConfig(bc.temperature),
                               num_draft_tokens=k or 1, seed=bc.seed, use_chat_template=bc.chat_template)
     config.validate()
-    pair = load_pair(bc.target, kind, bc.draft, bc.device, bc.dtype, runtime=bc.runtime)
+    pair = load_pair(bc.target, kind, bc.draft, bc.device, bc.dtype, bc.draft_device, runtime=bc.runtime,
+                     placement=bc.placement)
     prompt_ids = [encode_prompt(pair.target.tokenizer, it.prompt, config.use_chat_template) for it in items]
     rows = len(shared_rows(prompt_ids, sizes))
     machine = machine_info(pair.target.device, pair.target.dtype)
@@ -345,7 +349,7 @@ def run_batch_bench(bc: BenchConfig) -> dict:
         "prompts": str(bc.prompts), "limit": bc.limit, "num_prompts": len(items), "rows": rows,
         "target": pair.target.name, "drafter": kind, "draft": pair.draft_name, "k_arg": bc.k,
         "batch_sizes": sizes, "max_batches": bc.max_batches, "temperature": bc.temperature, "max_new_tokens": bc.max_new_tokens, "seed": bc.seed,
-        "anchors": bc.anchors, "chat_template": config.use_chat_template,
+        "anchors": bc.anchors, "chat_template": config.use_chat_template, "placement": pair_placement(pair),
         "batching": "the prompt set in order, cut to a multiple of the largest batch size (cycled when smaller), "
                     "B at a time: every batch size runs the same rows and no batch is partial",
         "throughput": "all rows' new tokens / the wall seconds of every batch's run, per decoder",

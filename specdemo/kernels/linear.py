@@ -24,6 +24,7 @@ use either (enabled_for, plan_free_attention's keep_cudnn) from their runtime se
 
 from __future__ import annotations
 
+import logging
 import types
 
 import torch
@@ -31,6 +32,8 @@ from torch import nn
 
 MAX_ROWS = 8  # without a packed weight, F.linear's own kernel is as fast above this (whole forward, 9 tokens: 84 ms)
 PACK_BATCH_HINT = 8  # the batch size oneDNN's reorder is tuned for
+
+log = logging.getLogger(__name__)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -122,19 +125,30 @@ def patch_linears(model: nn.Module, packed: bool | None = None) -> int:
 
     packed=None packs the weights when the copies take at most a quarter of the available memory (a 1.7B-parameter
     model in float32 would need 6.8 GB more); the copies are made now (0.3 s for SmolLM2-135M), and again on first
-    use after a weight changes (see Packed).
+    use after a weight changes (see Packed). Under accelerate's hooks (a device map) the patch goes under the hook
+    (`_old_forward`), which still moves inputs and loads offloaded weights first; offloaded linears, whose weights are
+    read back for every pass, get the few-row product without a packed copy (it would be rebuilt every pass).
     """
     linears = [m for m in model.modules() if isinstance(m, nn.Linear) and not getattr(m, "_specdemo_fast", False)]
+    offloaded = {id(m) for m in linears if getattr(getattr(m, "_hf_hook", None), "offload", False)}
     if packed is None:
-        need = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+        need = sum(m.weight.numel() * m.weight.element_size() for m in linears if id(m) not in offloaded)
         free = available_memory()
         packed = free is None or need <= free // 4
     for module in linears:
-        module._specdemo_packed = Packed() if packed else None
-        if packed:
+        pack_it = packed and id(module) not in offloaded
+        module._specdemo_packed = Packed() if pack_it else None
+        if pack_it:
             module._specdemo_packed.get(module.weight)
-        module.forward = types.MethodType(_patched_forward, module)
+        forward = types.MethodType(_patched_forward, module)
+        if hasattr(module, "_old_forward"):  # accelerate's hook wraps forward and calls _old_forward inside
+            module._old_forward = forward
+        else:
+            module.forward = forward
         module._specdemo_fast = True
+    if offloaded:
+        log.info("fast linears: %d of %d are offloaded by accelerate and run without packed copies",
+                 len(offloaded), len(linears))
     return len(linears)
 
 

@@ -1,0 +1,29 @@
+"""argparse flags that `generate` and `bench` share: where the target's parts go (accelerate's device map, memory
+limits, offload folder) and the draft's device. Parsed into config.Placement once, here."""
+
+from __future__ import annotations
+
+import argparse
+
+from .config import DEVICE_MAPS, Placement, placement_from
+
+
+def add_placement_args(p: argparse.ArgumentParser) -> None:
+    """--device-map, --max-memory, --offload-folder and --draft-device."""
+    p.add_argument("--device-map", choices=DEVICE_MAPS, default=None,
+                   help="load the target through accelerate's device map (transformers' from_pretrained device_map): "
+                        "'auto' and 'balanced' spread it over the GPUs, then CPU memory, then disk; 'sequential' "
+                        "fills one device after the other")
+    p.add_argument("--max-memory", default=None, metavar="0=20GiB,cpu=60GiB",
+                   help="with --device-map: the most memory per device (GPU index, cpu, disk), accelerate's max_memory")
+    p.add_argument("--offload-folder", default=None, metavar="DIR",
+                   help="with --device-map: where weights that fit nowhere else go (read back at every pass)")
+    p.add_argument("--draft-device", default=None,
+                   help="the draft model's (or trained draft head's) device, e.g. cpu beside a cuda target, or cuda:1 "
+                        "(default: the target's device; under a device map, a draft head goes where the target's "
+                        "output head computes)")
+
+
+def placement_args(args: argparse.Namespace) -> Placement:
+    """The flags as a checked Placement (ValueError says what is wrong)."""
+    return placement_from(args.device_map, args.max_memory, args.offload_folder)
