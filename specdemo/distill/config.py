@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 Sample = dict  # one training sequence: {"ids": prompt + answer ids, "prompt_len": int, "stage": str}, and, where the
-#                answering passes recorded its features, "recorded": [file in work/recorded, row]
+#                answering passes recorded its features, "recorded": [file in work/recorded, row, fused layers]
 LogFn = Callable[[dict], None]  # receives each progress record (a line of train_log.jsonl)
 
 
