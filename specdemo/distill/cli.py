@@ -22,6 +22,8 @@ from .agreement import answer_features, held_out_table, prompt_table, target_ans
 from .answers import build_data
 from .config import LogFn, TrainConfig
 from .features import build_features, choose_subset
+from .heads import ARCHS, default_layers
+from .heads import build as build_trainee
 from .training import common_prefix, train
 
 log = logging.getLogger(__name__)
@@ -67,7 +69,13 @@ def train_parser() -> argparse.ArgumentParser:
                         "project's file of 2,974 helper-written requests; 'written2': its second batch of 2,978; both "
                         "by default, as for the shipped draft; 'written3': a third batch of 2,989, not in the default "
                         "(docs/draft.md); '': none)")
-    p.add_argument("--subset-size", type=int, default=D.subset_size)
+    p.add_argument("--arch", default=D.arch, choices=list(ARCHS),
+                   help="the head: 'eagle' (specdemo.eagle, the shipped draft's) or 'eagle3' (specdemo.eagle3: an "
+                        "EAGLE-3 head in vLLM's and SGLang's checkpoint format, reading the aux layers' states "
+                        "(--fuse-layers, default vLLM's 2, L/2, L-3) over a --subset-size draft vocabulary; no "
+                        "feature loss; docs/eagle3.md)")
+    p.add_argument("--subset-size", type=int, default=D.subset_size,
+                   help="the draft vocabulary: the target's most frequent tokens in the answers")
     p.add_argument("--steps", type=int, default=D.steps)
     p.add_argument("--train-minutes", type=float, default=D.train_minutes,
                    help="time budget for training: fewer steps (same schedule shape) if the pace needs it")
@@ -137,8 +145,11 @@ def _logger(path: Path, t_start: float) -> LogFn:
 
 def run(config: TrainConfig, runtime: Runtime = Runtime()) -> int:
     """Generate data with the target, record its features, train the head and write the asset to config.out."""
-    from ..eagle import build_head, init_from_target_layer, save_draft
     from ..loading import load_model
+
+    if config.arch == "eagle3" and (config.draft_layers != 1 or config.dropout):
+        raise SystemExit("--arch eagle3 trains one midlayer (vLLM's layout) without dropout: drop --draft-layers "
+                         "and --dropout")
 
     out = Path(config.out)
     work = Path(config.work) if config.work else out / "cache"
@@ -152,6 +163,7 @@ def run(config: TrainConfig, runtime: Runtime = Runtime()) -> int:
     target, tokenizer = loaded.model, loaded.tokenizer
     for p in target.parameters():
         p.requires_grad_(False)
+    config = replace(config, fuse_layers=default_layers(config, target.config.num_hidden_layers))
     writer = (target if config.gen_dtype == "fp32"
               else load_model(config.target, device=config.device, dtype=config.gen_dtype, runtime=runtime).model)
     samples = build_data(writer, tokenizer, work, config, log_fn)
@@ -167,14 +179,11 @@ def run(config: TrainConfig, runtime: Runtime = Runtime()) -> int:
     if config.total_minutes:
         config = replace(config, train_minutes=max(5.0, config.total_minutes - (time.perf_counter() - t_start) / 60))
         log_fn({"event": "train_budget", "minutes": round(config.train_minutes, 1)})
-    head = build_head(target, subset, config.layers, config.draft_layers)
-    if config.init_layer is not None:
-        init_from_target_layer(head, target, config.init_layer)
+    head, save = build_trainee(config, target, subset)
     meta = lambda step, m: {"target": config.target, "step": step, "metrics": m,  # noqa: E731
                             "min_confidence": config.min_confidence,
                             "seconds": round(time.perf_counter() - t_start)}
-    metrics = train(head, samples, data, config, loaded.device, log_fn,
-                    lambda step, m: save_draft(head, out, meta(step, m)))
+    metrics = train(head, samples, data, config, loaded.device, log_fn, lambda step, m: save(out, meta(step, m)))
     log_fn({"event": "done", "total_seconds": round(time.perf_counter() - t_start, 1), **metrics})
     return 0
 

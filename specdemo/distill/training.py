@@ -1,6 +1,6 @@
-"""Stage 3: training the head (regression to the target's next feature and cross-entropy to its token, unrolled
-`depth` draft steps), its held-out evaluation, and the split. Knows samples and features as answers and features make
-them, and TrainConfig; nothing of generating data or of the command line.
+"""Stage 3: training the head (cross-entropy to the target's token and, for an EAGLE head, regression to its next
+feature; unrolled `depth` draft steps), its held-out evaluation, and the split. Knows samples and features as answers
+and features make them, and TrainConfig; nothing of generating data or of the command line.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def padded_batch(samples: list[Sample], data: dict, idx: list[int], max_len: int
 def losses(head, feats: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, t: int,
            depth: int, noise: float, feat_weight: float, gen: torch.Generator | None = None,
            soft_weight: float = 0.0) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per-depth (ce, feature loss, correct mask); row i of depth d predicts position i + d.
+    """Per-depth (ce, feature loss, correct mask); row i of depth d predicts position i + d. `head` is an
+    eagle.EagleHead or a heads.Eagle3Trainee (whose hidden states are not target features: no feature loss).
 
     ce mixes cross-entropy to the target's greedy token with, at `soft_weight`, cross-entropy to the target's own
     distribution over the subset (EAGLE's classification loss), computed from the recorded final hidden state with
@@ -68,11 +69,11 @@ def losses(head, feats: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor
         ce = F.cross_entropy(logits.float(), lab[ok])
         if soft_weight > 0:
             with torch.no_grad():
-                target_probs = torch.softmax(head.logits(true).float(), dim=-1)  # (N, S)
+                target_probs = torch.softmax(head.teacher_logits(true).float(), dim=-1)  # (N, S)
             soft = -(target_probs * torch.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
             ce = (1 - soft_weight) * ce + soft_weight * soft
-        fl = F.smooth_l1_loss(g[ok].float(), true)
-        res.append((ce, fl * feat_weight, logits.argmax(-1) == lab[ok], ok))
+        fl = F.smooth_l1_loss(g[ok].float(), true) * feat_weight if head.predicts_features else ce.new_zeros(())
+        res.append((ce, fl, logits.argmax(-1) == lab[ok], ok))
     return res
 
 
