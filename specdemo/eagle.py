@@ -76,6 +76,29 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (T, D) for integer positions (T,); `scale` is the rope type's attention scaling (1 for the default)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           past_k: torch.Tensor | None, past_v: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
+    """Grouped attention of q (B, NH, T, D) over past keys (B, KV, L, D) and the new k, v (B, KV, T, D), RoPE applied
+    here; `mask` (T, L+T) bool, or None for causal aligned to the end. Returns (B, T, NH * D) and the rotated k."""
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    keys = k if past_k is None else torch.cat([past_k, k], dim=2)
+    values = v if past_v is None else torch.cat([past_v, v], dim=2)
+    t = q.shape[2]
+    if mask is None and t > 1:  # causal, aligned to the end when there is a past
+        past = keys.shape[2] - t
+        mask = torch.ones(t, past + t, dtype=torch.bool, device=q.device).tril(diagonal=past)
+    att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # (B, NH, T, D)
+    return att.transpose(1, 2).reshape(q.shape[0], t, -1), k
+
+
 class DecoderLayer(nn.Module):
     """A llama decoder layer (GQA attention with RoPE, SwiGLU MLP) that returns its new keys and values."""
 
@@ -102,14 +125,8 @@ class DecoderLayer(nn.Module):
         q = self.q_proj(y).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)  # (B, NH, T, D)
         k = self.k_proj(y).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)  # (B, KV, T, D)
         v = self.v_proj(y).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        keys = k if past_k is None else torch.cat([past_k, k], dim=2)
-        values = v if past_v is None else torch.cat([past_v, v], dim=2)
-        if mask is None and t > 1:  # causal, aligned to the end when there is a past
-            past = keys.shape[2] - t
-            mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
-        att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # (B, NH, T, D)
-        x = x + F.dropout(self.o_proj(att.transpose(1, 2).reshape(b, t, -1)), self.dropout, self.training)
+        att, k = attend(q, k, v, cos, sin, past_k, past_v, mask)
+        x = x + F.dropout(self.o_proj(att), self.dropout, self.training)
         y = self.post_norm(x)
         x = x + F.dropout(self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y)), self.dropout, self.training)
         return x, k, v
@@ -151,9 +168,12 @@ class EagleHead(nn.Module):
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (T, D) for integer positions (T,)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return rope_tables(positions, self.inv_freq, dtype)
+
+    @property
+    def target_layers(self) -> tuple[int, ...]:
+        """The target layers whose hidden states the engine passes after the final one."""
+        return self.c.fuse_layers
 
     def prepare(self, features: torch.Tensor) -> torch.Tensor:
         """True target features (..., feature_width) -> head input (..., H)."""
@@ -197,18 +217,24 @@ class EagleHead(nn.Module):
         Row i of step d is the chain that started from the true feature at i; it sits at position i + d - 1, sees the
         true entries at positions <= i and its own chain's earlier steps. Returns d predicted features (B, T, H).
         """
-        t = features.shape[1]
-        pos = torch.arange(t, device=features.device)
-        causal = torch.ones(t, t, dtype=torch.bool, device=features.device).tril()
-        eye = torch.eye(t, dtype=torch.bool, device=features.device)
-        outs, past_k, past_v, feat = [], None, None, self.prepare(features)
-        for d in range(1, depth + 1):
-            mask = causal if d == 1 else torch.cat([causal] + [eye] * (d - 1), dim=1)
-            feat, k, v = self(feat, tokens[:, d : d + t], pos + d - 1, past_k, past_v, mask)
-            past_k = k if past_k is None else torch.cat([past_k, k], dim=2)
-            past_v = v if past_v is None else torch.cat([past_v, v], dim=2)
-            outs.append(feat)
-        return outs
+        return unroll(self, self.prepare(features), tokens, depth)
+
+
+def unroll(head: nn.Module, feat: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
+    """The training-time test loop shared by the heads: `head(feat, tokens, positions, past_k, past_v, mask)` from
+    every position at once, `depth` times, each step reading the last one's outputs (see EagleHead.unrolled)."""
+    t = feat.shape[1]
+    pos = torch.arange(t, device=feat.device)
+    causal = torch.ones(t, t, dtype=torch.bool, device=feat.device).tril()
+    eye = torch.eye(t, dtype=torch.bool, device=feat.device)
+    outs, past_k, past_v = [], None, None
+    for d in range(1, depth + 1):
+        mask = causal if d == 1 else torch.cat([causal] + [eye] * (d - 1), dim=1)
+        feat, k, v = head(feat, tokens[:, d : d + t], pos + d - 1, past_k, past_v, mask)
+        past_k = k if past_k is None else torch.cat([past_k, k], dim=2)
+        past_v = v if past_v is None else torch.cat([past_v, v], dim=2)
+        outs.append(feat)
+    return outs
 
 
 def save_draft(head: EagleHead, path: str | Path, meta: dict | None = None) -> None:
@@ -282,7 +308,7 @@ class EagleDrafter(Drafter):
     def __init__(self, head: EagleHead, min_confidence: float = 0.0,
                  held_out_chain: tuple[float, float] | None = None):
         self.head = head
-        self.target_layers = head.c.fuse_layers  # the engine passes these layers' hidden states too
+        self.target_layers = head.target_layers  # the engine passes these layers' hidden states too
         self.min_confidence = min_confidence
         # from training's last held-out evaluation: the chance its first / first two drafted tokens are the target's
         self.held_out_chain = held_out_chain
@@ -310,10 +336,10 @@ class EagleDrafter(Drafter):
 
     def _step(self, features: torch.Tensor, tokens: list[int], start: int) -> torch.Tensor:
         """Feed features (T, H) and their following tokens at positions start.. ; return the last predicted feature."""
-        dev = self.head.head_weight.device
-        tok = torch.tensor([tokens], device=dev)
-        pos = torch.arange(start, start + len(tokens), device=dev)
-        out, k, v = self.head(features[None].to(self.head.head_weight.dtype), tok, pos, self.k, self.v)
+        weight = self.head.norm.weight  # the head's device and dtype
+        tok = torch.tensor([tokens], device=weight.device)
+        pos = torch.arange(start, start + len(tokens), device=weight.device)
+        out, k, v = self.head(features[None].to(weight.dtype), tok, pos, self.k, self.v)
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
         return out[0, -1]
@@ -331,7 +357,7 @@ class EagleDrafter(Drafter):
         m = len(self.pending)
         if self.num_true + m != len(ids) - 1:
             raise ValueError(f"draft state covers {self.num_true + m} positions but the request has {len(ids) - 1}")
-        feature = self._step(self.head.prepare(self.pending.to(self.head.head_weight.dtype)), ids[self.num_true + 1 :],
+        feature = self._step(self.head.prepare(self.pending.to(self.head.norm.weight.dtype)), ids[self.num_true + 1 :],
                              self.num_true)
         self.num_true += m
         self.last_true, self.pending = self.pending[-1:], None
