@@ -142,7 +142,7 @@ class EagleHead(nn.Module):
     """
 
     fast_linear = True  # the output head's product through specdemo.kernels on a float32 CPU (off: F.linear)
-    predicts_features = True  # distill.training: its hidden states are regressed to the target's next feature
+    input_scale = None  # distill.training's feature noise is in the features' own units
 
     def __init__(self, c: EagleConfig, embed: torch.Tensor, head: torch.Tensor, subset: torch.Tensor):
         super().__init__()

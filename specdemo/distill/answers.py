@@ -115,14 +115,14 @@ def generate_recorded(model, tokenizer, prompts: list[list[int]], max_new_tokens
 
 def run_stage(name: str, convs: list[list[dict]], target, tokenizer, max_new_tokens: int, batch_size: int,
               temp: float, seed: int, path: Path, samples: list[Sample], log_fn: LogFn, max_sequences: int = 0,
-              record: bool = False, layers: tuple[int, ...] = ()) -> None:
+              record: bool = False, layers: tuple[int, ...] = (), deadline: float = 0.0) -> None:
     """Generate answers for the conversations of a stage that are not cached yet, saving after each batch to `path`
     and appending them to `samples` (the cache read so far).
 
     With `record`, the batches go shortest prompt first (left padding then wastes little: the written requests,
     64 tokens on average, were padded to 164 in file order, and the prefill is half of a batch's time on a CPU), and
     each batch's features (with `layers`' hidden states) and labels are saved beside the samples (`RECORDED`), for
-    `build_features` to read."""
+    `build_features` to read. No batch starts after `deadline` (time.perf_counter(); 0: none)."""
     have = sum(s["stage"] == name for s in samples)
     # What is cached is found by its prompt, not its count: a stage whose list grew (a new instructions file) sorts
     # differently shortest first, and a stage cached by one --features mode may be resumed by the other. Copies are
@@ -138,8 +138,8 @@ def run_stage(name: str, convs: list[list[dict]], target, tokenizer, max_new_tok
     if record:
         todo.sort(key=lambda i: len(ids[i]))  # stable: ties stay in file order
     for j in range(0, len(todo), batch_size):
-        if max_sequences and len(samples) >= max_sequences:  # a time budget: stop at a batch boundary
-            return
+        if max_sequences and len(samples) >= max_sequences or deadline and time.perf_counter() >= deadline:
+            return  # a budget: stop at a batch boundary
         t0 = time.perf_counter()
         start = have + j  # sequences of the stage before this batch: names its file and seeds its sampling
         batch = todo[j : j + batch_size]
@@ -167,19 +167,22 @@ def run_stage(name: str, convs: list[list[dict]], target, tokenizer, max_new_tok
 def build_data(target, tokenizer, work: Path, config: TrainConfig, log_fn: LogFn) -> list[Sample]:
     """All training sequences (prompt + target answer), generated once by `target` (the --gen-dtype copy) and cached
     batch by batch in work/samples.jsonl: paragraphs, the templated instructions, then the self-written, steered and
-    file-given ones (config.instructions, the stage "written"), until config.max_sequences. With config.features
-    "writer", the answering passes also keep their features and labels (`run_stage`'s `record`)."""
+    file-given ones (config.instructions, the stage "written"), until config.max_sequences or config.data_minutes
+    (at a batch boundary; with `record` the written requests go shortest first, so a cut keeps the shorter ones).
+    With config.features "writer", the answering passes also keep their features and labels (`run_stage`'s
+    `record`)."""
     written = read_instructions(config.instructions)
     seed, scale, tokens, batch_size, limit = (config.seed, config.scale, config.max_new_tokens, config.gen_batch_size,
                                               config.max_sequences)
+    deadline = time.perf_counter() + config.data_minutes * 60 if config.data_minutes else 0.0
     path = work / "samples.jsonl"
     samples = read_jsonl(path)
     rng = random.Random(seed)
     simple, sampled = templated_prompts(rng, seed, scale)
     gen = lambda stage, convs, n_tokens, temp: run_stage(  # noqa: E731
         stage, convs, target, tokenizer, n_tokens, batch_size, temp, seed, path, samples, log_fn, limit,
-        config.features == "writer", config.layers)
-    full = lambda: bool(limit and len(samples) >= limit)  # noqa: E731
+        config.features == "writer", config.layers, deadline)
+    full = lambda: bool(limit and len(samples) >= limit or deadline and time.perf_counter() >= deadline)  # noqa: E731
     gen("paragraph", paragraph_prompts(), PARAGRAPH_TOKENS, 0.0)
     paragraphs = [tokenizer.decode(s["ids"][s["prompt_len"]:], skip_special_tokens=True).strip()
                   for s in samples if s["stage"] == "paragraph"]

@@ -22,7 +22,7 @@ from .agreement import answer_features, held_out_table, prompt_table, target_ans
 from .answers import build_data
 from .config import LogFn, TrainConfig
 from .features import build_features, choose_subset
-from .heads import ARCHS, default_layers
+from .heads import ARCHS, default_layers, evaluable, load_drafter
 from .heads import build as build_trainee
 from .training import common_prefix, train
 
@@ -50,6 +50,9 @@ def train_parser() -> argparse.ArgumentParser:
                         "against 0.33 s at 64)")
     p.add_argument("--max-sequences", type=int, default=D.max_sequences,
                    help="stop generating at this many sequences (0: all)")
+    p.add_argument("--data-minutes", type=float, default=D.data_minutes,
+                   help="time budget for answering: no batch starts after it (0: none); the written requests go "
+                        "shortest first, so a cut keeps the shorter ones")
     p.add_argument("--gen-dtype", default=D.gen_dtype,
                    help="dtype of the target copy that writes instructions and answers (bf16: 1.7x faster on an "
                         "AVX512-BF16 CPU); with --features target, features and labels come from the fp32 target")
@@ -179,7 +182,7 @@ def run(config: TrainConfig, runtime: Runtime = Runtime()) -> int:
     if config.total_minutes:
         config = replace(config, train_minutes=max(5.0, config.total_minutes - (time.perf_counter() - t_start) / 60))
         log_fn({"event": "train_budget", "minutes": round(config.train_minutes, 1)})
-    head, save = build_trainee(config, target, subset)
+    head, save = build_trainee(config, target, subset, data)
     meta = lambda step, m: {"target": config.target, "step": step, "metrics": m,  # noqa: E731
                             "min_confidence": config.min_confidence,
                             "seconds": round(time.perf_counter() - t_start)}
@@ -213,7 +216,6 @@ def agreement_parser() -> argparse.ArgumentParser:
 def agreement_main(argv: list[str], runtime: Runtime = Runtime()) -> int:
     """Print (and with --out, write) the agreement tables for each draft."""
     from ..compare import trained_draft_path
-    from ..eagle import load_trained_draft
     from ..loading import load_model
 
     args = agreement_parser().parse_args(argv)
@@ -221,15 +223,16 @@ def agreement_main(argv: list[str], runtime: Runtime = Runtime()) -> int:
     if not drafts[0]:
         raise SystemExit(f"error: no shipped draft for {args.target}; name one with --draft")
     loaded = load_model(args.target, device=args.device, runtime=runtime)
-    heads = [(folder, load_trained_draft(folder, loaded).head) for folder in drafts]
+    drafters = [(folder, load_drafter(folder, loaded)) for folder in drafts]
+    heads = [(folder, evaluable(d.head, loaded.model), tuple(d.target_layers)) for folder, d in drafters]
     if args.held_out:
         report = held_out_table(loaded.model, heads, Path(args.held_out), args.depth)
     else:
         items = read_prompts(args.prompts, args.limit)
         samples = target_answers(loaded.model, loaded.tokenizer, items, args.max_new_tokens)
         tables = []
-        for folder, head in heads:
-            data = answer_features(loaded.model, samples, head.c.fuse_layers)
+        for folder, head, layers in heads:
+            data = answer_features(loaded.model, samples, layers)
             tables.append((f"`{folder}`\n\n" if len(heads) > 1 else "")
                           + prompt_table(head, samples, data, args.depth, loaded.device))
         report = "\n".join(tables)

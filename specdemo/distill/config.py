@@ -27,6 +27,7 @@ class TrainConfig:
     max_new_tokens: int = 128
     gen_batch_size: int = 128
     max_sequences: int = 0  # 0: all
+    data_minutes: float = 0  # 0: no time budget for answering
     gen_dtype: str = "bf16"  # the copy of the target that writes instructions and answers
     self_instruct: int = 0
     steered_instruct: int = 0

@@ -1,6 +1,6 @@
-"""Stage 3: training the head (cross-entropy to the target's token and, for an EAGLE head, regression to its next
-feature; unrolled `depth` draft steps), its held-out evaluation, and the split. Knows samples and features as answers
-and features make them, and TrainConfig; nothing of generating data or of the command line.
+"""Stage 3: training the head (regression to the target's next feature and cross-entropy to its token, unrolled
+`depth` draft steps), its held-out evaluation, and the split. Knows samples and features as answers and features make
+them, and TrainConfig; nothing of generating data or of the command line.
 """
 
 from __future__ import annotations
@@ -52,14 +52,15 @@ def losses(head, feats: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor
            depth: int, noise: float, feat_weight: float, gen: torch.Generator | None = None,
            soft_weight: float = 0.0) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per-depth (ce, feature loss, correct mask); row i of depth d predicts position i + d. `head` is an
-    eagle.EagleHead or a heads.Eagle3Trainee (whose hidden states are not target features: no feature loss).
+    eagle.EagleHead or a heads.Eagle3Trainee.
 
     ce mixes cross-entropy to the target's greedy token with, at `soft_weight`, cross-entropy to the target's own
     distribution over the subset (EAGLE's classification loss), computed from the recorded final hidden state with
     the same frozen head: the whole distribution, not one token, per position."""
     inp = feats[:, :t]
-    if noise > 0:
-        inp = inp + (torch.rand(inp.shape, generator=gen, device=inp.device) - 0.5) * 2 * noise
+    if noise > 0:  # in the units the head reads its features in (input_scale: per channel, or None for as they are)
+        scale = noise if head.input_scale is None else noise * head.input_scale.to(inp.dtype)
+        inp = inp + (torch.rand(inp.shape, generator=gen, device=inp.device) - 0.5) * 2 * scale
     outs = head.unrolled(inp, tokens, depth)
     res = []
     for d, g in enumerate(outs, start=1):
@@ -72,8 +73,8 @@ def losses(head, feats: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor
                 target_probs = torch.softmax(head.teacher_logits(true).float(), dim=-1)  # (N, S)
             soft = -(target_probs * torch.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
             ce = (1 - soft_weight) * ce + soft_weight * soft
-        fl = F.smooth_l1_loss(g[ok].float(), true) * feat_weight if head.predicts_features else ce.new_zeros(())
-        res.append((ce, fl, logits.argmax(-1) == lab[ok], ok))
+        fl = F.smooth_l1_loss(g[ok].float(), true)
+        res.append((ce, fl * feat_weight, logits.argmax(-1) == lab[ok], ok))
     return res
 
 
