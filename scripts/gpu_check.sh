@@ -17,6 +17,9 @@
 #                                    distill options, e.g. "--self-instruct 12000" to add the target's own
 #                                    instructions to the cache on the GPU first, or "--draft-layers 2" for the deeper
 #                                    head; DISTILL_CAP: the distill stage's cap in seconds, default 280)
+#   EAGLE3_HEAD=DIR EAGLE3_TARGET=T  either mode, also the benchmark of that EAGLE-3 head (e.g. a published one) with
+#                                    its target on CUDA: identical greedy output and acceptance (bench-eagle3; `real`
+#                                    defaults EAGLE3_TARGET to the bundled model, e.g. for a head from distill --arch eagle3)
 #
 # The GGUF (98 MB) is more than travels with one call (64 MiB), so it goes in two halves: the first call copies its
 # half to $KEEP (the machine keeps it while warm; `keep` does only that), the next brings the other. DRY=1 runs the
@@ -88,6 +91,29 @@ finish() {
 }
 trap finish EXIT
 
+# --- stage: eagle3 (issue 29) ---
+# A published EAGLE-3 head with its target (EAGLE3_HEAD: the head's folder, carried or already on the machine;
+# EAGLE3_TARGET: its target, a folder or a hub id in the machine's hub cache, for `real` by default the bundled
+# model): the benchmark at k = EAGLE3_KS (default 1,3) on EAGLE3_LIMIT prompts (default 5) reports whether greedy
+# speculative output is identical to the target's and the acceptance. Skipped with a note when no head is named; with
+# DRY=1 and `real`, a random head for the bundled target stands in (a check of the stage, not of any head).
+eagle3_stage() {
+  local target=$1 head=${EAGLE3_HEAD:-}
+  if [ -z "$head" ] && [ "$DRY" = 1 ] && [ -n "$target" ]; then
+    head=$R/eagle3-random
+    $PY -c "import torch; from specdemo.loading import load_model; from specdemo.eagle3 import build_head, save_eagle3; \
+t = load_model('$target', device='cpu'); torch.manual_seed(0); save_eagle3(build_head(t.model, torch.arange(8192)), '$head')"
+  fi
+  if [ -z "$head" ] || [ -z "$target" ] || [ ! -f "$head/config.json" ]; then
+    note "bench_eagle3: skipped (EAGLE3_HEAD='${EAGLE3_HEAD:-}' and EAGLE3_TARGET='${EAGLE3_TARGET:-}' name no carried head and target)"
+    return 0
+  fi
+  stage bench_eagle3 "${EAGLE3_CAP:-150}" $PY -m specdemo bench --target "$target" --draft "$head" --device "$DEV" \
+    --k "${EAGLE3_KS:-1,3}" --limit "${EAGLE3_LIMIT:-5}" --max-new-tokens "${EAGLE3_TOKENS:-64}" --no-theory --quiet \
+    --prompts "${PROMPTS:-specdemo/data/prompts/dev.jsonl}" --out "$R/bench-eagle3"
+}
+# --- end stage: eagle3 ---
+
 note "gpu_check ${1:-basic} on $(hostname) at $(date -u +%FT%TZ), DRY=$DRY"
 [ "$DRY" = 1 ] || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/stages.log"
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
@@ -99,10 +125,12 @@ if [ "${1:-basic}" != real ]; then
   fi
   [ "${1:-basic}" = keep ] && exit 0  # only that: a short first call when time is short
   SPECDEMO_TEST_DEVICE=$DEV stage pytest_cuda 100 $PY -m pytest -q -p no:cacheprovider tests/test_engine.py \
-    tests/test_verify.py tests/test_eagle.py -k "not shipped_draft"  # the shipped draft's tests need the real target
+    tests/test_verify.py tests/test_eagle.py tests/test_eagle3.py -k "not shipped_draft and not bundled" \
+    -m "not slow"  # the shipped draft's tests need the real target; test_eagle3: tiny random EAGLE-3 heads
   QUICK=(--quick); [ "$DRY" = 1 ] && QUICK=(--quick --layers 2 --new 16)
   stage random_weights 90 $PY scripts/gpu_check.py --device "$DEV" "${QUICK[@]}"
   cp "$OUT/gpu_check.json" "$R/" 2>/dev/null
+  eagle3_stage "${EAGLE3_TARGET:-}"
   exit 0
 fi
 
@@ -166,6 +194,7 @@ stage bench_hybrid 70 "${B[@]}" --drafter hybrid --k 8 --out "$R/bench-hybrid"
 [ -f "$R/draft-cuda/eagle_config.json" ] && \
   stage bench_cuda_draft 70 "${B[@]}" --draft "$R/draft-cuda" --k 1,2 --out "$R/bench-cuda-draft"
 stage bench_fp32 70 "${B[@]}" --drafter model --k 3 --dtype fp32 --out "$R/bench-draft-fp32"  # greedy without bf16 ties
+eagle3_stage "${EAGLE3_TARGET:-smollm2-135m}"
 # --- stage: batch (issue 30) ---
 # throughput and speedup against batch size on the GPU (the CPU's crossover comes at a few rows; here it should come
 # much later), prompt lookup and the trained draft at auto k, generate on the same padded batches as the baseline

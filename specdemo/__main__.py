@@ -1,4 +1,4 @@
-"""Command line: `python -m specdemo generate|bench|distill|serve-config ...`. Environment and argv are read here
+"""Command line: `python -m specdemo generate|bench|distill|serve-config|export ...`. Environment and argv are read here
 only."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sys
+from dataclasses import replace
 
 from .config import (BUNDLED_ID, DEFAULT_DRAFTER, DRAFTER_KINDS, MAX_K_ENGINE, MIN_K, GenerationConfig, SamplingConfig,
                      runtime_from_env)
@@ -25,7 +26,9 @@ def _generate_parser(sub) -> None:
                         "draft model); 'hybrid' is prompt lookup where the context repeats (up to k tokens) and the "
                         "draft model elsewhere (1 token per step where a 3-token verify pass costs too much more "
                         "than a 2-token one, as on a small CPU; measured at load)")
-    p.add_argument("--k", type=int, default=G.num_draft_tokens, help=f"draft tokens per step ({MIN_K}..{MAX_K_ENGINE})")
+    p.add_argument("--k", type=int, default=None,
+                   help=f"draft tokens per step ({MIN_K}..{MAX_K_ENGINE}; default: an EAGLE-3 head's recorded k, "
+                        f"else {G.num_draft_tokens})")
     p.add_argument("--dynamic-k", action="store_true", help="adapt k per step (+2 after a full acceptance, else -1)")
     p.add_argument("--temperature", type=float, default=S.temperature, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=S.top_p)
@@ -42,14 +45,14 @@ def _generate_parser(sub) -> None:
 
 
 def run_generate(args) -> int:
-    from .compare import compare, load_pair
+    from .compare import compare, drafter_k, load_pair
 
     kind = args.drafter
     if kind == "ngram" and args.draft:
         print("error: --draft names a draft model, but --drafter ngram (prompt lookup) uses none", file=sys.stderr)
         return 2
     config = GenerationConfig(
-        max_new_tokens=args.max_new_tokens, num_draft_tokens=args.k, dynamic_k=args.dynamic_k,
+        max_new_tokens=args.max_new_tokens, num_draft_tokens=args.k or G.num_draft_tokens, dynamic_k=args.dynamic_k,
         sampling=SamplingConfig(args.temperature, args.top_k, args.top_p), stop_strings=tuple(args.stop),
         seed=args.seed, use_chat_template=not args.no_chat_template,
     )
@@ -58,6 +61,9 @@ def run_generate(args) -> int:
         raise ValueError("the prompt is empty; type something for the model to continue")
     pair = load_pair(args.target, kind, args.draft, args.device, args.dtype, args.draft_device, args.trust_remote_code,
                      runtime=runtime_from_env(os.environ))
+    if args.k is None and drafter_k(pair.drafter):
+        config = replace(config, num_draft_tokens=drafter_k(pair.drafter))
+        config.validate()
     result = compare(pair, args.prompt, config)
     if args.json:
         print(json.dumps(result, ensure_ascii=False))
@@ -127,6 +133,35 @@ def run_serve_config(args) -> int:
     return 0
 
 
+def _export_parser(sub) -> None:
+    p = sub.add_parser("export", help="write an EAGLE-3 head as a checkpoint vLLM and SGLang load, with their flags")
+    p.add_argument("--draft", required=True, help="an EAGLE-3 head: a folder (e.g. from `distill --arch eagle3`) or "
+                                                  "hub id")
+    p.add_argument("--out", required=True, help="the folder to write (config.json, model.safetensors, "
+                                                "speculative_config.json, sglang.txt)")
+    p.add_argument("--k", type=int, default=None,
+                   help="num_speculative_tokens (default: the tuned k in --sweep, else the head's recorded k, else "
+                        f"{G.num_draft_tokens})")
+    p.add_argument("--sweep", metavar="JSON", help="a bench.json or sweep result: take its measured best k")
+    p.add_argument("--target", default=None, help="the target, for the printed serve commands (default: the one "
+                                                  f"the head records, else {BUNDLED_ID})")
+
+
+def run_export(args) -> int:
+    from .export import export_eagle3
+    from .serving import k_from_report
+
+    k = args.k if args.k is not None else (k_from_report(args.sweep)[0] if args.sweep else None)
+    if k is not None and not MIN_K <= k <= MAX_K_ENGINE:
+        raise ValueError(f"k must be between {MIN_K} and {MAX_K_ENGINE}, got {k}")
+    result = export_eagle3(args.draft, args.out, k, args.target, runtime_from_env(os.environ))
+    print(f"# wrote {result.folder} (EAGLE-3, k = {result.k})")
+    print(result.vllm_command)
+    print("# SGLang:")
+    print(result.sglang_command)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "distill":
@@ -141,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_config_parser(sub)
+    _export_parser(sub)
     sub.add_parser("bench", help="benchmark against transformers' generate (see `bench --help`)")
     sub.add_parser("distill", help="train a draft for a target, or `distill agreement` to measure one "
                                   "(see `distill --help`)")
@@ -150,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     from .loading import ModelLoadError, TokenizerMismatchError
 
     try:
-        return run_serve_config(args) if args.command == "serve-config" else run_generate(args)
+        runner = {"serve-config": run_serve_config, "export": run_export}.get(args.command, run_generate)
+        return runner(args)
     except (ModelLoadError, TokenizerMismatchError, GenerationError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

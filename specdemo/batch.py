@@ -508,6 +508,9 @@ def batch_drafter(drafter: Drafter) -> BatchDrafter:
         return BatchNgram(drafter)
     if isinstance(drafter, ModelDrafter):
         return BatchModelDrafter(drafter.model, drafter.target_device)
+    if isinstance(drafter, EagleDrafter) and drafter.name == "eagle3":
+        raise GenerationError("the batch decoder has no batched form of an EAGLE-3 head yet; race it one prompt at "
+                              "a time, or batch its target with prompt lookup")
     if isinstance(drafter, EagleDrafter):
         return BatchEagle(drafter.head, drafter.min_confidence)
     if isinstance(drafter, HybridDrafter):

@@ -42,9 +42,24 @@ def trained_draft_path(target_name: str) -> Path | None:
 
 
 def _is_trained_draft(path: Path) -> bool:
+    """A folder holding one of our heads: the EAGLE-style one (specdemo/eagle.py) or an EAGLE-3 checkpoint."""
     from .eagle import CONFIG_FILE
+    from .eagle3 import is_eagle3
 
-    return (path / CONFIG_FILE).exists()
+    return (path / CONFIG_FILE).exists() or is_eagle3(path)
+
+
+def _head_drafter(path: Path, target: LoadedModel) -> Drafter:
+    """The drafter of a head folder: an EAGLE-3 checkpoint (detected from its config.json) or our EAGLE-style head."""
+    from .eagle import load_trained_draft
+    from .eagle3 import Eagle3FormatError, is_eagle3, load_eagle3
+
+    if not is_eagle3(path):
+        return load_trained_draft(path, target)
+    try:
+        return load_eagle3(path, target)
+    except Eagle3FormatError as exc:
+        raise ModelLoadError(str(exc)) from exc
 
 
 def default_draft(target_name: str) -> str | None:
@@ -52,11 +67,18 @@ def default_draft(target_name: str) -> str | None:
     return TRAINED_DRAFT_ID if trained_draft_path(target_name) else None
 
 
+def drafter_k(drafter: Drafter) -> int | None:
+    """The drafter's own k (an EAGLE-3 head's recorded num_speculative_tokens; a hybrid's model's), or None."""
+    return getattr(drafter, "num_speculative_tokens", None) or getattr(getattr(drafter, "model", None),
+                                                                        "num_speculative_tokens", None)
+
+
 def make_drafter(target: LoadedModel, kind: str, draft: str | None, device=None, dtype=None,
                  trust_remote_code: bool = False, runtime: Runtime = Runtime()
                  ) -> tuple[Drafter, str | None, HybridCalibration | None]:
-    """Build a drafter by name: prompt lookup, the shipped trained draft, any causal LM sharing the tokenizer, or
-    "hybrid": one of those drafts with prompt lookup taking over where the context repeats (calibrated here).
+    """Build a drafter by name: prompt lookup, the shipped trained draft, an EAGLE-3 head (a folder or hub id whose
+    config.json says so), any causal LM sharing the tokenizer, or "hybrid": one of those drafts with prompt lookup
+    taking over where the context repeats (calibrated here).
     Returns (drafter, draft name or None, the hybrid's calibration or None)."""
     if kind == "ngram":
         return NgramDrafter(), None, None
@@ -72,12 +94,15 @@ def make_drafter(target: LoadedModel, kind: str, draft: str | None, device=None,
             f"no draft model given for target '{target.name}': pass a draft id (same tokenizer) or use prompt lookup"
         )
     if draft == TRAINED_DRAFT_ID or _is_trained_draft(Path(draft)):
-        from .eagle import load_trained_draft
-
         path = ASSETS / TRAINED_DRAFT_ID if draft == TRAINED_DRAFT_ID else Path(draft)
         if not _is_trained_draft(path):
             raise ModelLoadError(f"the trained draft '{draft}' is not in {path}; train it with `python -m specdemo distill`")
-        return load_trained_draft(path, target), draft, None
+        return _head_drafter(path, target), draft, None
+    from .eagle3 import locate_eagle3
+
+    hub_head = locate_eagle3(draft, runtime)  # a hub id whose config.json is an EAGLE-3 head
+    if hub_head is not None:
+        return _head_drafter(hub_head, target), draft, None
     loaded = load_model(draft, device=device, dtype=dtype, trust_remote_code=trust_remote_code, runtime=runtime)
     check_tokenizers(target, loaded.name, loaded.tokenizer)
     return ModelDrafter(loaded.model, target.device), draft, None

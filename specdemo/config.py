@@ -84,6 +84,10 @@ PRESETS: tuple[Preset, ...] = (
     Preset("SmolLM2-1.7B-Instruct + SmolLM2-135M-Instruct (hub)", "HuggingFaceTB/SmolLM2-1.7B-Instruct", BUNDLED_HUB_ID),
     Preset("Qwen2.5-1.5B-Instruct + Qwen2.5-0.5B-Instruct (hub)", "Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
     Preset("gpt2-xl + distilgpt2 (hub)", "openai-community/gpt2-xl", "distilbert/distilgpt2"),
+    # published EAGLE-3 heads (specdemo.eagle3 detects them from their config.json); 8B targets: for a GPU Space
+    Preset("Llama-3.1-8B-Instruct + its EAGLE-3 head (hub, GPU)", "meta-llama/Llama-3.1-8B-Instruct",
+           "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"),
+    Preset("Qwen3-8B + its EAGLE-3 head (hub, GPU)", "Qwen/Qwen3-8B", "Tengyunw/qwen3_8b_eagle3"),
 )
 
 

@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from . import kernels
+from .config import Runtime
 from .eagle import EagleDrafter, RMSNorm, attend, rope_tables, unroll
+from .loading import hub_folder
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")  # SGLang's name, vLLM's name
 CONFIG_FILE = "config.json"
@@ -343,7 +345,7 @@ def is_eagle3(spec_or_config: str | Path | dict | None) -> bool:
     return bool(config) and any(a in ARCHITECTURES for a in config.get("architectures") or [])
 
 
-def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     files = sorted(folder.glob("*.safetensors"))
@@ -382,7 +384,7 @@ def load_head(folder: str | Path, target_model: nn.Module) -> tuple[Eagle3Head, 
             f"size {c.target_hidden_size}, but the target has vocab_size {tc.vocab_size} and hidden size "
             f"{tc.hidden_size}")
     aux = c.resolve_aux(tc.num_hidden_layers)
-    tensors = _read_weights(folder)
+    tensors = read_weights(folder)
     tensors.pop("t2d", None)
     own = "embed_tokens.weight" in tensors
     embed = None if own else target_model.get_input_embeddings().weight
@@ -423,8 +425,9 @@ class Eagle3Drafter(EagleDrafter):
         self.num_speculative_tokens = num_speculative_tokens
 
 
-def load_eagle3(folder: str | Path, target_loaded) -> Eagle3Drafter:
-    """An Eagle3Drafter from a checkpoint folder, bound to the target in a loading.LoadedModel."""
+def load_eagle3(spec: str | Path, target_loaded, runtime: Runtime = Runtime()) -> Eagle3Drafter:
+    """An Eagle3Drafter from a checkpoint folder or hub id, bound to the target in a loading.LoadedModel."""
+    folder = locate_eagle3(str(spec), runtime) or Path(spec)
     head, meta = load_head(folder, target_loaded.model)
     fast = getattr(target_loaded, "fast_linear", True)
     if fast and kernels.enabled_for(head.norm.weight.device, head.norm.weight.dtype):
@@ -432,3 +435,15 @@ def load_eagle3(folder: str | Path, target_loaded) -> Eagle3Drafter:
     chain = (meta.get("metrics") or {}).get("chain") or []
     return Eagle3Drafter(head, recorded_k(folder), float(meta.get("min_confidence", 0.0)),
                          tuple(chain[:2]) if len(chain) >= 2 else None)
+
+
+HUB_PATTERNS = ("config.json", "*.safetensors", "pytorch_model*.bin", SPEC_FILE, META_FILE)
+
+
+def locate_eagle3(spec: str, runtime: Runtime = Runtime()) -> Path | None:
+    """The local folder of the EAGLE-3 head `spec` names (a folder, or a hub id whose config.json says so; its
+    weights are downloaded once), or None when it is not one (or the hub is unreachable: the caller's usual loading
+    then says so)."""
+    if Path(spec).is_dir():
+        return Path(spec) if is_eagle3(Path(spec)) else None
+    return hub_folder(spec, is_eagle3, HUB_PATTERNS, runtime)

@@ -20,6 +20,7 @@ from . import charts
 from .compare import iter_compare, load_pair
 from .config import MAX_K, MIN_K, Runtime
 from .engine import StepEvent, encode_prompt
+from .export import serve_hint
 from .metrics import run_stats
 from .race import (KNOWN_ERRORS, AppLimits, RunRequest, Runs, Throttle, UserError, check_prompt_tokens, drafted_at,
                    final_stats_markdown, flag, friendly_error, make_request, number, passes, points, preset_fields,
@@ -380,8 +381,9 @@ class Handlers:
                            out.apply: gr.update(value=f"Use k = {best}", interactive=True)}
         finally:
             self.hardware.release()
-        yield {out.table: f"Done: best measured k = {result.best_measured_k}.\n\n" + sweep_table(result),
-               out.best: result.best_measured_k}
+        hint = serve_hint(request.target, request.draft, result.best_measured_k, self.runtime)  # EAGLE-3 drafts only
+        yield {out.table: f"Done: best measured k = {result.best_measured_k}.\n\n" + sweep_table(result)
+               + (f"\n\n{hint}" if hint else ""), out.best: result.best_measured_k}
 
     def stop_sweep(self, visitor: gr.Request = None) -> None:
         """Ask this visitor's sweep to stop at its next step."""

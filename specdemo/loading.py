@@ -6,12 +6,14 @@ Knows nothing about decoding. The bundled GGUF is converted once and cached as s
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
 import socket
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -183,6 +185,47 @@ def _in_hub_cache(repo_id: str) -> bool:
         return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
     except Exception:  # malformed ids raise validation errors here; treat as "not cached"
         return False
+
+
+def cached_hub_config(repo_id: str) -> dict | None:
+    """A hub repository's config.json from the local hub cache only (no network), or None."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        path = try_to_load_from_cache(repo_id, "config.json")
+        return json.loads(Path(path).read_text()) if isinstance(path, str) else None
+    except (OSError, ValueError):  # malformed ids raise validation errors (ValueError subclasses)
+        return None
+
+
+def hub_folder(repo_id: str, accept: Callable[[dict], bool], patterns: Sequence[str],
+               runtime: Runtime = Runtime()) -> Path | None:
+    """The local snapshot (files matching `patterns`) of a hub repository whose config.json `accept`s, downloaded
+    once; None if the id is not a repository, its config is not accepted, or it is neither cached nor reachable.
+    A repository accepted whose files cannot be had raises ModelLoadError."""
+    if repo_id.count("/") != 1 or os.path.exists(repo_id):
+        return None
+    config, online = cached_hub_config(repo_id), None
+    if config is None:
+        online = hub_reachable(runtime)
+        if not online:
+            return None
+        try:
+            from huggingface_hub import hf_hub_download
+
+            config = json.loads(Path(hf_hub_download(repo_id, "config.json")).read_text())
+        except (OSError, ValueError):
+            return None
+    if not accept(config):
+        return None
+    online = hub_reachable(runtime) if online is None else online
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=list(patterns), local_files_only=not online))
+    except (OSError, ValueError) as exc:
+        why = f"the hub refused: {exc}" if online else "the model hub is unreachable from this machine"
+        raise ModelLoadError(f"cannot load '{repo_id}': its files are not in the local hub cache and {why}") from exc
 
 
 _cache: dict[tuple, LoadedModel] = {}

@@ -26,7 +26,7 @@ class Lookup:
     max_ngram: int
 
     @classmethod
-    def of(cls, drafter=None) -> "Lookup":
+    def of(cls, drafter=None) -> Lookup:
         """The window of an NgramDrafter (a hybrid's lookup part), else of NgramDrafter's defaults."""
         lookup = getattr(drafter, "lookup", drafter)
         if not isinstance(lookup, NgramDrafter):
@@ -151,12 +151,19 @@ def plan(target: str, drafter: str, draft: str | None, k: int, runtime: Runtime 
     draft = draft or default_draft(target)
     if not draft:
         raise ValueError(f"no draft for target '{target}': pass --draft, or use --drafter ngram")
-    if eagle3_export(draft):
-        return ServePlan(served, "eagle3", k, str(Path(draft).resolve()), notes=tuple(notes))
     ours = ASSETS / TRAINED_DRAFT_ID if draft == TRAINED_DRAFT_ID else Path(draft)
+    if eagle3_export(ours):
+        return ServePlan(served, "eagle3", k, str(ours.resolve()), notes=tuple(notes))
+    from .eagle3 import is_eagle3
+    from .loading import cached_hub_config
+
+    if is_eagle3(cached_hub_config(draft)):  # a published head vLLM loads by its hub id
+        return ServePlan(served, "eagle3", k, draft, notes=tuple(notes))
     if (ours / CONFIG_FILE).exists():
-        raise ValueError(f"'{draft}' is a specdemo EAGLE head, which vLLM cannot load as it is; export it first with "
-                         f"`python -m specdemo export --draft {draft} --out DIR`, then pass --draft DIR")
+        raise ValueError(f"'{draft}' is a specdemo EAGLE-style head (specdemo/eagle.py), a different architecture "
+                         f"from EAGLE-3 that vLLM cannot load; train an EAGLE-3 head with `python -m specdemo distill "
+                         f"--arch eagle3`, write it with `python -m specdemo export --draft HEAD --out DIR`, then pass "
+                         f"--draft DIR")
     return ServePlan(served, "draft_model", k, draft, notes=tuple(notes))
 
 

@@ -1,17 +1,24 @@
 """EAGLE-3 heads (specdemo.eagle3) on a tiny random llama: the checkpoint format, save/load, losslessness, exactness."""
 
 import json
+import shlex
 
 import pytest
 import torch
-
-from specdemo.config import GenerationConfig, SamplingConfig
-from specdemo.drafters import DraftRequest
-from specdemo.eagle3 import (Eagle3Config, Eagle3Drafter, Eagle3FormatError, build_head, is_eagle3, load_head,
-                             save_eagle3)
-from specdemo.engine import autoregressive, generated_ids, speculative, target_features
-
 from conftest import tiny_llama, tiny_tokenizer
+
+from specdemo.config import GenerationConfig, Runtime, SamplingConfig
+from specdemo.drafters import DraftRequest
+from specdemo.eagle3 import (
+    Eagle3Config,
+    Eagle3Drafter,
+    Eagle3FormatError,
+    build_head,
+    is_eagle3,
+    load_head,
+    save_eagle3,
+)
+from specdemo.engine import autoregressive, generated_ids, speculative, target_features
 
 VOCAB = 100
 LAYERS = 8  # the default aux ids (2, L // 2, L - 3) = (2, 4, 5) are distinct
@@ -44,12 +51,15 @@ def random_head(target, seed: int = 0, size: int = 60, aux=None):
     return head.eval()
 
 
-def proposals(drafter, target, ids, k=4, sampling=SamplingConfig(temperature=0.0), seed=0):
+GREEDY, SAMPLED = SamplingConfig(temperature=0.0), SamplingConfig(temperature=1.0)
+
+
+def proposals(drafter, target, ids, k=4, sampling=GREEDY, seed=0):
     """Begin on `ids` with the target's features and propose once."""
     with torch.inference_mode():
-        feats = target_features(target, drafter.target_layers, input_ids=torch.tensor([ids[:-1]]))[1][0]
+        feats = target_features(target, drafter.target_layers, input_ids=torch.tensor([ids[:-1]], device=target.device))[1][0]
     drafter.begin(ids[:-1], feats)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=target.device).manual_seed(seed)
     return drafter.propose(DraftRequest(ids, k, sampling, gen))
 
 
@@ -80,8 +90,7 @@ def test_save_load_round_trip_gives_identical_proposals(target8, tmp_path):
     assert load_file(str(tmp_path / "model.safetensors"))["midlayer.self_attn.q_proj.weight"].shape[1] == 64  # 2H
     loaded, _ = load_head(tmp_path, target8)
     ids = PROMPT + [12, 13]
-    sampled = SamplingConfig(temperature=1.0)
-    for sampling in (SamplingConfig(temperature=0.0), sampled):
+    for sampling in (GREEDY, SAMPLED):
         a = proposals(Eagle3Drafter(head), target8, ids, sampling=sampling)
         b = proposals(Eagle3Drafter(loaded), target8, ids, sampling=sampling)
         assert a.tokens == b.tokens and len(a.tokens) == 4
@@ -92,11 +101,12 @@ def test_save_load_round_trip_gives_identical_proposals(target8, tmp_path):
 def test_q_is_zero_outside_the_draft_vocabulary(target8):
     """Sampled proposals carry q over the target vocabulary, nonzero only at d2t's target ids."""
     head = random_head(target8)
-    p = proposals(Eagle3Drafter(head), target8, PROMPT, k=3, sampling=SamplingConfig(temperature=1.0))
+    p = proposals(Eagle3Drafter(head), target8, PROMPT, k=3, sampling=SAMPLED)
     allowed = torch.zeros(VOCAB, dtype=torch.bool)
     allowed[draft_vocab()] = True
-    assert p.probs.shape == (3, VOCAB) and float(p.probs[:, ~allowed].abs().sum()) == 0.0
-    assert torch.allclose(p.probs.sum(-1), torch.ones(3)) and all(allowed[t] for t in p.tokens)
+    probs = p.probs.cpu()
+    assert probs.shape == (3, VOCAB) and float(probs[:, ~allowed].abs().sum()) == 0.0
+    assert torch.allclose(probs.sum(-1), torch.ones(3)) and all(allowed[t] for t in p.tokens)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -128,3 +138,173 @@ def test_unsupported_variants_are_refused():
     with pytest.raises(Eagle3FormatError, match="not an EAGLE-3 head"):
         Eagle3Config.from_json({**base, "architectures": ["LlamaForCausalLM"]})
     assert json.loads(json.dumps(base))  # plain JSON
+
+
+def loaded_target(model, tok):
+    from specdemo.loading import LoadedModel
+
+    return LoadedModel("tiny-target", model, tok, model.device, model.dtype, "folder")
+
+
+def test_make_drafter_detects_an_eagle3_folder_from_its_config(target8, tok100, tmp_path):
+    """compare.make_drafter (the CLI's --draft, the bench, the app) turns a folder whose config.json is an EAGLE-3
+    head into an Eagle3Drafter, alone or inside the hybrid, with the head's recorded k; the folder's name is not read."""
+    from specdemo.compare import drafter_k, make_drafter
+    from specdemo.drafters import HybridDrafter
+
+    folder = tmp_path / "any-name"
+    save_eagle3(random_head(target8), folder, meta={"num_speculative_tokens": 3})
+    target = loaded_target(target8, tok100)
+    drafter, name, _ = make_drafter(target, "model", str(folder))
+    assert isinstance(drafter, Eagle3Drafter) and name == str(folder) and drafter_k(drafter) == 3
+    assert drafter.target_layers == (2, 4, 5)
+    hybrid, _, calibration = make_drafter(target, "hybrid", str(folder))
+    assert isinstance(hybrid, HybridDrafter) and isinstance(hybrid.model, Eagle3Drafter) and calibration is not None
+    config = GenerationConfig(max_new_tokens=30, num_draft_tokens=3)
+    ar = generated_ids(list(autoregressive(target8, tok100, PROMPT * 2, config)))
+    assert generated_ids(list(speculative(target8, tok100, hybrid, PROMPT * 2, config))) == ar
+
+
+def test_hub_ids_detected_from_the_cached_config_and_offline_fails_clearly(target8, tok100, tmp_path, monkeypatch):
+    """A hub id whose cached config.json is an EAGLE-3 head loads from the hub cache offline; an uncached hub id
+    offline fails with the loader's usual clear message."""
+    from huggingface_hub import constants
+
+    from specdemo.compare import make_drafter
+    from specdemo.loading import ModelLoadError
+
+    snapshot = tmp_path / "hub" / "models--someone--tiny-eagle3" / "snapshots" / ("0" * 40)
+    save_eagle3(random_head(target8), snapshot)
+    (tmp_path / "hub" / "models--someone--tiny-eagle3" / "refs").mkdir()
+    (tmp_path / "hub" / "models--someone--tiny-eagle3" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    offline = Runtime(hub_offline=True)
+    drafter, _, _ = make_drafter(loaded_target(target8, tok100), "model", "someone/tiny-eagle3", runtime=offline)
+    assert isinstance(drafter, Eagle3Drafter)
+    with pytest.raises(ModelLoadError, match="unreachable"):
+        make_drafter(loaded_target(target8, tok100), "model", "someone/not-cached-eagle3", runtime=offline)
+
+
+def test_export_cli_writes_checkpoint_and_flags_and_round_trips(target8, tmp_path, capsys):
+    """`export` writes config.json, model.safetensors, speculative_config.json and sglang.txt with the engines' keys;
+    the exported head, loaded back by the EAGLE-3 loader, proposes exactly what the original head proposes."""
+    from specdemo.__main__ import main as cli_main
+
+    head = random_head(target8, seed=2)
+    save_eagle3(head, tmp_path / "trained")
+    out = tmp_path / "exported"
+    assert cli_main(["export", "--draft", str(tmp_path / "trained"), "--out", str(out), "--k", "3"]) == 0
+    assert "vllm serve" in capsys.readouterr().out
+    assert {"config.json", "model.safetensors", "speculative_config.json", "sglang.txt"} <= {p.name for p in out.iterdir()}
+    spec = json.loads((out / "speculative_config.json").read_text())
+    assert spec == {"method": "eagle3", "model": str(out.resolve()), "num_speculative_tokens": 3}
+    flags = shlex.split((out / "sglang.txt").read_text().splitlines()[-1])
+    assert flags[flags.index("--speculative-algorithm") + 1] == "EAGLE3"
+    assert flags[flags.index("--speculative-draft-model-path") + 1] == str(out.resolve())
+    assert [flags[flags.index(f) + 1] for f in ("--speculative-num-steps", "--speculative-eagle-topk",
+                                                 "--speculative-num-draft-tokens")] == ["3", "1", "4"]
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    back, _ = load_head(out, target8)
+    original, _ = load_head(tmp_path / "trained", target8)  # the same fp16 weights the export started from
+    for sampling in (GREEDY, SAMPLED):
+        a = proposals(Eagle3Drafter(original), target8, PROMPT + [12], k=5, sampling=sampling, seed=3)
+        b = proposals(Eagle3Drafter(back), target8, PROMPT + [12], k=5, sampling=sampling, seed=3)
+        assert a.tokens == b.tokens
+    from specdemo.compare import drafter_k, make_drafter
+
+    drafter, _, _ = make_drafter(loaded_target(target8, None), "model", str(out))
+    assert drafter_k(drafter) == 3  # export's k is the exported head's recorded k
+
+
+def test_export_refuses_our_older_eagle_head_and_plain_models(target8, tmp_path):
+    """The EAGLE-style head of specdemo/eagle.py is another architecture: export says so and how to get an EAGLE-3
+    one; a plain draft LM is pointed to serve-config."""
+    from specdemo.eagle import build_head as build_eagle
+    from specdemo.eagle import save_draft
+    from specdemo.export import export_eagle3
+
+    save_draft(build_eagle(target8, torch.arange(50)), tmp_path / "old")
+    with pytest.raises(Eagle3FormatError, match="different architecture.*distill --arch eagle3"):
+        export_eagle3(str(tmp_path / "old"), tmp_path / "out")
+    target8.config.save_pretrained(tmp_path / "lm")
+    with pytest.raises(Eagle3FormatError, match="not an EAGLE-3 head.*serve-config"):
+        export_eagle3(str(tmp_path / "lm"), tmp_path / "out")
+
+
+def second_token_distribution(model, prompt, eos=0):
+    """Exact P(second new token | first is not EOS) under the target alone."""
+    with torch.inference_mode():
+        x = torch.tensor([prompt], device=model.device)
+        p1 = torch.softmax(model(input_ids=x).logits[0, -1], -1).cpu()
+        seqs = torch.tensor([prompt + [t] for t in range(VOCAB)], device=model.device)
+        p2 = torch.softmax(model(input_ids=seqs).logits[:, -1], -1).cpu()
+    p1 = p1.clone()
+    p1[eos] = 0.0
+    return (p1[:, None] * p2).sum(0) / p1.sum()
+
+
+def test_sampled_distribution_is_exact_through_d2t(target8, tok100):
+    """Speculative sampling with an EAGLE-3 head over 30 of the 100 ids draws the second token from the target's
+    distribution, including the mass outside the draft vocabulary, which the head alone can never propose."""
+    expected = second_token_distribution(target8, PROMPT)
+    ranked = expected.argsort(descending=True).tolist()
+    vocab = torch.tensor([0] + [t for t in ranked[2:] if t != 0][:29])  # the target's top two are not draftable
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[vocab] = False
+    assert float(expected[outside].sum()) > 0.3
+    torch.manual_seed(5)
+    drafter = Eagle3Drafter(build_head(target8, vocab).eval())
+    trials, counts, drafted = 2000, torch.zeros(VOCAB), 0
+    for seed in range(trials):
+        config = GenerationConfig(max_new_tokens=3, num_draft_tokens=1, sampling=SAMPLED, seed=seed)
+        events = list(speculative(target8, tok100, drafter, PROMPT, config))
+        ids = generated_ids(events)
+        drafted += sum(len(e.drafted) for e in events)
+        if len(ids) >= 2:
+            counts[ids[1]] += 1
+    empirical = counts / counts.sum()
+    assert counts.sum() > 0.9 * trials and drafted > trials // 2
+    # total variation over the target's 8 likeliest tokens, the rest of the draft vocabulary, and the rest outside it
+    # (100 single bins would carry ~0.08 of sampling noise at 2000 trials; these 10 carry ~0.03)
+    top, rest_in = ranked[:8], ~outside
+    rest_in[top] = False
+    rest_out = outside.clone()
+    rest_out[top] = False
+    binned = lambda d: torch.cat([d[top], d[rest_in].sum()[None], d[rest_out].sum()[None]])
+    assert 0.5 * float((binned(empirical) - binned(expected)).abs().sum()) < 0.05
+    assert abs(float(empirical[outside].sum()) - float(expected[outside].sum())) < 0.04  # the head's own q has 0 there
+
+
+@pytest.mark.slow
+def test_bundled_target_with_an_eagle3_head_is_lossless_end_to_end(bundled, tmp_path):
+    """The real bundled target with a random EAGLE-3 head (saved, then loaded by the CLI's path): greedy speculative
+    output equals the target's greedy output, for several k."""
+    from specdemo.compare import make_drafter
+    from specdemo.engine import encode_prompt
+
+    torch.manual_seed(0)
+    head = build_head(bundled.model, torch.arange(8192))  # the 8192 first ids, as a draft vocabulary
+    assert head.aux_layer_ids == (2, 15, 27)  # vLLM's default for a 30-layer target
+    save_eagle3(head, tmp_path / "head")
+    drafter, _, _ = make_drafter(bundled, "model", str(tmp_path / "head"))
+    assert isinstance(drafter, Eagle3Drafter)
+    for k, prompt in ((1, "Write a haiku about autumn leaves."), (4, "What is the capital of Japan? Answer briefly.")):
+        config = GenerationConfig(max_new_tokens=32, num_draft_tokens=k)
+        ids = encode_prompt(bundled.tokenizer, prompt)
+        ar = generated_ids(list(autoregressive(bundled.model, bundled.tokenizer, ids, config)))
+        events = list(speculative(bundled.model, bundled.tokenizer, drafter, ids, config))
+        assert generated_ids(events) == ar
+        assert any(e.kind == "spec" and e.drafted for e in events)
+
+
+def test_serve_hint_after_tune_k_names_k_and_the_commands(target8, tmp_path):
+    """After Tune k the app shows how to serve an EAGLE-3 draft at the tuned k (export, vllm serve, SGLang) and
+    nothing for other drafts."""
+    from specdemo.export import serve_hint
+
+    save_eagle3(random_head(target8), tmp_path / "head")
+    hint = serve_hint("smollm2-135m", str(tmp_path / "head"), 3)
+    assert "k = 3 in vLLM" in hint and "python -m specdemo export" in hint and "vllm serve" in hint
+    assert '"num_speculative_tokens":3' in hint and "--speculative-algorithm EAGLE3" in hint
+    target8.config.save_pretrained(tmp_path / "lm")
+    assert serve_hint("smollm2-135m", str(tmp_path / "lm"), 3) is None

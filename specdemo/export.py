@@ -1,0 +1,126 @@
+"""`python -m specdemo export`: an EAGLE-3 head as a checkpoint folder vLLM and SGLang load unchanged, with the flags
+that serve it at a k: speculative_config.json for `vllm serve --speculative-config`, sglang.txt for SGLang.
+
+Only EAGLE-3 heads export; our older EAGLE-style head (specdemo/eagle.py) is another architecture and is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import BUNDLED_ID, TRAINED_DRAFT_ID, GenerationConfig, Runtime
+from .eagle3 import (
+    CONFIG_FILE,
+    META_FILE,
+    SPEC_FILE,
+    WEIGHTS_FILE,
+    Eagle3Config,
+    Eagle3FormatError,
+    is_eagle3,
+    locate_eagle3,
+    read_config,
+    read_weights,
+    recorded_k,
+)
+from .serving import (
+    serve_target,
+    sglang_command,
+    sglang_flags,
+    vllm_serve_command,
+    vllm_speculative_config,
+)
+
+SGLANG_FILE = "sglang.txt"
+
+
+@dataclass(frozen=True)
+class Export:
+    """What `export` wrote, and the command lines that serve it."""
+
+    folder: Path
+    k: int
+    speculative_config: dict
+    vllm_command: str
+    sglang_command: str
+
+
+def head_folder(draft: str, runtime: Runtime = Runtime()) -> Path:
+    """The EAGLE-3 checkpoint folder `draft` names (a folder, a hub id, or the shipped draft); refuses anything else,
+    saying what it is instead."""
+    from .compare import ASSETS
+
+    path = ASSETS / TRAINED_DRAFT_ID if draft == TRAINED_DRAFT_ID else Path(draft)
+    if is_eagle3(path):
+        return path
+    from .eagle import CONFIG_FILE as EAGLE_CONFIG
+
+    if (path / EAGLE_CONFIG).exists():
+        raise Eagle3FormatError(
+            f"'{draft}' is a specdemo EAGLE-style head (specdemo/eagle.py): it reads the target's final hidden state "
+            f"(and fused layers through its own projection) and borrows the target's output head, a different "
+            f"architecture from EAGLE-3, so vLLM and SGLang cannot load it. Train an exportable head with "
+            f"`python -m specdemo distill --arch eagle3 ...`, then export that folder")
+    folder = locate_eagle3(draft, runtime)
+    if folder is None:
+        raise Eagle3FormatError(
+            f"'{draft}' is not an EAGLE-3 head (its config.json names none of the EAGLE-3 architectures). A draft LLM "
+            f"serves as it is: `python -m specdemo serve-config --drafter model --draft {draft}`")
+    return folder
+
+
+def export_eagle3(draft: str, out: str | Path, k: int | None = None, target: str | None = None,
+                  runtime: Runtime = Runtime()) -> Export:
+    """Write DIR/config.json + model.safetensors (the head's own weights, normalised to the engines' layout),
+    speculative_config.json and sglang.txt. k: given, else the head's recorded k, else the usual default."""
+    from safetensors.torch import save_file
+
+    source = head_folder(draft, runtime)
+    config = Eagle3Config.from_json(read_config(source))  # refuses variants we would not run the same way
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    k = k or recorded_k(source) or GenerationConfig().num_draft_tokens
+    try:
+        meta = json.loads((source / META_FILE).read_text())
+    except (OSError, ValueError):
+        meta = {}
+    if out.resolve() != source.resolve():
+        tensors = {name: t.contiguous() for name, t in read_weights(source).items()}
+        dtype = next((t.dtype for name, t in tensors.items() if name.endswith("weight")), None)
+        for stale in out.glob("*.safetensors"):  # a previous export's shards would load beside the new file
+            stale.unlink()
+        save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+        (out / CONFIG_FILE).write_text(json.dumps(config.to_json(dtype), indent=2) + "\n")
+        if (source / "README.md").exists():
+            shutil.copyfile(source / "README.md", out / "README.md")
+    (out / META_FILE).write_text(json.dumps({**meta, "num_speculative_tokens": k}, indent=2) + "\n")
+    model = str(out.resolve())
+    spec = vllm_speculative_config("eagle3", k, model)
+    (out / SPEC_FILE).write_text(json.dumps(spec, indent=2) + "\n")
+    served, _ = serve_target(target or meta.get("target") or BUNDLED_ID, runtime)
+    sglang = sglang_command(served, "eagle3", k, model)
+    (out / SGLANG_FILE).write_text(f"# {sglang}\n{sglang_flags('eagle3', k, model)}\n")
+    return Export(out, k, spec, vllm_serve_command(served, spec), sglang)
+
+
+def serve_hint(target: str, draft: str | None, k: int, runtime: Runtime = Runtime()) -> str | None:
+    """Markdown for the app after Tune k with an EAGLE-3 draft: the commands that serve it at k in vLLM and SGLang
+    (a hub head as it is, ours exported first); None for other drafts."""
+    from .compare import default_draft
+
+    draft = draft or default_draft(target)
+    try:
+        source = head_folder(draft, runtime) if draft else None
+    except (Eagle3FormatError, OSError, RuntimeError):
+        return None
+    if source is None:
+        return None
+    served, _ = serve_target(target, runtime)
+    local = Path(draft).is_dir() or draft == TRAINED_DRAFT_ID
+    model = f"{Path(draft).name}-eagle3" if local else draft  # vLLM and SGLang load a published head by its hub id
+    export = f"python -m specdemo export --draft {draft} --out {model} --k {k} --target {target}\n" if local else ""
+    spec = vllm_speculative_config("eagle3", k, model)
+    return (f"**Serve this draft with k = {k} in vLLM**{' (export it first)' if local else ''}:\n\n```\n{export}"
+            f"{vllm_serve_command(served, spec)}\n# SGLang:\n{sglang_command(served, 'eagle3', k, model)}\n```")
