@@ -37,9 +37,10 @@ def logit_lens_head(target, folder, subset_size: int = 8192):
 @NEEDS_VLLM
 def test_vllm_eagle3_is_greedy_identical_and_accepts_what_ours_accepts(tmp_path, monkeypatch):
     """The bench with --anchors vllm and --draft an EAGLE-3 folder on the bundled model, k = 2, four dev prompts:
-    vLLM's eagle3 and plain outputs equal our autoregressive output, both engines draft, and vLLM's acceptance rate
-    (accepted / drafted tokens, from vllm:spec_decode_* counters) is within 5 points of ours, as is its acceptance
-    at the first draft position."""
+    vLLM's eagle3 and plain outputs equal our autoregressive output, both engines draft, they accept the same number
+    of drafts (within 10%), and vLLM's acceptance rate (accepted / drafted tokens, from vllm:spec_decode_* counters)
+    is within 5 points of ours, as is its acceptance at the first draft position. (The logit-lens head: 9 drafts
+    accepted on each side here, per prompt 4 / 2 / 2 / 1 in both engines, acceptance 0.026 ours, 0.025 vLLM's.)"""
     from specdemo.loading import load_model
 
     monkeypatch.setenv(VLLM_PYTHON_ENV, str(vllm_python()))
@@ -57,7 +58,8 @@ def test_vllm_eagle3_is_greedy_identical_and_accepts_what_ours_accepts(tmp_path,
     assert report["overall"]["identical_fraction"] == 1.0
     drafted = sum(r["vllm_eagle3_draft_tokens"] for r in report["results"])
     assert drafted > 0 and sum(r["drafted"] for r in report["results"]) > 0
-    assert 0.05 < v["ours_acceptance_rate"] < 0.95  # a head that is neither always right nor always wrong
+    ours, theirs = (sum(r[key] for r in report["results"]) for key in ("accepted", "vllm_eagle3_accepted"))
+    assert ours > 0 and abs(ours - theirs) <= max(2, ours // 10), (ours, theirs)  # the same drafts accepted
     assert abs(v["eagle3_acceptance_rate"] - v["ours_acceptance_rate"]) <= 0.05, v
     ours_first = _ours_first_position(report["results"])
     assert abs(v["eagle3_per_position_acceptance"][0] - ours_first) <= 0.05, (v, ours_first)
