@@ -4,6 +4,7 @@ output and ours, and its acceptance, from its own spec-decode counters, is ours 
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -33,6 +34,15 @@ def logit_lens_head(target, folder, subset_size: int = 8192):
     return folder
 
 
+def ungated_copy(folder, out):
+    """A copy of a head folder whose specdemo.json has no min_confidence (the drafter's confidence gate)."""
+    shutil.copytree(folder, out, ignore=shutil.ignore_patterns("cache", "train_log.jsonl"))
+    meta = out / "specdemo.json"
+    if meta.exists():
+        meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "min_confidence"}))
+    return out
+
+
 @pytest.mark.slow
 @NEEDS_VLLM
 def test_vllm_eagle3_is_greedy_identical_and_accepts_what_ours_accepts(tmp_path, monkeypatch):
@@ -45,7 +55,9 @@ def test_vllm_eagle3_is_greedy_identical_and_accepts_what_ours_accepts(tmp_path,
 
     monkeypatch.setenv(VLLM_PYTHON_ENV, str(vllm_python()))
     folder = os.environ.get(HEAD_ENV)
-    if not folder:
+    if folder:  # vLLM has no confidence gate: ours is switched off (min_confidence) so both draft k every step
+        folder = ungated_copy(folder, tmp_path / "head")
+    else:
         folder = logit_lens_head(load_model("smollm2-135m", device="cpu", dtype="fp32").model, tmp_path / "head")
     out = tmp_path / "bench"
     assert bench_main(["--limit", "4", "--max-new-tokens", "48", "--k", "2", "--draft", str(folder), "--anchors",
