@@ -143,6 +143,7 @@ class EagleHead(nn.Module):
     """
 
     fast_linear = True  # the output head's product through specdemo.kernels on a float32 CPU (off: F.linear)
+    input_scale = None  # distill.training's feature noise is in the features' own units
 
     def __init__(self, c: EagleConfig, embed: torch.Tensor, head: torch.Tensor, subset: torch.Tensor):
         super().__init__()
@@ -205,6 +206,10 @@ class EagleHead(nn.Module):
         if self.fast_linear and kernels.enabled_for(features.device, features.dtype):
             return kernels.linear(features, self.head_weight)
         return features @ self.head_weight.T
+
+    def teacher_logits(self, final: torch.Tensor) -> torch.Tensor:
+        """The target's logits over the subset from its final hidden state (distill's soft loss): the same head."""
+        return self.logits(final)
 
     def unrolled(self, features: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
         """Training-time test: `depth` draft steps from every position at once, exactly as propose() runs them.

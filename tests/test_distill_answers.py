@@ -66,6 +66,26 @@ def test_features_recorded_while_answering_are_those_of_a_separate_pass(tmp_path
     assert all(torch.equal(top, g) for (_, top), g in zip(recorded, greedy["top1"]))
 
 
+def test_fused_layers_recorded_while_answering_are_those_of_a_separate_pass(tmp_path):
+    """With fused layers (EAGLE-3's aux states) the answering passes record the final state then each layer's input
+    hidden state, as build_features' own pass does (layer 0's input: the embeddings)."""
+    target, tok, convs = _recording_setup()
+    path, samples = tmp_path / "samples.jsonl", []
+    answers.run_stage("s", convs, target, tok, 8, 4, 0.0, 0, path, samples, lambda r: None, record=True, layers=(0, 1))
+    assert all(s["recorded"][2] == [0, 1] for s in samples)
+    data = features.build_features(target, samples, tmp_path, layers=(0, 1))
+    assert not (tmp_path / answers.RECORDED).exists()  # read from the recordings
+    plain = [{"ids": s["ids"], "prompt_len": s["prompt_len"]} for s in samples]
+    (tmp_path / "separate").mkdir()
+    separate = features.build_features(target, plain, tmp_path / "separate", layers=(0, 1))
+    for s, a, b in zip(samples, data["features"], separate["features"]):
+        assert a.shape == b.shape == (len(s["ids"]), 3 * 32) and torch.allclose(a.float(), b.float(), atol=2e-3)
+    emb = target.get_input_embeddings().weight
+    first = data["features"][0][:, 32:64].float()  # layer 0's input: the token embeddings
+    assert torch.allclose(first, emb[torch.tensor(samples[0]["ids"])].half().float())
+    assert all(torch.equal(a, b) for a, b in zip(data["top1"], separate["top1"]))
+
+
 def test_a_recorded_stage_whose_list_grew_answers_only_the_new_prompts(tmp_path):
     """A cache recorded for a stage's first four conversations, then the stage run with six (a new instructions
     file appended): the new ones sort between the cached ones by length, yet only they are answered, once each, and

@@ -61,8 +61,8 @@ def prompt_table(head, samples: list[Sample], data: dict, depth: int, device: to
     return "\n".join(lines) + "\n"
 
 
-def held_out_table(target, heads: list[tuple[str, object]], cache: Path, depth: int) -> str:
-    """distill's held-out agreement for each (name, head), with the current `evaluate` on a cache's samples and
+def held_out_table(target, heads: list[tuple[str, object, tuple[int, ...]]], cache: Path, depth: int) -> str:
+    """distill's held-out agreement for each (name, head, fused layers), with the current `evaluate` on a cache's samples and
     distill's own defaults (seed, max length, batch size, the skipped common prefix). The cache's final states are
     read (and written to its features.pt where missing); a head that reads fused layers is not measured."""
     samples = read_jsonl(cache / "samples.jsonl")
@@ -71,8 +71,8 @@ def held_out_table(target, heads: list[tuple[str, object]], cache: Path, depth: 
     held, _ = split_held_out(samples, random.Random(TrainConfig.seed))
     data = build_features(target, samples, cache)
     lines = [f"| draft | held-out top-1 agreement, steps 1..{depth} | chain rate |", "|---|---|---|"]
-    for name, head in heads:
-        if head.c.fuse_layers:  # its wider features would be recorded again over the whole cache: not here
+    for name, head, layers in heads:
+        if layers:  # its wider features would be recorded again over the whole cache: not here
             lines.append(f"| {name} | (reads fused layers; not measured here) | |")
             continue
         m = evaluate(head, samples, data, held, subset_index(head), target.device, depth=depth,

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..drafters import with_cache
-from ..engine import eos_ids
+from ..engine import eos_ids, target_features
 from ..kernels import decode_cache, grouped_attention_on, left_pad
 from .config import LogFn, Sample, TrainConfig
 from .instructions import (OPENINGS, paragraph_prompts, read_instructions, read_jsonl, self_instructions,
@@ -64,12 +64,13 @@ def generate_answers(target, tokenizer, convs: list[list[dict]], max_new_tokens:
 
 @torch.inference_mode()
 def generate_recorded(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, sample_temp: float = 0.0,
-                      seed: int = 0) -> tuple[list[Sample], list[tuple[torch.Tensor, torch.Tensor]]]:
+                      seed: int = 0, layers: tuple[int, ...] = ()) -> tuple[list[Sample], list[tuple[torch.Tensor, torch.Tensor]]]:
     """One batch of prompts (token ids, `prompt_ids`) answered as `generate_answers` does, decoded here step by step,
     so that the passes that write the answers also give what `build_features` would record: the final hidden state
-    (fp16) and the greedy token (the label, also where a token was sampled) at every position. Returns ({ids,
-    prompt_len} per prompt, in order, and (features (n, H), top1 (n,)) for each). One pass more than `generate`: the
-    last token is fed too. On a CPU it decodes with the kernels of specdemo.kernels.decode."""
+    (fp16; then each of `layers`' hidden states, as engine.target_features lays them out) and the greedy token (the
+    label, also where a token was sampled) at every position. Returns ({ids, prompt_len} per prompt, in order, and
+    (features (n, W), top1 (n,)) for each). One pass more than `generate`: the last token is fed too. On a CPU it
+    decodes with the kernels of specdemo.kernels.decode."""
     stops = eos_ids(model, tokenizer)
     b, width, dev = len(prompts), max(map(len, prompts)), model.device
     x, mask = left_pad(prompts, pad_id(tokenizer), dev)
@@ -80,9 +81,9 @@ def generate_recorded(model, tokenizer, prompts: list[list[int]], max_new_tokens
     answers: list[list[int]] = [[] for _ in range(b)]
     done = [False] * b
     with grouped_attention_on(model):
-        h = model.model(input_ids=x, attention_mask=mask, position_ids=pos, use_cache=True,
-                        **with_cache(model.model, cache)).last_hidden_state
-        feats = [h.half().cpu()]
+        h, f = target_features(model, layers, input_ids=x, attention_mask=mask, position_ids=pos, use_cache=True,
+                               **with_cache(model.model, cache))
+        feats = [f.half().cpu()]
         tops = [torch.stack([head(h[r]).argmax(-1) for r in range(b)]).int().cpu()]  # row by row: (T, V) logits each
         logits = head(h[:, -1]).float()
         for _ in range(max_new_tokens):
@@ -96,10 +97,10 @@ def generate_recorded(model, tokenizer, prompts: list[list[int]], max_new_tokens
                     done[r] = t in stops or len(answers[r]) == max_new_tokens
             mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=dev)], dim=1)  # finished rows: unused
             pos = pos[:, -1:] + 1
-            h = model.model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, use_cache=True,
-                            **with_cache(model.model, cache)).last_hidden_state
+            h, f = target_features(model, layers, input_ids=tok[:, None], attention_mask=mask, position_ids=pos,
+                                   use_cache=True, **with_cache(model.model, cache))
             logits = head(h[:, -1]).float()
-            feats.append(h.half().cpu())
+            feats.append(f.half().cpu())
             tops.append(logits.argmax(-1, keepdim=True).int().cpu())
             if all(done):  # every answer's last token has been fed
                 break
@@ -114,13 +115,14 @@ def generate_recorded(model, tokenizer, prompts: list[list[int]], max_new_tokens
 
 def run_stage(name: str, convs: list[list[dict]], target, tokenizer, max_new_tokens: int, batch_size: int,
               temp: float, seed: int, path: Path, samples: list[Sample], log_fn: LogFn, max_sequences: int = 0,
-              record: bool = False) -> None:
+              record: bool = False, layers: tuple[int, ...] = (), deadline: float = 0.0) -> None:
     """Generate answers for the conversations of a stage that are not cached yet, saving after each batch to `path`
     and appending them to `samples` (the cache read so far).
 
     With `record`, the batches go shortest prompt first (left padding then wastes little: the written requests,
     64 tokens on average, were padded to 164 in file order, and the prefill is half of a batch's time on a CPU), and
-    each batch's features and labels are saved beside the samples (`RECORDED`), for `build_features` to read."""
+    each batch's features (with `layers`' hidden states) and labels are saved beside the samples (`RECORDED`), for
+    `build_features` to read. No batch starts after `deadline` (time.perf_counter(); 0: none)."""
     have = sum(s["stage"] == name for s in samples)
     # What is cached is found by its prompt, not its count: a stage whose list grew (a new instructions file) sorts
     # differently shortest first, and a stage cached by one --features mode may be resumed by the other. Copies are
@@ -136,19 +138,19 @@ def run_stage(name: str, convs: list[list[dict]], target, tokenizer, max_new_tok
     if record:
         todo.sort(key=lambda i: len(ids[i]))  # stable: ties stay in file order
     for j in range(0, len(todo), batch_size):
-        if max_sequences and len(samples) >= max_sequences:  # a time budget: stop at a batch boundary
-            return
+        if max_sequences and len(samples) >= max_sequences or deadline and time.perf_counter() >= deadline:
+            return  # a budget: stop at a batch boundary
         t0 = time.perf_counter()
         start = have + j  # sequences of the stage before this batch: names its file and seeds its sampling
         batch = todo[j : j + batch_size]
         if record:
             new, recorded = generate_recorded(target, tokenizer, [ids[i] for i in batch], max_new_tokens, temp,
-                                              seed + start)
+                                              seed + start, layers)
             (path.parent / RECORDED).mkdir(exist_ok=True)
             file = f"{name}-{start:06d}.pt"
             torch.save(recorded, path.parent / RECORDED / file)
             for row, s in enumerate(new):
-                s["recorded"] = [file, row]
+                s["recorded"] = [file, row, list(layers)]
         else:
             new = generate_answers(target, tokenizer, [convs[i] for i in batch], max_new_tokens, batch_size, temp,
                                    seed + start)
@@ -165,19 +167,22 @@ def run_stage(name: str, convs: list[list[dict]], target, tokenizer, max_new_tok
 def build_data(target, tokenizer, work: Path, config: TrainConfig, log_fn: LogFn) -> list[Sample]:
     """All training sequences (prompt + target answer), generated once by `target` (the --gen-dtype copy) and cached
     batch by batch in work/samples.jsonl: paragraphs, the templated instructions, then the self-written, steered and
-    file-given ones (config.instructions, the stage "written"), until config.max_sequences. With config.features
-    "writer", the answering passes also keep their features and labels (`run_stage`'s `record`)."""
+    file-given ones (config.instructions, the stage "written"), until config.max_sequences or config.data_minutes
+    (at a batch boundary; with `record` the written requests go shortest first, so a cut keeps the shorter ones).
+    With config.features "writer", the answering passes also keep their features and labels (`run_stage`'s
+    `record`)."""
     written = read_instructions(config.instructions)
     seed, scale, tokens, batch_size, limit = (config.seed, config.scale, config.max_new_tokens, config.gen_batch_size,
                                               config.max_sequences)
+    deadline = time.perf_counter() + config.data_minutes * 60 if config.data_minutes else 0.0
     path = work / "samples.jsonl"
     samples = read_jsonl(path)
     rng = random.Random(seed)
     simple, sampled = templated_prompts(rng, seed, scale)
     gen = lambda stage, convs, n_tokens, temp: run_stage(  # noqa: E731
         stage, convs, target, tokenizer, n_tokens, batch_size, temp, seed, path, samples, log_fn, limit,
-        config.features == "writer")
-    full = lambda: bool(limit and len(samples) >= limit)  # noqa: E731
+        config.features == "writer", config.layers, deadline)
+    full = lambda: bool(limit and len(samples) >= limit or deadline and time.perf_counter() >= deadline)  # noqa: E731
     gen("paragraph", paragraph_prompts(), PARAGRAPH_TOKENS, 0.0)
     paragraphs = [tokenizer.decode(s["ids"][s["prompt_len"]:], skip_special_tokens=True).strip()
                   for s in samples if s["stage"] == "paragraph"]

@@ -22,6 +22,8 @@ from .agreement import answer_features, held_out_table, prompt_table, target_ans
 from .answers import build_data
 from .config import LogFn, TrainConfig
 from .features import build_features, choose_subset
+from .heads import ARCHS, default_layers, evaluable, load_drafter
+from .heads import build as build_trainee
 from .training import common_prefix, train
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,9 @@ def train_parser() -> argparse.ArgumentParser:
                         "against 0.33 s at 64)")
     p.add_argument("--max-sequences", type=int, default=D.max_sequences,
                    help="stop generating at this many sequences (0: all)")
+    p.add_argument("--data-minutes", type=float, default=D.data_minutes,
+                   help="time budget for answering: no batch starts after it (0: none); the written requests go "
+                        "shortest first, so a cut keeps the shorter ones")
     p.add_argument("--gen-dtype", default=D.gen_dtype,
                    help="dtype of the target copy that writes instructions and answers (bf16: 1.7x faster on an "
                         "AVX512-BF16 CPU); with --features target, features and labels come from the fp32 target")
@@ -67,7 +72,13 @@ def train_parser() -> argparse.ArgumentParser:
                         "project's file of 2,974 helper-written requests; 'written2': its second batch of 2,978; both "
                         "by default, as for the shipped draft; 'written3': a third batch of 2,989, not in the default "
                         "(docs/draft.md); '': none)")
-    p.add_argument("--subset-size", type=int, default=D.subset_size)
+    p.add_argument("--arch", default=D.arch, choices=list(ARCHS),
+                   help="the head: 'eagle' (specdemo.eagle, the shipped draft's) or 'eagle3' (specdemo.eagle3: an "
+                        "EAGLE-3 head in vLLM's and SGLang's checkpoint format, reading the aux layers' states "
+                        "(--fuse-layers, default vLLM's 2, L/2, L-3) over a --subset-size draft vocabulary; no "
+                        "feature loss; docs/eagle3.md)")
+    p.add_argument("--subset-size", type=int, default=D.subset_size,
+                   help="the draft vocabulary: the target's most frequent tokens in the answers")
     p.add_argument("--steps", type=int, default=D.steps)
     p.add_argument("--train-minutes", type=float, default=D.train_minutes,
                    help="time budget for training: fewer steps (same schedule shape) if the pace needs it")
@@ -137,8 +148,11 @@ def _logger(path: Path, t_start: float) -> LogFn:
 
 def run(config: TrainConfig, runtime: Runtime = Runtime()) -> int:
     """Generate data with the target, record its features, train the head and write the asset to config.out."""
-    from ..eagle import build_head, init_from_target_layer, save_draft
     from ..loading import load_model
+
+    if config.arch == "eagle3" and (config.draft_layers != 1 or config.dropout):
+        raise SystemExit("--arch eagle3 trains one midlayer (vLLM's layout) without dropout: drop --draft-layers "
+                         "and --dropout")
 
     out = Path(config.out)
     work = Path(config.work) if config.work else out / "cache"
@@ -152,6 +166,7 @@ def run(config: TrainConfig, runtime: Runtime = Runtime()) -> int:
     target, tokenizer = loaded.model, loaded.tokenizer
     for p in target.parameters():
         p.requires_grad_(False)
+    config = replace(config, fuse_layers=default_layers(config, target.config.num_hidden_layers))
     writer = (target if config.gen_dtype == "fp32"
               else load_model(config.target, device=config.device, dtype=config.gen_dtype, runtime=runtime).model)
     samples = build_data(writer, tokenizer, work, config, log_fn)
@@ -167,14 +182,11 @@ def run(config: TrainConfig, runtime: Runtime = Runtime()) -> int:
     if config.total_minutes:
         config = replace(config, train_minutes=max(5.0, config.total_minutes - (time.perf_counter() - t_start) / 60))
         log_fn({"event": "train_budget", "minutes": round(config.train_minutes, 1)})
-    head = build_head(target, subset, config.layers, config.draft_layers)
-    if config.init_layer is not None:
-        init_from_target_layer(head, target, config.init_layer)
+    head, save = build_trainee(config, target, subset, data)
     meta = lambda step, m: {"target": config.target, "step": step, "metrics": m,  # noqa: E731
                             "min_confidence": config.min_confidence,
                             "seconds": round(time.perf_counter() - t_start)}
-    metrics = train(head, samples, data, config, loaded.device, log_fn,
-                    lambda step, m: save_draft(head, out, meta(step, m)))
+    metrics = train(head, samples, data, config, loaded.device, log_fn, lambda step, m: save(out, meta(step, m)))
     log_fn({"event": "done", "total_seconds": round(time.perf_counter() - t_start, 1), **metrics})
     return 0
 
@@ -204,7 +216,6 @@ def agreement_parser() -> argparse.ArgumentParser:
 def agreement_main(argv: list[str], runtime: Runtime = Runtime()) -> int:
     """Print (and with --out, write) the agreement tables for each draft."""
     from ..compare import trained_draft_path
-    from ..eagle import load_trained_draft
     from ..loading import load_model
 
     args = agreement_parser().parse_args(argv)
@@ -212,15 +223,16 @@ def agreement_main(argv: list[str], runtime: Runtime = Runtime()) -> int:
     if not drafts[0]:
         raise SystemExit(f"error: no shipped draft for {args.target}; name one with --draft")
     loaded = load_model(args.target, device=args.device, runtime=runtime)
-    heads = [(folder, load_trained_draft(folder, loaded).head) for folder in drafts]
+    drafters = [(folder, load_drafter(folder, loaded)) for folder in drafts]
+    heads = [(folder, evaluable(d.head, loaded.model), tuple(d.target_layers)) for folder, d in drafters]
     if args.held_out:
         report = held_out_table(loaded.model, heads, Path(args.held_out), args.depth)
     else:
         items = read_prompts(args.prompts, args.limit)
         samples = target_answers(loaded.model, loaded.tokenizer, items, args.max_new_tokens)
         tables = []
-        for folder, head in heads:
-            data = answer_features(loaded.model, samples, head.c.fuse_layers)
+        for folder, head, layers in heads:
+            data = answer_features(loaded.model, samples, layers)
             tables.append((f"`{folder}`\n\n" if len(heads) > 1 else "")
                           + prompt_table(head, samples, data, args.depth, loaded.device))
         report = "\n".join(tables)

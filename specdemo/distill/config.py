@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 Sample = dict  # one training sequence: {"ids": prompt + answer ids, "prompt_len": int, "stage": str}, and, where the
-#                answering passes recorded its features, "recorded": [file in work/recorded, row]
+#                answering passes recorded its features, "recorded": [file in work/recorded, row, fused layers]
 LogFn = Callable[[dict], None]  # receives each progress record (a line of train_log.jsonl)
 
 
@@ -27,12 +27,14 @@ class TrainConfig:
     max_new_tokens: int = 128
     gen_batch_size: int = 128
     max_sequences: int = 0  # 0: all
+    data_minutes: float = 0  # 0: no time budget for answering
     gen_dtype: str = "bf16"  # the copy of the target that writes instructions and answers
     self_instruct: int = 0
     steered_instruct: int = 0
     features: str = "writer"  # "writer" (recorded while answering) or "target" (a pass of the fp32 target)
     instructions: str = "written,written2"  # comma-separated files or names (instructions.NAMED); "": none
     # Stage 3: the head and its training
+    arch: str = "eagle"  # "eagle" (specdemo.eagle) or "eagle3" (specdemo.eagle3: vLLM's and SGLang's format)
     subset_size: int = 8192
     steps: int = 4000
     train_minutes: float = 0  # 0: no time budget for training

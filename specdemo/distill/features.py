@@ -40,8 +40,10 @@ def build_features(target, samples: list[Sample], work: Path, batch_size: int = 
     out: dict[int, tuple] = {}
     files: dict[str, list] = {}
     for i in range(have, len(samples)):  # recorded while answering (--features writer)
-        if "recorded" in samples[i] and not layers and (work / RECORDED / samples[i]["recorded"][0]).is_file():
-            file, row = samples[i]["recorded"]
+        rec = samples[i].get("recorded")
+        rec_layers = tuple(rec[2]) if rec and len(rec) > 2 else ()  # older caches: [file, row], no layers
+        if rec and rec_layers == tuple(layers) and (work / RECORDED / rec[0]).is_file():
+            file, row = rec[0], rec[1]
             if file not in files:
                 files[file] = torch.load(work / RECORDED / file)
             out[i] = files[file][row]

@@ -51,14 +51,16 @@ def padded_batch(samples: list[Sample], data: dict, idx: list[int], max_len: int
 def losses(head, feats: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, t: int,
            depth: int, noise: float, feat_weight: float, gen: torch.Generator | None = None,
            soft_weight: float = 0.0) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per-depth (ce, feature loss, correct mask); row i of depth d predicts position i + d.
+    """Per-depth (ce, feature loss, correct mask); row i of depth d predicts position i + d. `head` is an
+    eagle.EagleHead or a heads.Eagle3Trainee.
 
     ce mixes cross-entropy to the target's greedy token with, at `soft_weight`, cross-entropy to the target's own
     distribution over the subset (EAGLE's classification loss), computed from the recorded final hidden state with
     the same frozen head: the whole distribution, not one token, per position."""
     inp = feats[:, :t]
-    if noise > 0:
-        inp = inp + (torch.rand(inp.shape, generator=gen, device=inp.device) - 0.5) * 2 * noise
+    if noise > 0:  # in the units the head reads its features in (input_scale: per channel, or None for as they are)
+        scale = noise if head.input_scale is None else noise * head.input_scale.to(inp.dtype)
+        inp = inp + (torch.rand(inp.shape, generator=gen, device=inp.device) - 0.5) * 2 * scale
     outs = head.unrolled(inp, tokens, depth)
     res = []
     for d, g in enumerate(outs, start=1):
@@ -68,7 +70,7 @@ def losses(head, feats: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor
         ce = F.cross_entropy(logits.float(), lab[ok])
         if soft_weight > 0:
             with torch.no_grad():
-                target_probs = torch.softmax(head.logits(true).float(), dim=-1)  # (N, S)
+                target_probs = torch.softmax(head.teacher_logits(true).float(), dim=-1)  # (N, S)
             soft = -(target_probs * torch.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
             ce = (1 - soft_weight) * ce + soft_weight * soft
         fl = F.smooth_l1_loss(g[ok].float(), true)
