@@ -207,24 +207,28 @@ def _pays(p: BatchPoint) -> float:
     return 1.0 if p.k == 0 else p.speedup
 
 
+def _stopped_paying(p: BatchPoint) -> bool:
+    return p.k == 0 or p.speedup < 1.0
+
+
 def crossover(points: Sequence[BatchPoint]) -> int | None:
     """The smallest measured batch size at which speculation no longer pays (speedup below 1, or auto k chose no
     speculation); None if it pays at every measured size."""
-    return next((p.batch_size for p in sorted(points, key=lambda p: p.batch_size) if p.k == 0 or p.speedup < 1.0),
-                None)
+    return next((p.batch_size for p in sorted(points, key=lambda p: p.batch_size) if _stopped_paying(p)), None)
 
 
 def crossover_interpolated(points: Sequence[BatchPoint]) -> float | None:
     """Where the speedup curve reaches 1, linear in log2(batch size) between the two measured sizes around it (the
     smallest size, if speculation does not pay there already)."""
     ps = sorted(points, key=lambda p: p.batch_size)
-    if ps and crossover(ps) == ps[0].batch_size:
+    i = next((i for i, p in enumerate(ps) if _stopped_paying(p)), None)
+    if i is None:
+        return None
+    if i == 0:
         return float(ps[0].batch_size)
-    for a, b in zip(ps, ps[1:]):
-        if b.batch_size == crossover(ps):
-            t = (_pays(a) - 1.0) / (_pays(a) - _pays(b)) if _pays(a) != _pays(b) else 1.0
-            return 2 ** (math.log2(a.batch_size) + t * (math.log2(b.batch_size) - math.log2(a.batch_size)))
-    return None
+    a, b = ps[i - 1], ps[i]
+    t = (_pays(a) - 1.0) / (_pays(a) - _pays(b)) if _pays(a) != _pays(b) else 1.0
+    return 2 ** (math.log2(a.batch_size) + t * (math.log2(b.batch_size) - math.log2(a.batch_size)))
 
 
 @dataclass
