@@ -20,6 +20,7 @@ from .config import MAX_K_ENGINE, GenerationConfig, SamplingConfig
 from .drafters import Proposal, Verdict
 from .engine import Committer, GenerationError, check_request, eos_ids, seeded_generator
 from .metrics import expected_speedup
+from .placement import execution_device
 from .timing import Clock, timed_call
 from .verify import logits_to_probs, rejection_accept
 
@@ -141,8 +142,9 @@ def batch_autoregressive(target, tokenizer, prompts: Sequence[list[int]],
     """Plain decoding of a padded batch: one target pass per token for every row; finished rows leave the batch."""
     _check_batch(prompts, config)
     check_cache(target)
-    clock = Clock(target.device)
-    rows = _Rows(tokenizer, prompts, config, eos_ids(target, tokenizer), target.device)
+    device = execution_device(target)  # where the input ids go, under a device map too
+    clock = Clock(device)
+    rows = _Rows(tokenizer, prompts, config, eos_ids(target, tokenizer), device)
     kv = BatchKV(target, len(prompts))
     kind = "prefill"
     clock.start()
@@ -194,13 +196,13 @@ def batch_speculative(target, tokenizer, drafter: BatchDrafter, prompts: Sequenc
     """
     _check_batch(prompts, config)
     check_cache(target)
-    clock = Clock(target.device)
+    kv = BatchKV(target, len(prompts))
+    device = kv.device  # where the input ids go, under a device map too
+    clock = Clock(device)
     eos = eos_ids(target, tokenizer)
     sampling = config.sampling
-    rows = _Rows(tokenizer, prompts, config, eos, target.device)
-    kv = BatchKV(target, len(prompts))
+    rows = _Rows(tokenizer, prompts, config, eos, device)
     layers = tuple(drafter.target_layers) if drafter.needs_target_hidden else None
-    device = kv.device
 
     clock.start()  # prefill: each row's first token, exactly as in batch_autoregressive
     logits, hidden = _prefill(kv, prompts, layers)

@@ -14,7 +14,7 @@ from .batch_kv import PAD, BatchKV, Slots, check_cache, gather_slots, left_padde
 from .config import MAX_K_ENGINE, SamplingConfig
 from .drafters import Drafter, DraftRequest, HybridDrafter, ModelDrafter, NgramDrafter, Proposal, Verdict
 from .engine import GenerationError
-from .verify import logits_to_probs
+from .verify import generator_on, logits_to_probs
 
 
 class BatchDrafter(ABC):
@@ -56,15 +56,6 @@ class BatchNgram(BatchDrafter):
                 for row, k, gen in zip(ids, ks, generators)]
 
 
-def _row_generator(gen: torch.Generator | None, device: torch.device) -> torch.Generator | None:
-    """The row's generator, or one seeded from it where the draft sits on another device (as ModelDrafter does)."""
-    if gen is None or gen.device.type == device.type:
-        return gen
-    own = torch.Generator(device=device)
-    own.manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
-    return own
-
-
 class BatchModelDrafter(BatchDrafter):
     """A draft causal LM over the batch with its own padded KV cache (BatchKV), rolled back per row.
 
@@ -92,7 +83,7 @@ class BatchModelDrafter(BatchDrafter):
         probs: list[list[torch.Tensor]] = [[] for _ in range(rows)]
         if max(ks, default=0) <= 0:
             return [Proposal([]) for _ in range(rows)]
-        gens = [_row_generator(g, self.device) for g in generators]
+        gens = [generator_on(g, self.device) for g in generators]
         active = [k > 0 for k in ks]
         logits = self.kv.step([row[n:] for row, n in zip(ids, self.kv.counts)])  # (B, V)
         while True:
@@ -215,7 +206,7 @@ class BatchEagle(BatchDrafter):
         self.pending = [None] * rows
         self.true_counts = list(self.slots.counts)
         subset = self.head.subset
-        gens = [_row_generator(g, self.device) for g in generators]
+        gens = [generator_on(g, self.device) for g in generators]
         active = [k > 0 for k in ks]
         while True:
             logits = self.head.logits(feature)  # (B, S)

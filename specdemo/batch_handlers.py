@@ -13,8 +13,9 @@ import gradio as gr
 
 from . import charts
 from .config import Runtime
+from .placement import placement_line
 from .handlers import Component, Handlers, OrderedOutputs, Stopped, hold_hardware, session_key
-from .race import KNOWN_ERRORS, AppLimits, UserError, friendly_error, make_request
+from .race import KNOWN_ERRORS, AppLimits, UserError, check_fit, friendly_error, make_request, placement_for
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,8 @@ def batch_table(sweep) -> str:
     cross = sweep.crossover
     lines.append("\n" + (f"Speculation stops paying at batch size **{cross}** on this machine." if cross is not None
                          else "Speculation pays at every batch size measured here."))
+    if sweep.placement:
+        lines.append(f"\nWhere it ran: {placement_line(sweep.placement)}.")
     return "\n".join(lines)
 
 
@@ -122,7 +125,10 @@ class BatchHandlers:
 
     def _sweep(self, request, stopped: Callable[[], bool]) -> Iterator[dict]:
         out = self.outputs
-        with closing(self.step(request, self.limits.device, self.runtime)) as steps:  # closing stops the decoders
+        placement = placement_for(request.target, self.limits)  # as the race: the server's or the preset's device map
+        estimate = check_fit(request, self.limits, self.runtime, placement) or ""
+        with closing(self.step(request, self.limits.device, self.runtime, placement, self.limits.draft_device,
+                               estimate)) as steps:  # closing stops the decoders
             for item in steps:
                 if stopped():
                     raise Stopped

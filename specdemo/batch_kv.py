@@ -12,6 +12,7 @@ import torch
 from .drafters import crop_cache, with_cache
 from .engine import GenerationError, target_features
 from .kernels import left_pad
+from .placement import execution_device
 
 PAD = 0  # the token id fed at padded positions; they are masked out, so any id would do
 # compaction: when a storage holds more than COMPACT_SLACK + COMPACT_FRACTION x the longest row's slots of holes
@@ -92,6 +93,7 @@ class Slots:
 def gather_slots(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x (B, H, L, D) -> (B, H, m, D) at each row's slots index (B, m)."""
     b, h, _, d = x.shape
+    index = index.to(x.device)  # under a device map each layer's cache sits with its layer
     return x.gather(2, index[:, None, :, None].expand(b, h, index.shape[1], d))
 
 
@@ -102,7 +104,7 @@ class BatchKV:
         from transformers import DynamicCache
 
         self.model = model
-        self.device = next(model.parameters()).device
+        self.device = execution_device(model)  # where the input ids go, under a device map too
         self.cache = DynamicCache(config=model.config)
         self.slots = Slots(rows, self.device)
 
@@ -131,7 +133,8 @@ class BatchKV:
         if self.cache.get_seq_length() != before + tokens.shape[1]:
             raise GenerationError(f"{type(self.model).__name__}'s forward did not fill the KV cache it was given")
         self.slots.append(real)
-        return logits, features
+        # under a device map the head may compute elsewhere than the embeddings: bring the outputs to the inputs
+        return logits.to(self.device), None if features is None else features.to(self.device)
 
     def step(self, feeds: Sequence[Sequence[int]]) -> torch.Tensor:
         """Feed each row its own tokens (left-padded to one width; a row may feed none) and return the logits (B, V)

@@ -19,7 +19,7 @@ from .batch import (AutoK, BatchStats, batch_autoregressive, batch_forward_secon
                     choose_k, cost_widths, row_outputs, verify_costs_from)
 from .batch_drafters import BatchDrafter, batch_drafter
 from .batch_kv import left_padded
-from .compare import Pair, first_mismatch
+from .compare import Pair, first_mismatch, pair_placement
 from .config import GenerationConfig
 from .engine import eos_ids
 from .metrics import alpha_from_mean_accepted
@@ -237,6 +237,7 @@ class BatchSweep:
 
     points: list[BatchPoint]
     k_arg: str  # "auto" or the fixed k
+    placement: dict = field(default_factory=dict)  # compare.pair_placement: where the target's parts and the draft live
 
     @property
     def crossover(self) -> int | None:
@@ -280,6 +281,7 @@ def iter_batch_sweep(pair: Pair, prompt_ids: Sequence[list[int]], batch_sizes: S
     eos = eos_ids(model, tok)
     hf_kw = make_hf_kwargs(config.sampling, config.max_new_tokens, sorted(eos)) if anchors else None
     drafter = batch_drafter(pair.drafter)
+    where = pair_placement(pair)
     calibrations = {}
     for b in sizes:
         first = batches(rows, b)[0]
@@ -314,7 +316,7 @@ def iter_batch_sweep(pair: Pair, prompt_ids: Sequence[list[int]], batch_sizes: S
         if b == 1:
             single = ar_out  # rows in order; zip in point() compares the rows both sizes ran
         points.append(point(b, k_b, calibrations[b], ar_runs, sd_runs, hf_runs, single, gaps))
-        yield BatchSweep(list(points), "auto" if k is None else str(k))
+        yield BatchSweep(list(points), "auto" if k is None else str(k), where)
 
 
 # ---- the app's Batch tab: one request in, status lines and the sweep so far out (picklable, for spaces.GPU) ----
@@ -333,14 +335,18 @@ class BatchRequest:
     anchors: bool = False  # also time generate on the same padded batches (the baseline check)
 
 
-def sweep_batches(request: BatchRequest, device: str | None = None, runtime=None) -> Iterator[str | BatchSweep]:
-    """Load the pair, then iter_batch_sweep: a status line before each phase, then the BatchSweep after each size."""
+def sweep_batches(request: BatchRequest, device: str | None = None, runtime=None, placement=None,
+                  draft_device: str | None = None, loading: str = "") -> Iterator[str | BatchSweep]:
+    """Load the pair (the target under `placement`'s device map when it names one, the draft on draft_device), then
+    iter_batch_sweep: a status line before each phase, then the BatchSweep after each size. `loading` adds to the
+    loading line (the app's memory estimate)."""
     from .compare import load_pair
-    from .config import Runtime
+    from .config import Placement, Runtime
     from .engine import encode_prompt
 
-    yield f"Loading {request.target} (cached after the first load)…"
-    pair = load_pair(request.target, request.drafter, request.draft, device=device, runtime=runtime or Runtime())
+    yield f"Loading {request.target} (cached after the first load)…" + (f" {loading}" if loading else "")
+    pair = load_pair(request.target, request.drafter, request.draft, device=device, draft_device=draft_device,
+                     runtime=runtime or Runtime(), placement=placement or Placement())
     ids = [encode_prompt(pair.target.tokenizer, p, request.config.use_chat_template) for p in request.prompts]
     yield (f"Measuring pass costs and acceptance at batch sizes {', '.join(map(str, request.batch_sizes))} "
            f"(untimed), then timing each size: autoregressive, then speculative, never at once…")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .config import SamplingConfig
-from .verify import logits_to_probs
+from .verify import generator_on, logits_to_probs
 
 
 @dataclass
@@ -107,7 +107,7 @@ class ModelDrafter(Drafter):
                 token_probs.append(torch.softmax(logits.float(), -1)[token])
             else:
                 q = logits_to_probs(logits, request.sampling)
-                token = int(torch.multinomial(q, 1, generator=self._generator(request)))
+                token = int(torch.multinomial(q, 1, generator=generator_on(request.generator, q.device)))
                 probs.append(q.to(self.target_device))
                 token_probs.append(q[token])
             tokens.append(token)
@@ -116,14 +116,6 @@ class ModelDrafter(Drafter):
             feed = [token]
         q_tokens = torch.stack(token_probs).tolist() if token_probs else []
         return Proposal(tokens, torch.stack(probs) if probs else None, q_tokens)
-
-    def _generator(self, request: DraftRequest) -> torch.Generator | None:
-        """The engine's generator, or a seeded one of our own when the draft sits on another device."""
-        if request.generator is None or request.generator.device.type == self.device.type:
-            return request.generator
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(int(torch.randint(2**62, (1,), generator=request.generator)))
-        return gen
 
     def update(self, verdict: Verdict) -> None:
         # the cache holds committed ids plus drafted tokens; keep only the part the target agreed with

@@ -18,7 +18,7 @@ from torch import nn
 from . import kernels
 from .drafters import Drafter, DraftRequest, Proposal, Verdict
 from .placement import module_device, weight_of
-from .verify import logits_to_probs
+from .verify import generator_on, logits_to_probs
 
 CONFIG_FILE = "eagle_config.json"
 WEIGHTS_FILE = "eagle.safetensors"
@@ -380,8 +380,7 @@ class EagleDrafter(Drafter):
                 token = int(subset[int(torch.argmax(logits))])
                 token_probs.append(confidence)  # q(x) of the argmax: the softmax's peak
             else:
-                gen = request.generator if request.generator is not None and request.generator.device == q_sub.device else None
-                index = int(torch.multinomial(q_sub, 1, generator=gen))
+                index = int(torch.multinomial(q_sub, 1, generator=generator_on(request.generator, q_sub.device)))
                 token = int(subset[index])
                 token_probs.append(float(q_sub[index]))
                 q = torch.zeros(self.head.c.vocab_size, dtype=q_sub.dtype, device=q_sub.device)

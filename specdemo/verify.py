@@ -28,6 +28,17 @@ def logits_to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Ten
     return torch.softmax(logits, dim=-1)
 
 
+def generator_on(generator: torch.Generator | None, device: torch.device | str) -> torch.Generator | None:
+    """`generator` itself when it lives on `device`, else a generator there seeded from it, so a draft on another
+    device than the target (or the engine's generator) still samples reproducibly from the run's seed."""
+    device = torch.device(device)
+    if generator is None or generator.device == device:
+        return generator
+    own = torch.Generator(device=device)
+    own.manual_seed(int(torch.randint(2**62, (1,), generator=generator, device=generator.device)))
+    return own
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token id from a (V,) distribution."""
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -40,11 +40,15 @@ def test_batch_request_checks_its_values():
 
 @pytest.fixture
 def tiny_loads(monkeypatch, tiny_target, tiny_tok):
+    calls = []
+
     def load_pair(target, kind="model", draft=None, **kwargs):
+        calls.append(kwargs)
         loaded = LoadedModel("tiny", tiny_target, tiny_tok, torch.device("cpu"), torch.float32, "folder")
         return Pair(loaded, NgramDrafter(), kind, None)
 
     monkeypatch.setattr(compare, "load_pair", load_pair)
+    return calls
 
 
 def test_batch_sweep_frames_name_only_the_tabs_outputs(tiny_loads):
@@ -61,8 +65,20 @@ def test_batch_sweep_frames_name_only_the_tabs_outputs(tiny_loads):
     assert not lock.locked()
 
 
+def test_the_batch_tab_loads_with_the_servers_device_map_and_draft_device(tiny_loads):
+    """As the race does: the server's placement (SPECDEMO_DEVICE_MAP ...) and SPECDEMO_DRAFT_DEVICE reach load_pair."""
+    from specdemo.config import placement_from
+
+    limits = AppLimits(max_new_tokens=64, device="cpu", draft_device="cpu",
+                       placement=placement_from("sequential", "cpu=1GiB"))
+    h = BatchHandlers(OUTPUTS, [], Handlers(None, limits), limits)
+    outs = list(h.run(PROMPTS, False, "tiny", "ngram", "", 3, False, 0.0, 1.0, 8, 1, False))
+    assert outs[-1]["table"].startswith("Done") and "Where it ran: target on cpu: all" in outs[-1]["table"]
+    assert tiny_loads[-1]["placement"] == limits.placement and tiny_loads[-1]["draft_device"] == "cpu"
+
+
 def test_batch_errors_are_messages_and_release_the_hardware():
-    def fails(request, device, runtime):
+    def fails(request, *args):
         raise torch.OutOfMemoryError("CUDA out of memory")
         yield
 

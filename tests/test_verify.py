@@ -1,9 +1,10 @@
 """Acceptance rules: exact verdicts from extreme logits, and the rejection sampler's output distribution."""
 
+import pytest
 import torch
 
 from specdemo.config import SamplingConfig
-from specdemo.verify import greedy_accept, logits_to_probs, rejection_accept
+from specdemo.verify import generator_on, greedy_accept, logits_to_probs, rejection_accept
 
 NEG = float("-inf")
 
@@ -93,3 +94,23 @@ def test_top_k_and_top_p_filter_identically():
     assert torch.equal(probs, torch.tensor([1.0, 0.0, 0.0, 0.0]))
     cold = logits_to_probs(logits, SamplingConfig(temperature=0.1))
     assert cold[0] > 0.99
+
+
+def test_generator_on_keeps_a_generator_on_its_own_device():
+    gen = torch.Generator().manual_seed(3)
+    assert generator_on(gen, "cpu") is gen
+    assert generator_on(None, "cpu") is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device type (the GPU check runs it)")
+def test_generator_on_another_device_is_seeded_from_the_run():
+    """A draft on the GPU beside a CPU engine (or the reverse) samples from a generator derived from the run's seed:
+    the same seed gives the same draws, another seed other draws."""
+    def draws(seed):
+        own = generator_on(torch.Generator().manual_seed(seed), "cuda:0")
+        assert own.device == torch.device("cuda:0")
+        return torch.rand(8, generator=own, device="cuda:0").tolist()
+    assert draws(1) == draws(1)
+    assert draws(1) != draws(2)
+    back = generator_on(torch.Generator(device="cuda:0").manual_seed(1), "cpu")  # the CUDA generator seeds a CPU one
+    assert back.device == torch.device("cpu")
