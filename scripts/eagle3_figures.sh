@@ -31,7 +31,9 @@ $P -m specdemo export --draft "$E3" --out "$OUTDIR/export" --k 2
 # vLLM has no confidence gate: switch ours off for this comparison, so both engines draft k tokens every step
 $P -c "import json, sys; p = sys.argv[1]; m = json.load(open(p)); m.pop('min_confidence', None); json.dump(m, open(p, 'w'))" \
   "$OUTDIR/export/specdemo.json"
-$P -m specdemo bench --draft "$OUTDIR/export" --k 1,2 "${LIM[@]}" --anchors vllm --out "$OUTDIR/vllm-eagle3" --quiet
+# (10 prompts, 64 tokens: vLLM loads the pair once per configuration, about a minute each on the CPU)
+VLIM=(--limit "${LIMIT:-10}" --max-new-tokens "${MAX_NEW_TOKENS:-64}")
+$P -m specdemo bench --draft "$OUTDIR/export" --k 2 "${VLIM[@]}" --anchors vllm --out "$OUTDIR/vllm-eagle3" --quiet
 
 # the numbers
 $P - "$OUTDIR" <<'PY'

@@ -128,10 +128,10 @@ class BatchEagle(BatchDrafter):
 
     def __init__(self, head, min_confidence: float = 0.0):
         self.head = head
-        self.target_layers = head.c.fuse_layers
+        self.target_layers = head.target_layers
         self.min_confidence = min_confidence
-        self.device = head.head_weight.device
-        self.dtype = head.head_weight.dtype
+        self.device = head.norm.weight.device
+        self.dtype = head.norm.weight.dtype
 
     def begin(self, prompts, target_hidden=None) -> None:
         if target_hidden is None:
@@ -142,29 +142,40 @@ class BatchEagle(BatchDrafter):
         self.true_counts: list[int] | None = None  # counts after the last catch-up pass: the true entries
 
     def _pass(self, features: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        """features (B, T, H), tokens (B, T) (the token after each feature's position) -> predicted features (B, T, H)."""
-        head = self.head
-        x = head.fc(torch.cat([features, head.embed[tokens].to(features.dtype)], dim=-1))
-        freqs = self.slots.positions(real).float()[..., None] * head.inv_freq  # (B, T, D/2)
+        """features (B, T, H), tokens (B, T) (the token after each feature's position) -> what the next draft step
+        reads, (B, T, H): the head's output, each row at its own positions."""
+        freqs = self.slots.positions(real).float()[..., None] * self.head.inv_freq  # (B, T, D/2)
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # (B, 1, T, D), broadcast over heads
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        scale = getattr(self.head, "rope_scale", 1.0)  # the rope type's attention scaling (EAGLE-3 heads)
+        cos, sin = (emb.cos() * scale).to(features.dtype), (emb.sin() * scale).to(features.dtype)
         past, t = self.slots.length, tokens.shape[1]
         causal = torch.ones(t, past + t, dtype=torch.bool, device=self.device).tril(diagonal=past)
         mask = causal[None] & self.slots.mask(real)[:, None, :]  # (B, T, L + T)
         mask = (mask | ~mask.any(-1, keepdim=True))[:, None]  # a query with nothing to see reads garbage, not NaN
-        layers = head.decoder_layers
-        pasts = [(None, None)] * len(layers) if self.k is None else zip(self.k.chunk(len(layers), 1),
-                                                                       self.v.chunk(len(layers), 1))
-        ks, vs = [], []
-        for layer, (pk, pv) in zip(layers, pasts):
-            x, k, v = layer(x, cos, sin, pk, pv, mask)
-            ks.append(k)
-            vs.append(v)
+        n = self.layer_count
+        pasts = [(None, None)] * n if self.k is None else list(zip(self.k.chunk(n, 1), self.v.chunk(n, 1)))
+        out, ks, vs = self._layers(features, tokens, cos, sin, pasts, mask)
         k, v = torch.cat(ks, dim=1), torch.cat(vs, dim=1)
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
         self.slots.append(real)
-        return head.norm(x)
+        return out
+
+    @property
+    def layer_count(self) -> int:
+        return len(self.head.decoder_layers)
+
+    def _layers(self, features, tokens, cos, sin, pasts, mask):
+        """EagleHead: fc over (feature, embedding), its decoder layers, the final norm (its logits read normed
+        features). Returns the output and each layer's new keys and values."""
+        head = self.head
+        x = head.fc(torch.cat([features, head.embed[tokens].to(features.dtype)], dim=-1))
+        ks, vs = [], []
+        for layer, (pk, pv) in zip(head.decoder_layers, pasts):
+            x, k, v = layer(x, cos, sin, pk, pv, mask)
+            ks.append(k)
+            vs.append(v)
+        return head.norm(x), ks, vs
 
     def _drop_drafted(self) -> None:
         if self.true_counts is not None:
@@ -197,7 +208,7 @@ class BatchEagle(BatchDrafter):
             feats.append(pend)
             feeds.append(ids[r][n + 1:])
         tok, real = left_padded(feeds, self.device)
-        width = self.head.c.feature_width
+        width = next(f.shape[-1] for f in feats if f is not None)  # the engine's features: final and fused/aux layers
         x = torch.zeros(rows, tok.shape[1], width, dtype=self.dtype, device=self.device)
         for r, f in enumerate(feats):
             if f is not None and len(f):
@@ -258,6 +269,20 @@ class BatchEagle(BatchDrafter):
             self.k, self.v = gather_slots(self.k, index), gather_slots(self.v, index)
 
 
+class BatchEagle3(BatchEagle):
+    """An EAGLE-3 head (eagle3.Eagle3Head: ours or a published one) over the batch: BatchEagle's per-row chain, with
+    the midlayer over (embedding, hidden) and the pre-norm output fed back, as Eagle3Drafter does one row at a time."""
+
+    name = "eagle3"
+    layer_count = 1
+
+    def _layers(self, features, tokens, cos, sin, pasts, mask):
+        head = self.head
+        (pk, pv), = pasts
+        out, k, v = head.midlayer(head.embed(tokens).to(features.dtype), features, cos, sin, pk, pv, mask)
+        return out, [k], [v]
+
+
 class BatchHybrid(BatchDrafter):
     """drafters.HybridDrafter per row: prompt lookup where a row's context repeats, the batched model elsewhere (at
     most model_k tokens). Rows that look up feed the model nothing new that step; it catches up later."""
@@ -303,8 +328,7 @@ def batch_drafter(drafter: Drafter) -> BatchDrafter:
     if isinstance(drafter, ModelDrafter):
         return BatchModelDrafter(drafter.model, drafter.target_device)
     if isinstance(drafter, EagleDrafter) and drafter.name == "eagle3":
-        raise GenerationError("the batch decoder has no batched form of an EAGLE-3 head yet; race it one prompt at "
-                              "a time, or batch its target with prompt lookup")
+        return BatchEagle3(drafter.head, drafter.min_confidence)
     if isinstance(drafter, EagleDrafter):
         return BatchEagle(drafter.head, drafter.min_confidence)
     if isinstance(drafter, HybridDrafter):

@@ -12,6 +12,7 @@ from specdemo.batch_kv import BatchKV, left_padded
 from specdemo.config import GenerationConfig, SamplingConfig
 from specdemo.drafters import HybridDrafter, ModelDrafter, NgramDrafter, with_cache
 from specdemo.eagle import EagleDrafter, build_head
+from specdemo.eagle3 import Eagle3Drafter
 from specdemo.engine import GenerationError, autoregressive, generated_ids
 from specdemo.verify import greedy_accept
 
@@ -39,6 +40,25 @@ def eagle_drafter(target, seed: int = 0, fuse: tuple[int, ...] = ()) -> EagleDra
     return EagleDrafter(head.eval())
 
 
+@pytest.fixture(scope="module")
+def eagle3_target():
+    return tiny_llama(16, seed=5, sharpness=8.0, layers=8)  # the default aux ids (2, 4, 5) are distinct
+
+
+def eagle3_drafter(target, seed: int = 0) -> Eagle3Drafter:
+    """A random EAGLE-3 head over 12 of the 16 ids (EOS and a shuffled part of the rest: d2t is not monotone)."""
+    from specdemo.eagle3 import build_head as build_eagle3
+
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    head = build_eagle3(target, torch.cat([torch.tensor([0]), 1 + torch.randperm(15, generator=g)[:11]]))
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if p.dim() == 2 and name != "lm_head.weight":
+                p.normal_(0.0, 2.0 * p.shape[1] ** -0.5)
+    return Eagle3Drafter(head.eval())
+
+
 def make(kind, draft, target):
     if kind == "ngram":
         return NgramDrafter()
@@ -46,7 +66,15 @@ def make(kind, draft, target):
         return ModelDrafter(draft)
     if kind == "eagle":
         return eagle_drafter(target)
+    if kind == "eagle3":
+        return eagle3_drafter(target)
+    if kind == "hybrid-eagle3":
+        return HybridDrafter(eagle3_drafter(target), min_match=2)
     return HybridDrafter(ModelDrafter(draft), min_match=2)
+
+
+def target_for(kind, tiny_target, eagle_target, eagle3_target):
+    return eagle3_target if "eagle3" in kind else eagle_target if kind.startswith("eagle") else tiny_target
 
 
 def single(target, tok, prompts, config):
@@ -72,11 +100,11 @@ def assert_lossless(model, prompts, expected, got):
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-@pytest.mark.parametrize("kind", ["ngram", "model", "hybrid", "eagle"])
-def test_greedy_batch_equals_each_rows_single_sequence_output(tiny_target, tiny_draft, eagle_target, tiny_tok,
-                                                             kind, k):
+@pytest.mark.parametrize("kind", ["ngram", "model", "hybrid", "eagle", "eagle3", "hybrid-eagle3"])
+def test_greedy_batch_equals_each_rows_single_sequence_output(tiny_target, tiny_draft, eagle_target, eagle3_target,
+                                                             tiny_tok, kind, k):
     """Every row of a batched speculative run is that prompt's own greedy output, for every drafter and k."""
-    target = eagle_target if kind == "eagle" else tiny_target
+    target = target_for(kind, tiny_target, eagle_target, eagle3_target)
     config = GenerationConfig(max_new_tokens=40, num_draft_tokens=k)
     expected = single(target, tiny_tok, PROMPTS, config)
     events = list(batch_speculative(target, tiny_tok, batch_drafter(make(kind, tiny_draft, target)), PROMPTS, config))
@@ -84,18 +112,19 @@ def test_greedy_batch_equals_each_rows_single_sequence_output(tiny_target, tiny_
     assert batch_stats(events).drafted > 0
 
 
-@pytest.mark.parametrize("kind", ["ngram", "model", "hybrid", "eagle", "eagle-confident"])
-def test_each_row_drafts_what_its_single_sequence_drafter_drafts(tiny_target, tiny_draft, eagle_target, tiny_tok,
-                                                                kind):
+@pytest.mark.parametrize("kind", ["ngram", "model", "hybrid", "eagle", "eagle-confident", "eagle3",
+                                  "eagle3-confident"])
+def test_each_row_drafts_what_its_single_sequence_drafter_drafts(tiny_target, tiny_draft, eagle_target,
+                                                                eagle3_target, tiny_tok, kind):
     """Step by step, every row's proposal in the batch equals the proposal of the same drafter decoding that prompt
     alone: the batched draft state (KV slots, pending EAGLE features, the hybrid's catch-up) follows each row."""
     from specdemo.engine import speculative
 
-    target = eagle_target if kind.startswith("eagle") else tiny_target
+    target = target_for(kind, tiny_target, eagle_target, eagle3_target)
 
     def fresh():
         d = make(kind.split("-")[0], tiny_draft, target)
-        if kind == "eagle-confident":
+        if kind.endswith("-confident"):
             d.min_confidence = 0.9  # stops early on unsure drafts, differently per row
         return d
 
@@ -306,3 +335,31 @@ def test_sampled_distribution_matches_target_in_every_row(tiny_target, tiny_draf
         assert 0.5 * float((empirical - e).abs().sum()) < 0.06
         assert 0.5 * float((d - e).abs().sum()) > 0.2
         assert 0.5 * float((empirical - d).abs().sum()) > 0.15
+
+
+def test_sampled_distribution_is_exact_in_every_row_through_an_eagle3_heads_draft_vocabulary(eagle3_target,
+                                                                                             tiny_tok):
+    """Batched EAGLE-3 drafts come from 12 of the 16 ids (q zero elsewhere, mapped through d2t); each row's second
+    sampled token still follows the target's distribution, ids outside the draft vocabulary included."""
+    prompts = [list(range(1, 16)) + [3], [5, 9, 2]]
+    rows = [prompts[i % 2] for i in range(8)]
+    expected = [_second_token_distribution(eagle3_target, p) for p in prompts]
+    outside = torch.ones(16, dtype=torch.bool)
+    outside[eagle3_drafter(eagle3_target).head.subset] = False
+    counts = [torch.zeros_like(e) for e in expected]
+    runs, drafted = 400, 0
+    for seed in range(runs):
+        config = GenerationConfig(max_new_tokens=3, num_draft_tokens=2, sampling=SamplingConfig(1.0),
+                                  seed=seed * len(rows))
+        drafter = batch_drafter(eagle3_drafter(eagle3_target))
+        events = list(batch_speculative(eagle3_target, tiny_tok, drafter, rows, config))
+        drafted += batch_stats(events).drafted
+        for r, ids in enumerate(row_outputs(events, len(rows))):
+            if len(ids) >= 2:
+                counts[r % 2][ids[1]] += 1
+    assert drafted > runs * len(rows) // 4
+    for c, e in zip(counts, expected):
+        empirical = c / c.sum()
+        assert 0.5 * float((empirical - e).abs().sum()) < 0.06
+        assert float(e[outside].sum()) > 0.1  # the target puts real mass where the head cannot draft ...
+        assert abs(float(empirical[outside].sum() - e[outside].sum())) < 0.04  # ... and the samples follow it
