@@ -98,7 +98,8 @@ trap finish EXIT
 # A published EAGLE-3 head with its target (EAGLE3_HEAD: the head's folder, carried or already on the machine;
 # EAGLE3_TARGET: its target, a folder or a hub id in the machine's hub cache, for `real` by default the bundled
 # model): the benchmark at k = EAGLE3_KS (default 1,3) on EAGLE3_LIMIT prompts (default 5) reports whether greedy
-# speculative output is identical to the target's and the acceptance. Skipped with a note when no head is named; with
+# speculative output is identical to the target's and the acceptance, then the same head batched at EAGLE3_BATCHES
+# (default 1,4,16). Skipped with a note when no head is named; with
 # DRY=1 and `real`, a random head for the bundled target stands in (a check of the stage, not of any head).
 eagle3_stage() {
   local target=$1 head=${EAGLE3_HEAD:-}
@@ -114,6 +115,10 @@ t = load_model('$target', device='cpu'); torch.manual_seed(0); save_eagle3(build
   stage bench_eagle3 "${EAGLE3_CAP:-150}" $PY -m specdemo bench --target "$target" --draft "$head" --device "$DEV" \
     --k "${EAGLE3_KS:-1,3}" --limit "${EAGLE3_LIMIT:-5}" --max-new-tokens "${EAGLE3_TOKENS:-64}" --no-theory --quiet \
     --prompts "${PROMPTS:-specdemo/data/prompts/dev.jsonl}" --out "$R/bench-eagle3"
+  # the same head batched (batch_drafters.BatchEagle3): every row identical to batch 1, the crossover on the GPU
+  stage bench_eagle3_batch "${EAGLE3_BATCH_CAP:-150}" $PY -m specdemo bench --target "$target" --draft "$head" \
+    --device "$DEV" --batch-size "${EAGLE3_BATCHES:-1,4,16}" --k auto --limit "${EAGLE3_BATCH_LIMIT:-16}" \
+    --max-new-tokens "${EAGLE3_TOKENS:-64}" --quiet --out "$R/bench-eagle3-batch"
 }
 # --- end stage: eagle3 ---
 
