@@ -52,14 +52,15 @@ def test_shipped_draft_with_prompt_lookup_is_lossless(bundled):
     from specdemo.compare import ASSETS, make_drafter
 
     hybrid, _, cal = make_drafter(bundled, "hybrid", None)  # the shipped draft, capped as this machine's costs say
-    chain = json.loads((ASSETS / "smollm2-135m-draft" / "eagle_config.json").read_text())["metrics"]["chain"]
-    assert hybrid.model.held_out_chain == tuple(chain)  # the cap weighs the draft's own held-out acceptance
+    chain = json.loads((ASSETS / "smollm2-135m-draft" / "specdemo.json").read_text())["metrics"]["chain"]
+    assert hybrid.model.name == "eagle3" and hybrid.model.held_out_chain == tuple(chain)  # the cap weighs the draft's own held-out acceptance
     assert 0.0 < cal.draft_cost < 0.5  # measured at load; 0.07 in the benchmark on this CPU
     assert hybrid.model_k == hybrid_model_k(cal.verify_costs, hybrid.model.held_out_chain, cal.draft_cost)
     cap = hybrid.model_k or 3
     config = GenerationConfig(max_new_tokens=48, num_draft_tokens=3)
-    prompt = ("Summarize in one sentence: The museum opens at nine. The museum closes at five. "
-              "Tickets for the museum cost ten euros, and the museum is closed on Mondays.")
+    # a copying answer: the lookup drafts the repeats (9 of 16 steps with the shipped EAGLE-3 head), the head the rest
+    prompt = ("Repeat this list exactly, one item per line: red apple, green pear, yellow banana, red apple, "
+              "green pear, yellow banana.")
     ids = encode_prompt(bundled.tokenizer, prompt)
     ar = generated_ids(list(autoregressive(bundled.model, bundled.tokenizer, ids, config)))
     sources = []
