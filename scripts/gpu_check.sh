@@ -216,9 +216,10 @@ stage offload_regime $((DC + 60)) $PY scripts/offload_regime.py --device "$DEV" 
 # --- end stage: devices ---
 stage bench_draft 200 "${B[@]}" --drafter model --k "$KS" --anchors --out "$R/bench-draft"
 stage distill "${DISTILL_CAP:-280}" $PY -m specdemo distill --target smollm2-135m --out "$R/draft-cuda" --work "$KEEP/distill-cache" \
-  --device "$DEV" --instructions written,written2 --train-dtype bf16 --min-confidence 0.8 "${DISTILL[@]}" ${DISTILL_ARGS:-}
+  --device "$DEV" --arch eagle3 --instructions written,written2 --train-dtype bf16 --min-confidence 0.8 "${DISTILL[@]}" \
+  ${DISTILL_ARGS:-}  # the shipped head's recipe (an EAGLE-3 head since 2026-12-02)
 stage bench_hybrid 70 "${B[@]}" --drafter hybrid --k 8 --out "$R/bench-hybrid"
-[ -f "$R/draft-cuda/eagle_config.json" ] && \
+[ -f "$R/draft-cuda/config.json" ] && \
   stage bench_cuda_draft 70 "${B[@]}" --draft "$R/draft-cuda" --k 1,2 --out "$R/bench-cuda-draft"
 stage bench_fp32 70 "${B[@]}" --drafter model --k 3 --dtype fp32 --out "$R/bench-draft-fp32"  # greedy without bf16 ties
 eagle3_stage "${EAGLE3_TARGET:-smollm2-135m}"
