@@ -23,8 +23,8 @@ TEMPLATE = ("{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}"
 
 def test_the_shipped_recipe_is_the_default():
     config = cli.parse_config(["--target", "x", "--out", "y"])
-    assert (config.self_instruct, config.instructions, config.features, config.steps) == (0, "written,written2",
-                                                                                         "writer", 4000)
+    assert (config.self_instruct, config.instructions, config.features, config.steps, config.arch) == (
+        0, "written,written2", "writer", 4000, "eagle3")
     assert config == TrainConfig(target="x", out="y")  # every flag's default is TrainConfig's
 
 
@@ -51,7 +51,7 @@ def tiny_run(tmp_path_factory):
     argv = ["--target", str(root / "target"), "--out", str(root / "out"), "--device", "cpu", "--scale", "0.05",
             "--max-new-tokens", "8", "--gen-batch-size", "16", "--self-instruct", "4", "--instructions", "",
             "--subset-size", "24", "--steps", "40", "--batch-size", "4", "--eval-every", "20", "--log-every", "20",
-            "--lr", "3e-3", "--seed", "1"]
+            "--lr", "3e-3", "--seed", "1", "--arch", "eagle"]  # a 2-layer target has no 3 distinct EAGLE-3 aux layers
     torch.manual_seed(0)
     assert main(argv) == 0
     return root, argv

@@ -28,8 +28,8 @@ from .training import common_prefix, train
 
 log = logging.getLogger(__name__)
 
-DESCRIPTION = ("Distil an EAGLE-style draft head (specdemo.eagle) from a target model, using only the target's own "
-               "answers.")
+DESCRIPTION = ("Distil a draft head from a target model, using only the target's own answers: an EAGLE-3 head "
+               "(specdemo.eagle3, the default) or our EAGLE-style head (specdemo.eagle, --arch eagle).")
 EPILOG = ("`python -m specdemo distill agreement --help`: a trained draft's teacher-forced agreement with its target "
           "on a prompt set or on a distill cache's held-out split.")
 
@@ -73,10 +73,10 @@ def train_parser() -> argparse.ArgumentParser:
                         "by default, as for the shipped draft; 'written3': a third batch of 2,989, not in the default "
                         "(docs/draft.md); '': none)")
     p.add_argument("--arch", default=D.arch, choices=list(ARCHS),
-                   help="the head: 'eagle' (specdemo.eagle, the shipped draft's) or 'eagle3' (specdemo.eagle3: an "
-                        "EAGLE-3 head in vLLM's and SGLang's checkpoint format, reading the aux layers' states "
-                        "(--fuse-layers, default vLLM's 2, L/2, L-3) over a --subset-size draft vocabulary; no "
-                        "feature loss; docs/eagle3.md)")
+                   help="the head: 'eagle3' (specdemo.eagle3, the shipped draft's: an EAGLE-3 head in vLLM's and "
+                        "SGLang's checkpoint format, reading the aux layers' states (--fuse-layers, default vLLM's "
+                        "2, L/2, L-3) over a --subset-size draft vocabulary; docs/eagle3.md) or 'eagle' "
+                        "(specdemo.eagle, the EAGLE-style head shipped until 2026-12-02; docs/draft.md)")
     p.add_argument("--subset-size", type=int, default=D.subset_size,
                    help="the draft vocabulary: the target's most frequent tokens in the answers")
     p.add_argument("--steps", type=int, default=D.steps)
