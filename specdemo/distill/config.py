@@ -34,7 +34,7 @@ class TrainConfig:
     features: str = "writer"  # "writer" (recorded while answering) or "target" (a pass of the fp32 target)
     instructions: str = "written,written2"  # comma-separated files or names (instructions.NAMED); "": none
     # Stage 3: the head and its training
-    arch: str = "eagle3"  # "eagle3" (specdemo.eagle3: vLLM's and SGLang's format; the shipped head) or "eagle" (specdemo.eagle)
+    arch: str = "eagle3"  # "eagle3" (specdemo.eagle3, vLLM's format: the shipped head) or "eagle" (specdemo.eagle)
     subset_size: int = 8192
     steps: int = 4000
     train_minutes: float = 0  # 0: no time budget for training
