@@ -20,7 +20,6 @@ from .config import MAX_K_ENGINE, GenerationConfig, SamplingConfig
 from .drafters import Proposal, Verdict
 from .engine import Committer, GenerationError, check_request, eos_ids, seeded_generator
 from .metrics import expected_speedup
-from .placement import execution_device
 from .timing import Clock, timed_call
 from .verify import logits_to_probs, rejection_accept
 
@@ -142,10 +141,10 @@ def batch_autoregressive(target, tokenizer, prompts: Sequence[list[int]],
     """Plain decoding of a padded batch: one target pass per token for every row; finished rows leave the batch."""
     _check_batch(prompts, config)
     check_cache(target)
-    device = execution_device(target)  # where the input ids go, under a device map too
+    kv = BatchKV(target, len(prompts))
+    device = kv.device  # where the input ids go, under a device map too
     clock = Clock(device)
     rows = _Rows(tokenizer, prompts, config, eos_ids(target, tokenizer), device)
-    kv = BatchKV(target, len(prompts))
     kind = "prefill"
     clock.start()
     logits, _ = _prefill(kv, prompts, None)

@@ -100,6 +100,7 @@ class ModelDrafter(Drafter):
         probs: list[torch.Tensor] = []
         token_probs: list[torch.Tensor] = []  # q(x_i), 0-d tensors: read back once, after the loop
         feed = request.ids[self.num_cached :]
+        gen = None if request.sampling.greedy else generator_on(request.generator, self.device)  # once per proposal
         for _ in range(request.k):
             logits = self._step(feed)
             if request.sampling.greedy:
@@ -107,7 +108,7 @@ class ModelDrafter(Drafter):
                 token_probs.append(torch.softmax(logits.float(), -1)[token])
             else:
                 q = logits_to_probs(logits, request.sampling)
-                token = int(torch.multinomial(q, 1, generator=generator_on(request.generator, q.device)))
+                token = int(torch.multinomial(q, 1, generator=gen))
                 probs.append(q.to(self.target_device))
                 token_probs.append(q[token])
             tokens.append(token)

@@ -369,6 +369,7 @@ class EagleDrafter(Drafter):
         tokens, probs, token_probs = [], [], []
         self.confidences = []
         subset = self.head.subset
+        gen = None if sampling.greedy else generator_on(request.generator, weight.device)  # once per proposal
         for j in range(request.k):
             logits = self.head.logits(feature)  # (S,)
             q_sub = torch.softmax(logits.float(), -1) if sampling.greedy else logits_to_probs(logits, sampling)
@@ -380,7 +381,7 @@ class EagleDrafter(Drafter):
                 token = int(subset[int(torch.argmax(logits))])
                 token_probs.append(confidence)  # q(x) of the argmax: the softmax's peak
             else:
-                index = int(torch.multinomial(q_sub, 1, generator=generator_on(request.generator, q_sub.device)))
+                index = int(torch.multinomial(q_sub, 1, generator=gen))
                 token = int(subset[index])
                 token_probs.append(float(q_sub[index]))
                 q = torch.zeros(self.head.c.vocab_size, dtype=q_sub.dtype, device=q_sub.device)
