@@ -47,16 +47,11 @@ def eagle3_target():
 
 def eagle3_drafter(target, seed: int = 0) -> Eagle3Drafter:
     """A random EAGLE-3 head over 12 of the 16 ids (EOS and a shuffled part of the rest: d2t is not monotone)."""
-    from specdemo.eagle3 import build_head as build_eagle3
+    from test_eagle3 import random_head
 
     g = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    head = build_eagle3(target, torch.cat([torch.tensor([0]), 1 + torch.randperm(15, generator=g)[:11]]))
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if p.dim() == 2 and name != "lm_head.weight":
-                p.normal_(0.0, 2.0 * p.shape[1] ** -0.5)
-    return Eagle3Drafter(head.eval())
+    vocab = torch.cat([torch.tensor([0]), 1 + torch.randperm(15, generator=g)[:11]])
+    return Eagle3Drafter(random_head(target, seed, vocab=vocab))
 
 
 def make(kind, draft, target):

@@ -41,9 +41,10 @@ def draft_vocab(size: int = 60, seed: int = 0) -> torch.Tensor:
     return torch.cat([torch.tensor([0]), 1 + torch.randperm(VOCAB - 1, generator=g)[: size - 1]])
 
 
-def random_head(target, seed: int = 0, size: int = 60, aux=None):
+def random_head(target, seed: int = 0, size: int = 60, aux=None, vocab: torch.Tensor | None = None):
+    """A random head over `vocab` (default: draft_vocab(size, seed) of the 100-id tiny vocabulary)."""
     torch.manual_seed(seed)
-    head = build_head(target, draft_vocab(size, seed), aux)
+    head = build_head(target, draft_vocab(size, seed) if vocab is None else vocab, aux)
     with torch.no_grad():  # larger weights than the default init, so drafts vary with their input
         for name, p in head.named_parameters():
             if p.dim() == 2 and name != "lm_head.weight":
