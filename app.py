@@ -16,6 +16,10 @@ SPECDEMO_MAX_MEMORY         the device map's limits, e.g. 0=20GiB,cpu=60GiB (def
 SPECDEMO_OFFLOAD_FOLDER     where the device map may put weights that fit in no memory (default: none, so such a
                             pair is refused before loading)
 SPECDEMO_DRAFT_DEVICE       the draft's device, e.g. cpu beside a GPU target (default: the target's)
+SPECDEMO_WORKER             1 (default): the timed work runs in a process of its own, so the server's threads never
+                            hold the interpreter lock while a decoder is timed; 0: in the server's process (ZeroGPU
+                            always runs it there, under spaces.GPU)
+SPECDEMO_THREADS            torch threads for the timed work (default: torch's own choice, as in the CLI)
 SPECDEMO_CONCURRENCY        concurrent handlers (default 4; timed runs still take turns on the hardware)
 SPECDEMO_QUEUE_SIZE         requests waiting in the queue (default 32)
 SPACE_ID                    set by Hugging Face Spaces; makes the presets the default allowlist
@@ -34,6 +38,7 @@ from dataclasses import replace
 from specdemo.config import placement_from, runtime_from_env
 from specdemo.race import AppLimits, preset_ids
 from specdemo.ui import build_demo, launch_options
+from specdemo.worker import Worker
 
 
 def _int(env, name: str, default: int | None) -> int | None:
@@ -75,13 +80,24 @@ def zero_gpu():
     return spaces.GPU(duration=120)
 
 
-def make_app(env=os.environ):
-    """The queued Blocks, ready to launch."""
-    demo = build_demo(limits_from_env(env), runtime_from_env(env), gpu=zero_gpu())
+def compute_wrapper(env=os.environ):
+    """What runs the compute steps: spaces.GPU on ZeroGPU, else a Worker process (unless SPECDEMO_WORKER=0), else
+    None (the handler's own thread)."""
+    gpu = zero_gpu()
+    if gpu is not None or env.get("SPECDEMO_WORKER", "1").strip() == "0":
+        return gpu
+    worker = Worker(threads=_int(env, "SPECDEMO_THREADS", None))
+    worker.start()
+    return worker.wrap
+
+
+def make_app(env=os.environ, compute=None):
+    """The queued Blocks, ready to launch; `compute` wraps the compute steps (compute_wrapper's, for a server)."""
+    demo = build_demo(limits_from_env(env), runtime_from_env(env), gpu=compute)
     return demo.queue(default_concurrency_limit=_int(env, "SPECDEMO_CONCURRENCY", 4),
                       max_size=_int(env, "SPECDEMO_QUEUE_SIZE", 32))
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    make_app().launch(**launch_options())
+    make_app(compute=compute_wrapper()).launch(**launch_options())

@@ -129,18 +129,20 @@ class BatchHandlers:
         estimate = check_fit(request, self.limits, self.runtime, placement) or ""
         with closing(self.step(request, self.limits.device, self.runtime, placement, self.limits.draft_device,
                                estimate)) as steps:  # closing stops the decoders
-            for item in steps:
+            last = None
+            for item in steps:  # the sweep so far after each batch size: drawn only when all are timed
                 if stopped():
                     raise Stopped
                 if isinstance(item, str):
                     yield {out.table: item}
-                    continue
-                points = [p.as_dict() for p in item.points]
-                done = len(item.points) == len(request.batch_sizes)
-                yield {out.throughput_plot: charts.batch_throughput(points, item.crossover),
-                       out.speedup_plot: charts.batch_speedup(points, item.crossover),
-                       out.table: ("Done." if done else f"Measured batch size {item.points[-1].batch_size}…")
-                       + "\n\n" + batch_table(item)}
+                else:
+                    last = item
+        if last is None:
+            return
+        points = [p.as_dict() for p in last.points]
+        yield {out.throughput_plot: charts.batch_throughput(points, last.crossover),
+               out.speedup_plot: charts.batch_speedup(points, last.crossover),
+               out.table: "Done.\n\n" + batch_table(last)}
 
     def stop(self, visitor: gr.Request = None) -> None:
         """Ask this visitor's batch sweep to stop; it ends at its next step and says "Stopped." itself."""

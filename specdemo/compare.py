@@ -1,13 +1,13 @@
 """A target and its drafter (a Pair), built from user-facing names; both decoders on one prompt; the JSON result.
 
-The two runs never overlap: each one's clock counts only its own compute (see engine.StepEvent.elapsed).
+The two runs take turns and never overlap: each one's clock counts only its own compute (see engine.StepEvent.elapsed).
 This is the one place that builds drafters from names; the CLI, the app, the sweep and the benchmark use it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -17,7 +17,7 @@ from .drafters import Drafter, ModelDrafter, NgramDrafter
 from .engine import StepEvent, autoregressive, encode_prompt, generated_ids, speculative
 from .hybrid import HybridCalibration, calibrated_hybrid
 from .loading import BUNDLED_ALIASES, LoadedModel, ModelLoadError, check_tokenizers, load_model
-from .metrics import RunStats, run_stats, speedup
+from .metrics import PassCosts, RunStats, pass_costs, run_stats, speedup
 from .placement import drafter_device
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -141,12 +141,28 @@ def warmup(pair: Pair, prompt_ids: list[int], config: GenerationConfig) -> None:
 
 
 def stream_pair(pair: Pair, prompt_ids: list[int], config: GenerationConfig) -> Iterator[tuple[str, StepEvent]]:
-    """("ar", event)s until the autoregressive run ends, then ("sd", event)s: sequential, never competing."""
+    """("ar" | "sd", event)s of both decoders taking turns: the next step is always the one of the run whose own clock
+    is behind (the autoregressive run first on a tie), so both advance side by side from the first token.
+
+    The steps never overlap, and each clock counts only its own steps; taking turns spreads whatever else the machine
+    does (a browser drawing the race, another process) over both runs alike, where one run after the other would let
+    a busy spell land on one of them only."""
     tok = pair.target.tokenizer
-    for event in autoregressive(pair.target.model, tok, prompt_ids, config):
-        yield "ar", event
-    for event in speculative(pair.target.model, tok, pair.drafter, prompt_ids, config):
-        yield "sd", event
+    runs = {"ar": autoregressive(pair.target.model, tok, prompt_ids, config),
+            "sd": speculative(pair.target.model, tok, pair.drafter, prompt_ids, config)}
+    clocks = dict.fromkeys(runs, 0.0)
+    try:
+        while runs:
+            which = min(runs, key=clocks.__getitem__)
+            event = next(runs[which], None)
+            if event is None:
+                del runs[which]
+                continue
+            clocks[which] = event.elapsed
+            yield which, event
+    finally:
+        for run in runs.values():
+            run.close()
 
 
 def first_mismatch(target: LoadedModel, prompt_ids: list[int], a: list[int], b: list[int]) -> dict | None:
@@ -199,10 +215,20 @@ def _run_json(events: list[StepEvent], stats: RunStats) -> dict:
             "tokens_per_s": stats.tokens_per_s}
 
 
+def calibrate(pair: Pair, prompt_ids: list[int], config: GenerationConfig, tokens: int = 16) -> PassCosts:
+    """Untimed: a warm-up, then both decoders on `tokens` new tokens taking turns; the medians of their passes (what a
+    run's passes are compared with, metrics.cost_drift)."""
+    warmup(pair, prompt_ids, config)
+    runs: dict[str, list[StepEvent]] = {"ar": [], "sd": []}
+    for which, event in stream_pair(pair, prompt_ids, replace(config, max_new_tokens=tokens)):
+        runs[which].append(event)
+    return pass_costs(runs["ar"], runs["sd"])
+
+
 def iter_compare(pair: Pair, prompt_ids: list[int], config: GenerationConfig,
                  do_warmup: bool = True) -> Iterator[tuple[str, StepEvent | dict]]:
-    """Warm up, then ("ar", event)s, ("sd", event)s (stream_pair), then ("result", result_dict). Closing the
-    generator stops the run in progress."""
+    """Warm up, then the ("ar" | "sd", event)s of both runs taking turns (stream_pair), then ("result", result_dict).
+    Closing the generator stops the run in progress."""
     config.validate()
     if do_warmup:
         warmup(pair, prompt_ids, config)
@@ -219,7 +245,7 @@ def iter_compare(pair: Pair, prompt_ids: list[int], config: GenerationConfig,
 
 def compare(pair: Pair, prompt: str, config: GenerationConfig, do_warmup: bool = True,
             on_event: Callable[[str, StepEvent], None] | None = None) -> dict:
-    """Both runs on one prompt, one after the other; returns result_dict."""
+    """Both runs on one prompt, taking turns on the hardware (stream_pair); returns result_dict."""
     prompt_ids = encode_prompt(pair.target.tokenizer, prompt, config.use_chat_template)
     result: dict = {}
     for which, item in iter_compare(pair, prompt_ids, config, do_warmup):

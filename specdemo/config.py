@@ -75,10 +75,11 @@ class Preset:
     offline: bool = False
     drafter: str = ""  # "hybrid" for the draft plus prompt lookup; empty: "model", or "ngram" without a draft
     device_map: str = ""  # "auto" etc.: the target is too large for one device and loads through accelerate's map
+    k: int = 0  # the k a preset starts at (its drafter's best measured k; docs/benchmarks.md); 0: GenerationConfig's
 
 
 PRESETS: tuple[Preset, ...] = (
-    Preset("Bundled SmolLM2-135M + trained draft (offline)", BUNDLED_ID, TRAINED_DRAFT_ID, offline=True),
+    Preset("Bundled SmolLM2-135M + trained draft (offline)", BUNDLED_ID, TRAINED_DRAFT_ID, offline=True, k=2),
     Preset("Bundled SmolLM2-135M + prompt lookup (offline)", BUNDLED_ID, None, offline=True),
     Preset("Bundled SmolLM2-135M + trained draft + prompt lookup (offline)", BUNDLED_ID, TRAINED_DRAFT_ID, offline=True,
            drafter="hybrid"),

@@ -1,7 +1,7 @@
 """The app's event handlers: widget values in, {component: value} dicts out. The runs are the CLI's
-(compare.iter_compare, sweep.iter_sweep_summaries). The autoregressive run streams into its panel as the target
-produces it, then the speculative run into its own, one after the other; frames are made at the decoders' yields,
-where their clocks are paused. Then the race replays both from t = 0 at their measured pace. Request checks, text and
+(compare.iter_compare, sweep.iter_sweep_summaries). The two decoders take turns on the hardware by their own clocks,
+so both panels fill side by side as the tokens are computed; frames carry text only, and the plots are drawn when the
+timed work is over. "Replay race" plays both again from t = 0 at their measured pace. Request checks, text and
 pacing are in specdemo.race (no gradio); the layout is in specdemo.ui.
 """
 
@@ -17,20 +17,22 @@ from typing import Any
 import gradio as gr
 
 from . import charts
-from .compare import iter_compare, load_pair
+from .compare import calibrate, iter_compare, load_pair
 from .config import MAX_K, MIN_K, Runtime
 from .engine import StepEvent, encode_prompt
 from .export import serve_hint
-from .metrics import run_stats
-from .race import (KNOWN_ERRORS, AppLimits, RunRequest, Runs, Throttle, UserError, check_fit, check_prompt_tokens,
+from .metrics import PassCosts, cost_drift, pass_costs, run_stats
+from .race import (KNOWN_ERRORS, LIVE_TEXT_EVERY, AppLimits, drift_warning, RunRequest, Runs, Throttle, UserError, check_fit, check_prompt_tokens,
                    drafted_at, final_stats_markdown, flag, free_memory, friendly_error, make_request, number, passes,
-                   placement_for, points, preset_fields, replay_frames, run_point, sweep_table)
+                   placement_for, points, preset_fields, preset_k, replay_frames, run_point, sweep_table)
 from .render import Segment, event_segments, panel_stats, segments_html
 from .sweep import Sweep, iter_sweep_summaries
 
 log = logging.getLogger(__name__)
 
 RUN_NAMES = {"ar": "autoregressive", "sd": "speculative"}
+RACING = ("Racing, timed: the two runs take turns on the hardware, one step at a time, and each clock counts only its "
+          "own run's compute…")
 Component = Any  # a gradio component; the handlers use it only as a key of the dicts they return
 
 __all__ = ["AppLimits", "Handlers", "Outputs", "RaceOutputs", "SettingsOutputs", "SweepOutputs", "UserError",
@@ -96,25 +98,39 @@ class Outputs:
 Computed = str | tuple[str, StepEvent, list[Segment]] | dict
 
 
-def compute(request: RunRequest, limits: AppLimits, runtime: Runtime) -> Iterator[Computed]:
-    """compare.iter_compare on the request (load, untimed warm-up, AR then SD, never overlapping): status lines, then
-    ("ar" | "sd", event, its display segments) as each decoder yields, then the result dict."""
+def compute(request: RunRequest, limits: AppLimits, runtime: Runtime, recalibrate: bool = False) -> Iterator[Computed]:
+    """compare.iter_compare on the request (load, untimed warm-up, then AR and SD taking turns, never overlapping):
+    status lines, then ("ar" | "sd", event, its display segments) as each decoder yields, then the result dict with
+    `pass_costs`: the run's pass costs beside those calibrated when this pair and k first ran (or on `recalibrate`),
+    and how far they drifted (metrics.cost_drift; empty when the machine was as it was at calibration)."""
     label = "prompt lookup" if request.drafter == "ngram" else request.draft or "the default draft"
     label += " + prompt lookup" if request.drafter == "hybrid" else ""
     pair = yield from _load(request, limits, runtime, f"Loading {request.target} with {label} (cached after the first "
                                                       "load)…")
     config = request.config()
     prompt_ids = encode_prompt(pair.target.tokenizer, request.prompt, config.use_chat_template)
+    key = (request.target, request.drafter, request.draft, request.k, request.dynamic_k, config.sampling.greedy)
+    if recalibrate or key not in _CALIBRATED:
+        yield f"Measuring what each pass costs on {pair.target.device} while nothing else is drawn (untimed)…"
+        _CALIBRATED[key] = calibrate(pair, prompt_ids, config)
     yield f"Warming up on {pair.target.device} (untimed)…"
-    tok, step = pair.target.tokenizer, 0
+    tok, step, events = pair.target.tokenizer, 0, {"ar": [], "sd": []}
     with closing(iter_compare(pair, prompt_ids, config)) as steps:  # closing it stops the engine loop
         for which, item in steps:  # the engine's clock is paused while we are here
             if which == "result":
-                yield item
+                run = pass_costs(events["ar"], events["sd"])
+                yield item | {"pass_costs": {"calibrated": _CALIBRATED[key].as_dict(), "run": run.as_dict(),
+                                             "drift": cost_drift(_CALIBRATED[key], run)}}
                 continue
+            events[which].append(item)
             step += which == "sd" and item.kind == "spec"
             yield which, item, event_segments(item, tok, which == "sd", step if which == "sd" else 0,
                                               config.sampling.greedy)
+
+
+# the pass costs measured when a pair and k first ran in this process, by (target, drafter, draft, k, dynamic k,
+# greedy): what later runs are compared with
+_CALIBRATED: dict[tuple, PassCosts] = {}
 
 
 def _load(request: RunRequest, limits: AppLimits, runtime: Runtime, status: str) -> Iterator[str]:
@@ -132,7 +148,8 @@ def sweep_k(request: RunRequest, limits: AppLimits, runtime: Runtime, k_max: int
     pair = yield from _load(request, limits, runtime, f"Loading {request.target}…")
     config = request.config()
     prompt_ids = encode_prompt(pair.target.tokenizer, request.prompt, config.use_chat_template)
-    yield "Timing the autoregressive baseline, then one speculative run per k…"
+    yield f"Timing the autoregressive baseline, then one speculative run per k up to {k_max}; the results are drawn " \
+          "when the timed runs are over…"
     yield from iter_sweep_summaries(pair, [prompt_ids], range(MIN_K, k_max + 1), config, k_max)
 
 
@@ -144,9 +161,9 @@ def blank_plots(out: RaceOutputs) -> dict:
 
 
 def _panel(events: list[StepEvent], segments: list[list[Segment]], n: int, hide_rejected: bool,
-           waiting: str = "waiting for the first token…") -> str:
+           waiting: str = "waiting for the first token…", inspect: bool = True) -> str:
     stats = panel_stats(events[n - 1].num_generated, events[n - 1].elapsed) if n else waiting
-    return segments_html([s for step in segments[:n] for s in step], hide_rejected, stats)
+    return segments_html([s for step in segments[:n] for s in step], hide_rejected, stats, inspect)
 
 
 def hold_hardware(lock: threading.Lock, stopped: Callable[[], bool] = lambda: False) -> Iterator[str]:
@@ -191,8 +208,10 @@ class Handlers:
         self.sweep_step = gpu(sweep_k) if gpu else sweep_k
 
     def run_compare(self, prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max_new_tokens,
-                    hide_rejected, replay=True, visitor: gr.Request = None) -> Iterator[dict]:
-        """The main run (API: /compare): validate, wait for the hardware, stream both runs live, then race them."""
+                    hide_rejected, replay=False, visitor: gr.Request = None, recalibrate: bool = False
+                    ) -> Iterator[dict]:
+        """The main run (API: /compare): validate, wait for the hardware, race both runs live (then, with `replay`,
+        play them again at their measured pace). `recalibrate` measures the pass costs again first."""
         session, runs = session_key(visitor, "race"), Runs()
         self.running.add(session)
         self.stopping.discard(session)
@@ -205,7 +224,7 @@ class Handlers:
             try:
                 check_prompt_tokens(request, self.limits, self.runtime)  # the tokenizer only: no weights yet
                 yield self._reset()
-                yield from self._live(request, runs, hide, stopped)
+                yield from self._live(request, runs, hide, stopped, recalibrate)
             finally:
                 self.hardware.release()
             yield from self._race(runs, hide, pace, stopped)
@@ -246,16 +265,23 @@ class Handlers:
         """A new run's first frame: empty panels and plots, no summary."""
         out = self.outputs.race
         return {out.ar_html: segments_html([], stats="starts after the untimed warm-up…"),
-                out.sd_html: segments_html([], stats="starts when the autoregressive run ends (they never share "
-                                                     "the hardware)…"),
+                out.sd_html: segments_html([], stats="starts after the untimed warm-up…"),
                 out.stats: "", out.result_json: None, **blank_plots(out)}
 
-    def _live(self, request: RunRequest, runs: Runs, hide: bool, stopped: Callable[[], bool]) -> Iterator[dict]:
-        """Each run's tokens as its decoder yields them (throttled; each run's last frame always comes)."""
-        out, throttle, phase = self.outputs.race, Throttle(), None
-        with closing(self.compute_step(request, self.limits, self.runtime)) as steps:
+    def remeasure(self, prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max_new_tokens,
+                  hide_rejected, replay=False, visitor: gr.Request = None) -> Iterator[dict]:
+        """The Re-measure button: the pass costs measured again on the machine as it is now, then the same run."""
+        yield from self.run_compare(prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max_new_tokens,
+                                    hide_rejected, replay, visitor, recalibrate=True)
+
+    def _live(self, request: RunRequest, runs: Runs, hide: bool, stopped: Callable[[], bool],
+              recalibrate: bool = False) -> Iterator[dict]:
+        """Both runs' tokens as their decoders take turns producing them (throttled text frames; no plots while a run
+        is timed, since drawing them takes the CPU the runs are timed on; the last frame always comes)."""
+        out, throttle, shown = self.outputs.race, Throttle(every=LIVE_TEXT_EVERY), {"ar": 0, "sd": 0}
+        with closing(self.compute_step(request, self.limits, self.runtime, recalibrate)) as steps:
             for item in steps:
-                if stopped():  # closing the steps stops the decoder
+                if stopped():  # closing the steps stops the decoders
                     raise Stopped
                 if isinstance(item, str):
                     yield {out.status: item}
@@ -264,34 +290,28 @@ class Handlers:
                 else:
                     which, event, segments = item
                     runs.add(which, event, segments)
-                    if which != phase:  # a run's first token shows at once
-                        phase, throttle = which, Throttle()
-                    text, plots = throttle.due(final=event.finish_reason is not None)
+                    text, _ = throttle.due(final=event.finish_reason is not None)
                     if text:
-                        yield self._live_frame(runs, which, plots, hide, request.max_new_tokens)
+                        yield self._live_frame(runs, shown, hide)
 
-    def _live_frame(self, runs: Runs, which: str, plots: bool, hide: bool, max_new_tokens: int) -> dict:
+    def _live_frame(self, runs: Runs, shown: dict[str, int], hide: bool) -> dict:
+        """The panels that have new tokens since the last frame (`shown` is updated); each panel's stats line counts
+        its tokens, so the status line is written once, when the race starts, rather than redrawn with every frame."""
         out = self.outputs.race
-        last = (runs.ar_events if which == "ar" else runs.sd_events)[-1]
-        who = "autoregressive run (target only" if which == "ar" else "speculative run (draft + target"
-        frame = {out.status: f"Computing the {who}, timed): {last.num_generated}/{max_new_tokens} tokens…"}
-        if which == "ar":
-            frame[out.ar_html] = _panel(runs.ar_events, runs.ar_segments, len(runs.ar_events), False)
-        else:
-            frame[out.sd_html] = _panel(runs.sd_events, runs.sd_segments, len(runs.sd_events), hide)
-        if plots and which == "ar":  # the other plots have nothing yet: not redrawing them spares the browser
-            frame[out.tokens_plot] = charts.tokens_vs_time(points(runs.ar_events), points([]))
-        elif plots:
-            frame |= self._plots(runs, len(runs.ar_events), len(runs.sd_events), live=True)
+        counts = {"ar": len(runs.ar_events), "sd": len(runs.sd_events)}
+        frame = {} if any(shown.values()) else {out.status: RACING}
+        if counts["ar"] != shown["ar"]:
+            frame[out.ar_html] = _panel(runs.ar_events, runs.ar_segments, counts["ar"], False, inspect=False)
+        if counts["sd"] != shown["sd"]:
+            frame[out.sd_html] = _panel(runs.sd_events, runs.sd_segments, counts["sd"], hide, inspect=False)
+        shown.update(counts)
         return frame
 
-    def _plots(self, runs: Runs, n_ar: int, n_sd: int, live: bool = False) -> dict:
+    def _plots(self, runs: Runs, n_ar: int, n_sd: int) -> dict:
         """Tokens vs time, running speedup and the histogram for the first n_ar / n_sd events."""
         out = self.outputs.race
         ar, sd = points(runs.ar_events, n_ar), points(runs.sd_events, n_sd)
-        # while the speculative run is being computed, compare it with the autoregressive run up to the same time
-        ar_now = [p for p in ar if p[0] <= sd[-1][0]] if live else ar
-        return {out.tokens_plot: charts.tokens_vs_time(ar, sd), out.speedup_plot: charts.running_speedup(ar_now, sd),
+        return {out.tokens_plot: charts.tokens_vs_time(ar, sd), out.speedup_plot: charts.running_speedup(ar, sd),
                 out.hist_plot: charts.accepted_histogram(run_stats(runs.sd_events[:n_sd]).accepted_histogram)}
 
     def _race(self, runs: Runs, hide: bool, pace: bool, stopped: Callable[[], bool]) -> Iterator[dict]:
@@ -326,7 +346,7 @@ class Handlers:
                 out.stats: final_stats_markdown(result, c, verify_cost), out.result_json: result, out.runs_state: runs,
                 out.status: f"Done: {result['speedup']:.2f}× the autoregressive speed"
                             f" ({'identical outputs' if result['identical'] else 'outputs differ'}). "
-                            "Press Replay race to watch it again."}
+                            "Press Replay race to watch it again." + drift_warning(result)}
 
     def rerender(self, runs: Runs | None, hide_rejected, current) -> dict:
         """Show or hide rejected drafts in the finished speculative panel without running again."""
@@ -376,36 +396,33 @@ class Handlers:
             check_prompt_tokens(request, self.limits, self.runtime)
             result = None
             with closing(self.sweep_step(request, self.limits, self.runtime, k_max)) as steps:
-                for item in steps:
+                for item in steps:  # the sweep so far after each k: drawn only when every k is timed
                     if stopped():
                         raise Stopped
                     if isinstance(item, str):
                         yield {out.table: item}
-                        continue
-                    result = item
-                    best = result.best_measured_k
-                    fig = charts.k_sweep([asdict(p) for p in result.points], sorted(result.theory.items()), best,
-                                         result.best_k)
-                    yield {out.plot: fig, out.table: f"Measured k = {result.points[-1].k} of {k_max}…\n\n"
-                           + sweep_table(result), out.best: best,
-                           out.apply: gr.update(value=f"Use k = {best}", interactive=True)}
+                    else:
+                        result = item
         finally:
             self.hardware.release()
-        hint = serve_hint(request.target, request.draft, result.best_measured_k, self.runtime)  # EAGLE-3 drafts only
-        yield {out.table: f"Done: best measured k = {result.best_measured_k}.\n\n" + sweep_table(result)
-               + (f"\n\n{hint}" if hint else ""), out.best: result.best_measured_k}
+        best = result.best_measured_k
+        fig = charts.k_sweep([asdict(p) for p in result.points], sorted(result.theory.items()), best, result.best_k)
+        hint = serve_hint(request.target, request.draft, best, self.runtime)  # EAGLE-3 drafts only
+        yield {out.plot: fig, out.table: f"Done: best measured k = {best}.\n\n" + sweep_table(result)
+               + (f"\n\n{hint}" if hint else ""), out.best: best,
+               out.apply: gr.update(value=f"Use k = {best}", interactive=True)}
 
     def stop_sweep(self, visitor: gr.Request = None) -> None:
         """Ask this visitor's sweep to stop at its next step."""
         self.stop(session_key(visitor, "sweep"))
 
     def apply_preset(self, label: str) -> dict:
-        """Fill target, drafter and draft from a preset; Custom leaves them alone."""
+        """Fill target, drafter, draft and k from a preset; Custom leaves them alone."""
         out = self.outputs.settings
         values = preset_fields(label)
         if values is None:
             return {out.target: gr.skip()}
-        return dict(zip((out.target, out.drafter, out.draft), values))
+        return dict(zip((out.target, out.drafter, out.draft), values)) | {out.k: preset_k(label)}
 
     def apply_best_k(self, best) -> dict:
         """Set k to the sweep's best measured k."""

@@ -99,3 +99,55 @@ def alpha_from_mean_accepted(mean_accepted: float, k: int) -> float:
         lo, hi = (mid, hi) if expected_tokens(mid, k) < target else (lo, mid)
     return (lo + hi) / 2
 
+
+
+# ---- whether a run's passes cost what they cost when the pair was calibrated ----
+
+BUSY_RATIO = 1.5  # a pass median this far from its calibrated value (either way) means the machine was not the same
+DRAFT_FLOOR = 0.02  # a draft cheaper than this share of a target pass (prompt lookup) is too small to judge
+
+
+@dataclass(frozen=True)
+class PassCosts:
+    """Median seconds of a run's passes: a 1-token target pass (the autoregressive steps), a verify pass (draft and
+    target's checking step, prefill excluded) and a drafted token. None where the run had no such step."""
+
+    target_pass: float | None
+    verify_pass: float | None
+    draft_token: float | None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def pass_costs(ar_events: list[StepEvent], sd_events: list[StepEvent]) -> PassCosts:
+    """The medians of PassCosts from two runs' events."""
+    spec = [e for e in sd_events if e.kind == "spec" and e.drafted]
+    return PassCosts(_median([e.verify_seconds for e in ar_events if e.kind == "ar"]),
+                     _median([e.verify_seconds for e in spec]),
+                     _median([e.draft_seconds / len(e.drafted) for e in spec]))
+
+
+def cost_drift(calibrated: PassCosts, run: PassCosts, limit: float = BUSY_RATIO) -> dict[str, float]:
+    """{which pass: run's median / calibrated median} for every pass whose ratio is beyond `limit` either way: empty
+    when the run's passes cost what they did at calibration. Drafts cheaper than DRAFT_FLOOR of a target pass are not
+    judged (their timer's own noise is larger than they are)."""
+    drift = {}
+    for name in ("target_pass", "verify_pass", "draft_token"):
+        was, now = getattr(calibrated, name), getattr(run, name)
+        if not was or not now:
+            continue
+        if name == "draft_token" and (not calibrated.target_pass or was < DRAFT_FLOOR * calibrated.target_pass):
+            continue
+        ratio = now / was
+        if ratio > limit or ratio < 1 / limit:
+            drift[name] = round(ratio, 2)
+    return drift
+
+
+def _median(xs: list[float]) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2

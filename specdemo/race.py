@@ -25,7 +25,8 @@ from .placement import placement_line
 from .render import Segment
 from .sweep import Run, Sweep, SweepPoint, point
 
-TEXT_EVERY = 0.1  # seconds between text updates
+TEXT_EVERY = 0.1  # seconds between text updates of a replay
+LIVE_TEXT_EVERY = 0.5  # seconds between text updates while runs are timed (the page's drawing takes their CPU)
 PLOTS_EVERY = 0.5  # seconds between plot updates
 PROMPT_TOKENS_CEILING = 4096  # the default prompt cap never exceeds this
 CHARS_PER_TOKEN = 16  # a prompt with more characters than this per allowed token is refused before tokenizing
@@ -158,6 +159,12 @@ def preset_fields(label: str) -> tuple[str, str, str] | None:
     if preset is None:
         return None
     return preset.target, preset.drafter or ("ngram" if preset.draft is None else "model"), preset.draft or ""
+
+
+def preset_k(label: str) -> int:
+    """The k a preset starts at: its own, else GenerationConfig's default (also for Custom)."""
+    preset = next((p for p in PRESETS if p.label == label), None)
+    return (preset.k if preset else 0) or GenerationConfig.num_draft_tokens
 
 
 def placement_for(target: str, limits: AppLimits) -> Placement:
@@ -315,6 +322,22 @@ def cost_line(c: float, verify_cost: float) -> str:
             f"{verify_cost:.2f}× a 1-token pass")
 
 
+PASS_NAMES = {"target_pass": "the target's 1-token passes", "verify_pass": "the verify passes",
+              "draft_token": "the drafted tokens"}
+
+
+def drift_warning(result: dict) -> str:
+    """"" when the run's passes cost what they cost at calibration; else a warning that names the passes and their
+    ratios and offers Re-measure (result["pass_costs"]["drift"], metrics.cost_drift)."""
+    drift = (result.get("pass_costs") or {}).get("drift") or {}
+    if not drift:
+        return ""
+    parts = ", ".join(f"{PASS_NAMES[name]} took {ratio:.2f}×" for name, ratio in drift.items())
+    return (f"\n\n**⚠ The machine was not as it was when this pair was calibrated:** {parts} their calibrated time. "
+            "Something else was using the hardware (or had been when it was calibrated), so this ratio may not be "
+            "what the engine achieves here. Press **Re-measure** to calibrate again and rerun.")
+
+
 def _hybrid_lines(result: dict) -> list[str]:
     if "hybrid_model_k" not in result:
         return []
@@ -356,17 +379,18 @@ KNOWN_ERRORS = (UserError, ModelLoadError, TokenizerMismatchError, GenerationErr
 # ---- pacing ----
 
 class Throttle:
-    """Whether a live frame is due: text at most every TEXT_EVERY seconds, plots every PLOTS_EVERY (wall time);
+    """Whether a live frame is due: text at most every `every` seconds, plots every PLOTS_EVERY (wall time);
     a final frame is always due."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, clock: Callable[[], float] = time.monotonic, every: float = TEXT_EVERY):
         self.clock = clock
+        self.every = every
         self.last_text = self.last_plots = float("-inf")
 
     def due(self, final: bool = False) -> tuple[bool, bool]:
         """(text due, plots due); plots are only due with text."""
         now = self.clock()
-        text = final or now - self.last_text >= TEXT_EVERY
+        text = final or now - self.last_text >= self.every
         plots = text and (final or now - self.last_plots >= PLOTS_EVERY)
         self.last_text = now if text else self.last_text
         self.last_plots = now if plots else self.last_plots

@@ -138,9 +138,11 @@ def _at(values: list | None, i: int):
     return values[i] if values is not None and 0 <= i < len(values) else None
 
 
-def segments_html(segments: list[Segment], hide_rejected: bool = False, stats: str = "") -> str:
-    """A panel: an optional stats line, then one span per segment (with data-step and data-info when present)."""
-    spans = "".join(f'<span class="{KINDS[s.kind][0]}"{_data(s)}>{html.escape(_shown(s))}</span>' for s in segments)
+def segments_html(segments: list[Segment], hide_rejected: bool = False, stats: str = "", inspect: bool = True) -> str:
+    """A panel: an optional stats line, then one span per segment (with data-step and data-info when present, unless
+    not `inspect`: a live frame leaves the inspector's data out, so the page has less to draw while runs are timed)."""
+    spans = "".join(f'<span class="{KINDS[s.kind][0]}"{_data(s) if inspect else ""}>{html.escape(_shown(s))}</span>'
+                    for s in segments)
     panel_class = "tok-panel hide-rejected" if hide_rejected else "tok-panel"
     head = f'<div class="panel-stats">{html.escape(stats)}</div>' if stats else ""
     return f'{head}<div class="{panel_class}">{spans}</div>'

@@ -52,14 +52,15 @@ def tiny_loads(monkeypatch, tiny_target, tiny_tok):
 
 
 def test_batch_sweep_frames_name_only_the_tabs_outputs(tiny_loads):
-    """Status lines, then after each batch size both plots and the table; the last says Done; the lock is free."""
+    """Status lines while the runs are timed (nothing drawn then), then both plots and the table once, saying Done;
+    the lock is free."""
     race = Handlers(None, LIMITS)
     lock = race.hardware
     h = BatchHandlers(OUTPUTS, ["w1 w2 w1 w2"], race, LIMITS)
     outs = list(h.run(PROMPTS, False, "tiny", "ngram", "", 3, True, 0.0, 1.0, 8, 2, True))
     assert all(isinstance(o, dict) and set(o) <= KEYS for o in outs)
     plotted = [o for o in outs if "speedup_plot" in o]
-    assert len(plotted) == 2 and set(plotted[-1]) == KEYS
+    assert plotted == outs[-1:] and set(plotted[-1]) == KEYS
     assert outs[-1]["table"].startswith("Done") and "| 2 |" in outs[-1]["table"]
     assert "Speedup vs batch size" in plotted[-1]["speedup_plot"].layout.title.text
     assert not lock.locked()

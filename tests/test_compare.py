@@ -16,14 +16,23 @@ def tiny_pair(model, tok, drafter, kind, calibration=None) -> Pair:
                 calibration)
 
 
-def test_iter_compare_runs_ar_then_sd_then_reports(tiny_target, tiny_tok):
-    """Every autoregressive event comes before every speculative one (the runs never overlap), then the result."""
+def test_iter_compare_takes_turns_by_the_runs_own_clocks_then_reports(tiny_target, tiny_tok):
+    """The runs take turns, never overlapping: each step is the one of the run whose own clock was behind (the AR run
+    on a tie), so both advance side by side; the result comes last."""
     pair = tiny_pair(tiny_target, tiny_tok, NgramDrafter(), "ngram")
     config = GenerationConfig(max_new_tokens=12, num_draft_tokens=3)
     items = list(iter_compare(pair, PROMPT, config))
     kinds = [which for which, _ in items]
     assert kinds[-1] == "result" and kinds.count("result") == 1
-    assert kinds[:-1] == sorted(kinds[:-1])  # "ar"... then "sd"...
+    assert kinds[:2] == ["ar", "sd"]  # both prefills first: each clock starts at 0, the AR run wins the tie
+    clocks = {"ar": 0.0, "sd": 0.0}
+    done = set()
+    for which, event in items[:-1]:
+        other = "sd" if which == "ar" else "ar"
+        assert other in done or clocks[which] <= clocks[other] or (which, clocks[which]) == ("ar", clocks[other])
+        clocks[which] = event.elapsed
+        if event.finish_reason:
+            done.add(which)
     result = items[-1][1]
     ar = [e for w, e in items if w == "ar"]
     sd = [e for w, e in items if w == "sd"]

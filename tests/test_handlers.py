@@ -17,7 +17,7 @@ from specdemo.config import Placement, Runtime
 from specdemo.drafters import NgramDrafter
 from specdemo.handlers import Handlers, Outputs, RaceOutputs, SettingsOutputs, SweepOutputs
 from specdemo.loading import LoadedModel
-from specdemo.race import AppLimits, Runs
+from specdemo.race import AppLimits, Runs, drift_warning
 from specdemo.render import COMMITTED, KINDS
 from specdemo.ui import EXAMPLES
 
@@ -48,10 +48,13 @@ def committed_text(panel: str) -> str:
 # ---- presets and errors: no model ----
 
 def test_the_preset_handler_fills_the_settings_and_custom_leaves_them():
-    """apply_preset names target, drafter and draft; for Custom it sends only a skip, so nothing changes."""
+    """apply_preset names target, drafter, draft and k (the trained draft's preset starts at its best measured k, 2;
+    the others at the default); for Custom it sends only a skip, so nothing changes."""
     h = Handlers(OUTPUTS)
     assert h.apply_preset("Bundled SmolLM2-135M + prompt lookup (offline)") == {
-        "target": "smollm2-135m", "drafter": "ngram", "draft": ""}
+        "target": "smollm2-135m", "drafter": "ngram", "draft": "", "k": 4}
+    assert h.apply_preset("Bundled SmolLM2-135M + trained draft (offline)") == {
+        "target": "smollm2-135m", "drafter": "model", "draft": "smollm2-135m-draft", "k": 2}
     custom = h.apply_preset("Custom (type the ids below)")
     assert set(custom) == {"target"} and custom["target"] == handlers_module.gr.skip()
     assert h.apply_best_k(3) == {"k": 3}
@@ -61,7 +64,7 @@ def test_an_out_of_memory_error_is_a_status_message_and_releases_the_hardware(mo
     """torch's OutOfMemoryError from the compute step becomes a readable status; the next run can take the lock."""
     monkeypatch.setattr(race, "load_tokenizer", lambda name, runtime: (tiny_tok, 256))
 
-    def oom(request, limits, runtime):
+    def oom(request, limits, runtime, recalibrate=False):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         yield
 
@@ -114,12 +117,13 @@ def test_compare_frames_name_only_the_events_outputs_and_the_last_fills_them(tin
     assert not h.hardware.locked()
 
 
-def test_tokens_show_as_each_run_produces_them_then_the_race_replays_both(tiny_loads):
-    """The AR panel gets tokens before the speculative run has produced any, while the status says the AR run is
-    being computed; the SD panel is full before the race starts; the race starts from empty panels; Done ends it."""
+def test_both_panels_fill_side_by_side_as_the_runs_take_turns_with_no_plots_until_the_end(tiny_loads):
+    """Live frames carry text only: the panels that changed, never a plot or the inspector's data; the status says
+    the race is on once; speculative tokens are on screen before the AR run is over; the last live state of each
+    panel is its run's whole text; the plots come with Done; with `replay`, the race then replays from t = 0."""
     produced = []
 
-    def gpu(fn):  # stands where spaces.GPU would: sees what the compute step hands over, and when
+    def gpu(fn):  # stands where spaces.GPU or the worker would: sees what the compute step hands over, and when
         def wrapped(*args):
             for item in fn(*args):
                 produced.append(item[0] if isinstance(item, tuple) else type(item).__name__)
@@ -130,19 +134,36 @@ def test_tokens_show_as_each_run_produces_them_then_the_race_replays_both(tiny_l
     seen = [(frame, list(produced)) for frame in h.run_compare(TINY_PROMPT, "tiny", "ngram", "", 3, False, 0.0, 1.0,
                                                                40, False, True)]
     result = seen[-1][0]["result_json"]
-    ar_live = [(f, p) for f, p in seen if f.get("status", "").startswith("Computing the autoregressive run")]
-    assert ar_live and all(spans(f["ar_html"]) and "sd_html" not in f for f, _ in ar_live)
-    assert all("speedup_plot" not in f and "hist_plot" not in f for f, _ in ar_live)  # nothing to redraw yet
-    assert any("tokens_plot" in f for f, _ in ar_live)
-    assert "sd" not in ar_live[0][1]  # the first AR tokens were on screen before any speculative step ran
-    assert committed_text(ar_live[-1][0]["ar_html"]) == result["ar"]["text"]  # the AR run's final state always comes
-    sd_live = [f for f, _ in seen if f.get("status", "").startswith("Computing the speculative run")]
-    assert sd_live and all("ar_html" not in f for f in sd_live)
-    assert committed_text(sd_live[-1]["sd_html"]) == result["sd"]["text"]
+    live = [(f, p) for f, p in seen if "ar_html" in f or "sd_html" in f][1:]  # after the reset frame
+    live = live[:next(i for i, (f, _) in enumerate(live) if f.get("status", "").startswith("Race"))]
+    assert live and all(not set(f) & {"tokens_plot", "speedup_plot", "hist_plot", "timeline_plot"} for f, _ in live)
+    assert sum(f.get("status", "").startswith("Racing") for f, _ in seen) == 1
+    assert all("data-info" not in f.get("sd_html", "") for f, _ in live)
+    first_sd = next(i for i, (f, _) in enumerate(live) if spans(f.get("sd_html", "")))
+    ar_done = next(i for i, (_, p) in enumerate(live) if p.count("ar") >= result["ar"]["tokens"])
+    assert first_sd <= ar_done  # speculative tokens showed while the AR run was still going
+    last = {w: next(f[w] for f, _ in reversed(live) if w in f) for w in ("ar_html", "sd_html")}
+    assert committed_text(last["ar_html"]) == result["ar"]["text"]
+    assert committed_text(last["sd_html"]) == result["sd"]["text"]
     first_race = next(i for i, (f, _) in enumerate(seen) if f.get("status", "").startswith("Race"))
-    assert all(not f.get("status", "").startswith("Race") for f, _ in seen[:first_race])
-    assert committed_text(seen[first_race][0]["sd_html"]) != result["sd"]["text"]  # the race starts over at t = 0
-    assert seen[-1][0]["status"].startswith("Done")
+    assert committed_text(seen[first_race][0]["sd_html"]) != result["sd"]["text"]  # the replay starts over at t = 0
+    assert seen[-1][0]["status"].startswith("Done") and seen[-1][0]["tokens_plot"].data
+
+
+def test_a_run_reports_its_pass_costs_beside_the_calibrated_ones(tiny_loads):
+    """The result's pass_costs: what the pair's passes cost at calibration (its first run) and in this run, and the
+    drift between them; Re-measure calibrates again; a drift is named on the status line."""
+    h = Handlers(OUTPUTS, AppLimits(device="cpu"))
+    costs = tiny_run(h)[-1]["result_json"]["pass_costs"]
+    assert set(costs) == {"calibrated", "run", "drift"}
+    assert all(costs[w]["target_pass"] > 0 and costs[w]["verify_pass"] > 0 for w in ("calibrated", "run"))
+    assert tiny_run(h)[-1]["result_json"]["pass_costs"]["calibrated"] == costs["calibrated"]  # kept
+    frames = list(h.remeasure(TINY_PROMPT, "tiny", "ngram", "", 3, False, 0.0, 1.0, 12, False, False))
+    assert any(f.get("status", "").startswith("Measuring what each pass costs") for f in frames)
+    assert frames[-1]["result_json"]["pass_costs"]["calibrated"] != costs["calibrated"]  # measured again
+    result = frames[-1]["result_json"] | {"pass_costs": {"drift": {"target_pass": 2.4}}}
+    assert "the target's 1-token passes took 2.40×" in drift_warning(result) and "Re-measure" in drift_warning(result)
+    assert drift_warning(frames[-1]["result_json"] | {"pass_costs": {"drift": {}}}) == ""
 
 
 def test_replay_race_shows_the_finished_runs_again_without_computing(tiny_loads):
@@ -162,7 +183,7 @@ def test_stop_ends_the_run_at_its_next_step_with_its_own_last_frame(tiny_loads):
     h = Handlers(OUTPUTS, AppLimits(device="cpu", max_new_tokens=200))
     run = h.run_compare(TINY_PROMPT, "tiny", "ngram", "", 3, False, 0.0, 1.0, 200, False, False)
     frame = next(run)
-    while not frame.get("status", "").startswith("Computing the autoregressive"):
+    while not frame.get("status", "").startswith("Racing"):
         frame = next(run)
     h.stop_race()
     assert list(run) == [{"status": "Stopped."}] and not h.hardware.locked()
@@ -203,11 +224,13 @@ def test_bad_requests_are_refused_before_the_hardware_is_taken(tiny_loads):
 
 
 def test_sweep_frames_name_only_the_events_outputs(tiny_loads):
-    """Every /sweep_k frame is a dict over the sweep outputs: a figure and the apply button per k, then Done."""
+    """Every /sweep_k frame is a dict over the sweep outputs: status lines while the runs are timed (nothing drawn
+    then), then one frame with the figure, the table and the apply button, saying Done."""
     h = Handlers(OUTPUTS, AppLimits(device="cpu"))
     outs = list(h.run_sweep(TINY_PROMPT, "tiny", "ngram", "", 3, 0.0, 1.0, 8))
     assert all(isinstance(o, dict) and set(o) <= SWEEP_KEYS for o in outs)
-    assert sum("plot" in o for o in outs) == 3 and outs[-1]["table"].startswith("Done")
+    assert [o for o in outs if "plot" in o] == outs[-1:] and outs[-1]["table"].startswith("Done")
+    assert all(set(o) == {"table"} for o in outs[:-1])
     assert outs[-1]["best"] in (1, 2, 3) and tiny_loads[0]["runtime"] == Runtime()
     assert not h.hardware.locked()
 

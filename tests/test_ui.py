@@ -17,7 +17,7 @@ from specdemo.ui import CUSTOM, build_demo, preset_choices
 PACKAGE = Path(__file__).resolve().parent.parent / "specdemo"
 COMPARE_INPUTS = ["Prompt", "Target model id", "Drafter", "Draft model id (same tokenizer)", "k (draft tokens per step)",
                   "dynamic k", "temperature (0 = greedy)", "top-p", "max new tokens", "hide rejected drafts",
-                  "replay at measured pace"]
+                  "then replay at measured pace"]
 
 
 @pytest.fixture(scope="module")
