@@ -120,7 +120,8 @@ def compute(request: RunRequest, limits: AppLimits, runtime: Runtime, recalibrat
             if which == "result":
                 run = pass_costs(events["ar"], events["sd"])
                 yield item | {"pass_costs": {"calibrated": _CALIBRATED[key].as_dict(), "run": run.as_dict(),
-                                             "drift": cost_drift(_CALIBRATED[key], run)}}
+                                             "drift": cost_drift(_CALIBRATED[key], run,
+                                                                 judge_draft=request.drafter != "hybrid")}}
                 continue
             events[which].append(item)
             step += which == "sd" and item.kind == "spec"

@@ -128,12 +128,14 @@ def pass_costs(ar_events: list[StepEvent], sd_events: list[StepEvent]) -> PassCo
                      _median([e.draft_seconds / len(e.drafted) for e in spec]))
 
 
-def cost_drift(calibrated: PassCosts, run: PassCosts, limit: float = BUSY_RATIO) -> dict[str, float]:
+def cost_drift(calibrated: PassCosts, run: PassCosts, limit: float = BUSY_RATIO,
+               judge_draft: bool = True) -> dict[str, float]:
     """{which pass: run's median / calibrated median} for every pass whose ratio is beyond `limit` either way: empty
     when the run's passes cost what they did at calibration. Drafts cheaper than DRAFT_FLOOR of a target pass are not
-    judged (their timer's own noise is larger than they are)."""
+    judged (their timer's own noise is larger than they are), nor any draft without `judge_draft` (a hybrid's cost per
+    drafted token depends on how much of the text prompt lookup drafted, so it changes with the prompt)."""
     drift = {}
-    for name in ("target_pass", "verify_pass", "draft_token"):
+    for name in ("target_pass", "verify_pass") + (("draft_token",) if judge_draft else ()):
         was, now = getattr(calibrated, name), getattr(run, name)
         if not was or not now:
             continue

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -57,14 +58,23 @@ def pinned() -> bool:
     return os.environ.get("SPECDEMO_TEST_PIN") == "1" and hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1
 
 
-def launch(port: int, **env) -> subprocess.Popen:
-    """Start app.py on a port; one torch thread, since the CPU is shared (SPECDEMO_TEST_THREADS=2 for figures)."""
-    threads = os.environ.get("SPECDEMO_TEST_THREADS", "1")
+def launch(port: int, as_a_user: bool = False, **env) -> subprocess.Popen:
+    """Start app.py on a port. By default with one torch thread, since the CPU is shared with the test
+    (SPECDEMO_TEST_THREADS=2 for figures); `as_a_user`: as `bash run.sh app` starts it, with torch's own thread count
+    and no pinning."""
     env = {**os.environ, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port),
-           "OMP_NUM_THREADS": threads, "GRADIO_ANALYTICS_ENABLED": "False", "SPECDEMO_MAX_NEW_TOKENS": "512", **env}
-    pin = (lambda: os.sched_setaffinity(0, {SERVER_CPU})) if pinned() else None
-    return subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, preexec_fn=pin)
+           "GRADIO_ANALYTICS_ENABLED": "False", "SPECDEMO_MAX_NEW_TOKENS": "512", **env}
+    if as_a_user:
+        env.pop("OMP_NUM_THREADS", None)
+    else:
+        env["OMP_NUM_THREADS"] = os.environ.get("SPECDEMO_TEST_THREADS", "1")
+    pin = (lambda: os.sched_setaffinity(0, {SERVER_CPU})) if pinned() and not as_a_user else None
+    log = tempfile.NamedTemporaryFile("w+", prefix="specdemo-app-", suffix=".log", delete=False)  # a pipe nobody
+    # reads would fill up with the server's log and stall it
+    proc = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            text=True, preexec_fn=pin)
+    proc.log_path = log.name
+    return proc
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
@@ -73,7 +83,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"app.py exited:\n{proc.stdout.read()}")
+            raise RuntimeError(f"app.py exited:\n{Path(proc.log_path).read_text()}")
         try:
             with urllib.request.urlopen(url + "/config", timeout=2):
                 return
