@@ -2,13 +2,13 @@
 # Issue 29 figures: an EAGLE-3 head trained by `distill --arch eagle3` against another head, back to back on the same
 # prompts, then vLLM's eagle3 on the exported head (bash run.sh vllm first). Run from the repository root,
 # on a machine nothing else is using (the figures are timed). LIMIT=N (and MAX_NEW_TOKENS=M) shorten it to check the script.
-# E3 (default out/draft-eagle3, else the shipped head) is the EAGLE-3 head; SHIPPED (default assets/smollm2-135m-draft)
+# E3 (default out/draft-eagle3, else the shipped head) is the EAGLE-3 head; SHIPPED (default specdemo/data/smollm2-135m-draft)
 # the head it is compared with. The run of 2026-12-02 (bench/eagle3, docs/eagle3.md) had the EAGLE-style head shipped
 # until then as SHIPPED; it is in git history: git archive 4595cf7 assets/smollm2-135m-draft | tar -x -C /tmp
 set -euo pipefail
 P=${PYTHON:-.venv/bin/python}
-SHIPPED=${SHIPPED:-assets/smollm2-135m-draft}
-E3=${E3:-$( [ -f out/draft-eagle3/config.json ] && echo out/draft-eagle3 || echo assets/smollm2-135m-draft )}
+SHIPPED=${SHIPPED:-specdemo/data/smollm2-135m-draft}
+E3=${E3:-$( [ -f out/draft-eagle3/config.json ] && echo out/draft-eagle3 || echo specdemo/data/smollm2-135m-draft )}
 OUTDIR=${OUTDIR:-bench/eagle3}
 LIM=(); [ -n "${LIMIT:-}" ] && LIM=(--limit "$LIMIT")
 [ -n "${MAX_NEW_TOKENS:-}" ] && LIM+=(--max-new-tokens "$MAX_NEW_TOKENS")  # a check of the script: LIMIT=1 MAX_NEW_TOKENS=16

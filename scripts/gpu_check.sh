@@ -132,7 +132,7 @@ if [ "${1:-basic}" != real ]; then
     mkdir -p "$KEEP/parts" && cp $GGUF_PARTS "$KEEP/parts/" && note "kept $(ls "$KEEP/parts")"
   fi
   [ "${1:-basic}" = keep ] && exit 0  # only that: a short first call when time is short
-  SPECDEMO_TEST_DEVICE=$DEV stage pytest_cuda 100 $PY -m pytest -q -p no:cacheprovider tests/test_engine.py \
+  SPECDEMO_TEST_DEVICE=$DEV stage pytest_cuda 100 $PY -m pytest -q -p no:cacheprovider tests/test_engine.py tests/test_worker.py \
     tests/test_verify.py tests/test_eagle.py tests/test_eagle3.py -k "not shipped_draft and not bundled" \
     -m "not slow"  # the shipped draft's tests need the real target; test_eagle3: tiny random EAGLE-3 heads
   QUICK=(--quick); [ "$DRY" = 1 ] && QUICK=(--quick --layers 2 --new 16)

@@ -20,7 +20,8 @@ from .loading import BUNDLED_ALIASES, LoadedModel, ModelLoadError, check_tokeniz
 from .metrics import PassCosts, RunStats, pass_costs, run_stats, speedup
 from .placement import drafter_device
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+DRAFTS = Path(__file__).resolve().parent / "data"  # the shipped trained drafts: package data, so a clone and an
+# installed package find them in the same place
 
 
 @dataclass
@@ -37,7 +38,7 @@ class Pair:
 def trained_draft_path(target_name: str) -> Path | None:
     """The shipped distilled draft for a target, if there is one."""
     if target_name.lower() in BUNDLED_ALIASES | {BUNDLED_HUB_ID.lower()}:
-        path = ASSETS / TRAINED_DRAFT_ID
+        path = DRAFTS / TRAINED_DRAFT_ID
         return path if _is_trained_draft(path) else None
     return None
 
@@ -97,7 +98,7 @@ def make_drafter(target: LoadedModel, kind: str, draft: str | None, device=None,
             f"no draft model given for target '{target.name}': pass a draft id (same tokenizer) or use prompt lookup"
         )
     if draft == TRAINED_DRAFT_ID or _is_trained_draft(Path(draft)):
-        path = ASSETS / TRAINED_DRAFT_ID if draft == TRAINED_DRAFT_ID else Path(draft)
+        path = DRAFTS / TRAINED_DRAFT_ID if draft == TRAINED_DRAFT_ID else Path(draft)
         if not _is_trained_draft(path):
             raise ModelLoadError(f"the trained draft '{draft}' is not in {path}; train it with `python -m specdemo distill`")
         return _head_drafter(path, target, device), draft, None

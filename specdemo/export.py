@@ -50,9 +50,9 @@ class Export:
 def head_folder(draft: str, runtime: Runtime = Runtime()) -> Path:
     """The EAGLE-3 checkpoint folder `draft` names (a folder, a hub id, or the shipped draft); refuses anything else,
     saying what it is instead."""
-    from .compare import ASSETS
+    from .compare import DRAFTS
 
-    path = ASSETS / TRAINED_DRAFT_ID if draft == TRAINED_DRAFT_ID else Path(draft)
+    path = DRAFTS / TRAINED_DRAFT_ID if draft == TRAINED_DRAFT_ID else Path(draft)
     if is_eagle3(path):
         return path
     from .eagle import CONFIG_FILE as EAGLE_CONFIG

@@ -145,13 +145,13 @@ def plan(target: str, drafter: str, draft: str | None, k: int, runtime: Runtime 
                      "this is its draft half, and --drafter ngram gives its lookup half")
     elif drafter != "model":
         raise ValueError(f"unknown drafter '{drafter}'")
-    from .compare import ASSETS, default_draft
+    from .compare import DRAFTS, default_draft
     from .eagle import CONFIG_FILE
 
     draft = draft or default_draft(target)
     if not draft:
         raise ValueError(f"no draft for target '{target}': pass --draft, or use --drafter ngram")
-    ours = ASSETS / TRAINED_DRAFT_ID if draft == TRAINED_DRAFT_ID else Path(draft)
+    ours = DRAFTS / TRAINED_DRAFT_ID if draft == TRAINED_DRAFT_ID else Path(draft)
     if eagle3_export(ours):
         return ServePlan(served, "eagle3", k, str(ours.resolve()), notes=tuple(notes))
     from .eagle3 import is_eagle3

@@ -8,7 +8,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -92,11 +94,11 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None
     raise TimeoutError(f"app.py did not answer on {url}")
 
 
-@pytest.fixture(scope="session")
-def server():
-    """One app.py for the client and browser tests."""
+@contextmanager
+def running_app(as_a_user: bool = False) -> Iterator[str]:
+    """app.py on a free port (see launch) until the block ends; yields its URL."""
     port = free_port()
-    proc = launch(port)
+    proc = launch(port, as_a_user)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc)
@@ -104,9 +106,16 @@ def server():
     finally:
         proc.terminate()
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="session")
+def server():
+    """One app.py for the client and browser tests."""
+    with running_app() as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +152,7 @@ def test_stop_cancels_a_long_run_promptly_and_the_app_keeps_serving(client):
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # wait until the engine is timing tokens
         outs = job.outputs()
-        if outs and isinstance(outs[-1][6], str) and outs[-1][6].startswith("Computing"):
+        if any(isinstance(o[6], str) and o[6].startswith("Racing") for o in outs):
             break
         time.sleep(0.2)
     else:

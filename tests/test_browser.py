@@ -19,8 +19,7 @@ import pytest
 
 from specdemo.ui import EXAMPLES
 
-from test_app_client import (ROOT, SERVER_CPU, free_port, launch, pinned, server,  # noqa: F401  (server: the shared
-                             wait_ready)  # app.py fixture)
+from test_app_client import ROOT, SERVER_CPU, pinned, running_app, server  # noqa: F401  (server: the shared app.py)
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -138,11 +137,11 @@ def test_the_default_run_races_both_panels_live_and_explains_a_rejection(fresh):
     assert page.locator("#sd-panel .tok-selected").count() >= 2  # the clicked step's spans are marked
 
 
-def test_on_a_laptop_screen_both_panels_are_in_view_while_the_run_streams(server, browser):
+def test_on_a_laptop_screen_both_panels_are_in_view_while_the_run_streams(request, browser):
     """At 1366x768, after Run and without scrolling, both panels stand in the viewport (their tops, and 150 px of
     each) while tokens stream into them."""
     page = browser.new_page(viewport={"width": 1366, "height": 768})
-    page.goto(server, wait_until="load")
+    page.goto(request.getfixturevalue("server"), wait_until="load")
     page.wait_for_selector("#run")
     page.evaluate(RECORDER)
     page.locator("#run").click()
@@ -292,15 +291,8 @@ def page_run(page) -> dict:
 @pytest.fixture(scope="module")
 def user_server():
     """app.py as `bash run.sh app` starts it: torch's own threads, nothing pinned (the browser shares its cores)."""
-    port = free_port()
-    proc = launch(port, as_a_user=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc)
+    with running_app(as_a_user=True) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.mark.parametrize("case", list(CASES))

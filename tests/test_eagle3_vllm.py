@@ -19,7 +19,7 @@ from test_vllm import NEEDS_VLLM, vllm_python
 
 HEAD_ENV = "SPECDEMO_EAGLE3_HEAD"  # another head folder to check instead of the shipped one; "logit-lens": the untrained
 #                                    deterministic head below
-SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-draft"  # an EAGLE-3 head since 2026-12-02
+SHIPPED = Path(__file__).resolve().parent.parent / "specdemo" / "data" / "smollm2-135m-draft"  # an EAGLE-3 head
 
 
 def logit_lens_head(target, folder, subset_size: int = 8192):

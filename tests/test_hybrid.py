@@ -49,10 +49,10 @@ def test_calibration_records_the_costs_it_chose_from(tiny_target, tiny_draft, ti
 @pytest.mark.slow
 def test_shipped_draft_with_prompt_lookup_is_lossless(bundled):
     """The hybrid (lookup where the text repeats, the trained draft elsewhere) on the real pair: the target's output."""
-    from specdemo.compare import ASSETS, make_drafter
+    from specdemo.compare import DRAFTS, make_drafter
 
     hybrid, _, cal = make_drafter(bundled, "hybrid", None)  # the shipped draft, capped as this machine's costs say
-    chain = json.loads((ASSETS / "smollm2-135m-draft" / "specdemo.json").read_text())["metrics"]["chain"]
+    chain = json.loads((DRAFTS / "smollm2-135m-draft" / "specdemo.json").read_text())["metrics"]["chain"]
     assert hybrid.model.name == "eagle3" and hybrid.model.held_out_chain == tuple(chain)  # the cap weighs the draft's own held-out acceptance
     assert 0.0 < cal.draft_cost < 0.5  # measured at load; 0.07 in the benchmark on this CPU
     assert hybrid.model_k == hybrid_model_k(cal.verify_costs, hybrid.model.held_out_chain, cal.draft_cost)

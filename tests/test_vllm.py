@@ -123,7 +123,7 @@ def test_serve_config_prints_vllm_and_sglang_for_the_tuned_k(capsys, tmp_path):
     # the shipped draft is an EAGLE-3 head in vLLM's format: served from its folder as it is
     assert cli_main(["serve-config", "--drafter", "model", "--draft", "smollm2-135m-draft", "--k", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["method"] == "eagle3" and out["speculative_config"]["model"].endswith("assets/smollm2-135m-draft")
+    assert out["method"] == "eagle3" and out["speculative_config"]["model"].endswith("specdemo/data/smollm2-135m-draft")
     old = tmp_path / "eagle-style"  # specdemo's EAGLE-style head (eagle_config.json): another architecture
     old.mkdir()
     (old / "eagle_config.json").write_text("{}")
