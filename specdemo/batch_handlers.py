@@ -101,27 +101,21 @@ class BatchHandlers:
         except KNOWN_ERRORS as exc:
             yield {out.table: f"**Error:** {friendly_error(exc)}"}
             return
-        session = session_key(visitor, "batch")
-        stopped = lambda: session in h.stopping  # noqa: E731
-        h.running.add(session)
-        h.stopping.discard(session)
-        try:
-            yield from ({out.table: s} for s in hold_hardware(h.hardware, stopped))
+        with h.session(visitor, "batch") as stopped:
             try:
-                yield from self._sweep(request, stopped)
-            finally:
-                h.hardware.release()
-        except Stopped:
-            yield {out.table: "Stopped."}
-        except KNOWN_ERRORS as exc:
-            gr.Warning(friendly_error(exc))
-            yield {out.table: f"**Error:** {friendly_error(exc)}"}
-        except Exception as exc:  # the app keeps serving; the log has the traceback
-            log.exception("batch sweep failed")
-            yield {out.table: f"**Error:** unexpected: {exc}"}
-        finally:
-            h.running.discard(session)
-            h.stopping.discard(session)
+                yield from ({out.table: s} for s in hold_hardware(h.hardware, stopped))
+                try:
+                    yield from self._sweep(request, stopped)
+                finally:
+                    h.hardware.release()
+            except Stopped:
+                yield {out.table: "Stopped."}
+            except KNOWN_ERRORS as exc:
+                gr.Warning(friendly_error(exc))
+                yield {out.table: f"**Error:** {friendly_error(exc)}"}
+            except Exception as exc:  # the app keeps serving; the log has the traceback
+                log.exception("batch sweep failed")
+                yield {out.table: f"**Error:** unexpected: {exc}"}
 
     def _sweep(self, request, stopped: Callable[[], bool]) -> Iterator[dict]:
         out = self.outputs

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import closing
+from contextlib import closing, contextmanager
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -208,19 +208,35 @@ class Handlers:
         self.compute_step = gpu(compute) if gpu else compute
         self.sweep_step = gpu(sweep_k) if gpu else sweep_k
 
+    @contextmanager
+    def session(self, visitor: gr.Request | None, tab: str) -> Iterator[Callable[[], bool]]:
+        """A visitor's run in a tab, from its start to its end: yields `stopped()`, true once Stop was pressed for it
+        (stop() marks only sessions inside this block, so a Stop with nothing running never stops the next run)."""
+        key = session_key(visitor, tab)
+        self.running.add(key)
+        self.stopping.discard(key)
+        try:
+            yield lambda: key in self.stopping
+        finally:
+            self.running.discard(key)
+            self.stopping.discard(key)
+
     def run_compare(self, prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max_new_tokens,
                     hide_rejected, replay=False, visitor: gr.Request = None, recalibrate: bool = False
                     ) -> Iterator[dict]:
         """The main run (API: /compare): validate, wait for the hardware, race both runs live (then, with `replay`,
         play them again at their measured pace). `recalibrate` measures the pass costs again first."""
-        session, runs = session_key(visitor, "race"), Runs()
-        self.running.add(session)
-        self.stopping.discard(session)
+        runs = Runs()
+        with self.session(visitor, "race") as stopped:
+            yield from self._compare(runs, stopped, prompt, target, drafter, draft, k, dynamic_k, temperature, top_p,
+                                     max_new_tokens, hide_rejected, replay, recalibrate)
+
+    def _compare(self, runs: Runs, stopped: Callable[[], bool], prompt, target, drafter, draft, k, dynamic_k,
+                 temperature, top_p, max_new_tokens, hide_rejected, replay, recalibrate) -> Iterator[dict]:
         try:
             request = make_request(prompt, target, drafter, draft, k, dynamic_k, temperature, top_p,
                                     max_new_tokens, self.limits)
             hide, pace = flag(hide_rejected, "hide rejected drafts"), flag(replay, "replay")
-            stopped = lambda: session in self.stopping  # noqa: E731
             yield from ({self.outputs.race.status: s} for s in hold_hardware(self.hardware, stopped))
             try:
                 check_prompt_tokens(request, self.limits, self.runtime)  # the tokenizer only: no weights yet
@@ -237,25 +253,17 @@ class Handlers:
         except Exception as exc:  # the app keeps serving; the log has the traceback
             log.exception("run failed")
             yield self._error(f"Unexpected error: {exc}")
-        finally:
-            self.running.discard(session)
-            self.stopping.discard(session)
 
     def replay_race(self, runs: Runs | None, hide_rejected, visitor: gr.Request = None) -> Iterator[dict]:
         """Race the finished runs again from t = 0, without computing anything."""
         if not isinstance(runs, Runs) or not runs.done:
             yield {self.outputs.race.status: "Nothing to replay yet: press Run first."}
             return
-        session = session_key(visitor, "race")
-        self.running.add(session)
-        self.stopping.discard(session)
-        try:
-            yield from self._race(runs, bool(hide_rejected), True, lambda: session in self.stopping)
-        except Stopped:
-            yield {self.outputs.race.status: "Stopped."}
-        finally:
-            self.running.discard(session)
-            self.stopping.discard(session)
+        with self.session(visitor, "race") as stopped:
+            try:
+                yield from self._race(runs, bool(hide_rejected), True, stopped)
+            except Stopped:
+                yield {self.outputs.race.status: "Stopped."}
 
     def _error(self, text: str) -> dict:
         gr.Warning(text)
@@ -369,20 +377,16 @@ class Handlers:
     def run_sweep(self, prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens,
                   visitor: gr.Request = None) -> Iterator[dict]:
         """The Tune-k tab (API: /sweep_k): sweep k = 1..k_max on the current prompt; measured and expected speedup."""
-        out, session = self.outputs.sweep, session_key(visitor, "sweep")
-        self.running.add(session)
-        self.stopping.discard(session)
-        try:
-            yield from self._sweep(prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens,
-                                   lambda: session in self.stopping)
-        except Stopped:
-            yield {out.table: "Stopped."}
-        except KNOWN_ERRORS as exc:
-            gr.Warning(friendly_error(exc))
-            yield {out.table: f"**Error:** {friendly_error(exc)}"}
-        finally:
-            self.running.discard(session)
-            self.stopping.discard(session)
+        out = self.outputs.sweep
+        with self.session(visitor, "sweep") as stopped:
+            try:
+                yield from self._sweep(prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens,
+                                       stopped)
+            except Stopped:
+                yield {out.table: "Stopped."}
+            except KNOWN_ERRORS as exc:
+                gr.Warning(friendly_error(exc))
+                yield {out.table: f"**Error:** {friendly_error(exc)}"}
 
     def _sweep(self, prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens,
                stopped: Callable[[], bool]) -> Iterator[dict]:
