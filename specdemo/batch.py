@@ -19,7 +19,6 @@ from .batch_kv import BatchKV, check_cache, left_padded, right_padded
 from .config import MAX_K_ENGINE, GenerationConfig, SamplingConfig
 from .drafters import Proposal, Verdict
 from .engine import Committer, GenerationError, check_request, eos_ids, seeded_generator
-from .metrics import expected_speedup
 from .timing import Clock, timed_call
 from .verify import logits_to_probs, rejection_accept
 
@@ -354,17 +353,6 @@ def verify_costs_from(seconds: dict[int, float], k_max: int) -> dict[int, float]
 def cost_widths(k_max: int) -> list[int]:
     """The widths the micro-benchmark measures for k up to k_max (as timing.verify_costs_for: 2..5, then sparser)."""
     return sorted({w for w in (2, 3, 4, 5, 7, 9, 13, 17) if w <= k_max + 1} | {k_max + 1})
-
-
-def choose_k(alpha: float, c: float, verify_costs: dict[int, float], k_max: int) -> tuple[int, float]:
-    """(k, expected speedup): the k in 0..k_max with the best metrics.expected_speedup, where k = 0 (no speculation)
-    is worth exactly 1."""
-    best, value = 0, 1.0
-    for k in range(1, k_max + 1):
-        s = expected_speedup(alpha, c, k, verify_costs.get(k, 1.0))
-        if s > value:
-            best, value = k, s
-    return best, value
 
 
 @dataclass(frozen=True)

@@ -16,18 +16,17 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from .batch import (AutoK, BatchStats, batch_autoregressive, batch_forward_seconds, batch_speculative, batch_stats,
-                    choose_k, cost_widths, row_outputs, verify_costs_from)
+                    cost_widths, row_outputs, verify_costs_from)
 from .batch_drafters import BatchDrafter, batch_drafter
 from .batch_kv import left_padded
 from .compare import Pair, first_mismatch, pair_placement
-from .config import GenerationConfig
+from .config import AUTO_K_MAX, GenerationConfig
 from .engine import eos_ids
-from .metrics import alpha_from_mean_accepted
+from .metrics import alpha_from_mean_accepted, best_k, expected_speedup
 from .timing import timed_call
 
 PROBE_K = 4  # k of the short speculative run that measures acceptance and draft cost for auto k
 PROBE_TOKENS = 24
-K_MAX = 8  # the largest k auto k considers
 WARMUP_TOKENS = 4
 
 
@@ -102,7 +101,7 @@ class Calibration:
     one_pass_seconds: float  # a B x 1 target pass
     alpha: float  # metrics.alpha_from_mean_accepted of the probe's mean accepted length at PROBE_K
     c: float  # the probe's drafting seconds per sequential draft position over one_pass_seconds
-    k: int  # batch.choose_k: 0 means no speculation
+    k: int  # metrics.best_k with min_k = 0: 0 means no speculation
     expected_speedup: float
 
     def as_dict(self) -> dict:
@@ -112,7 +111,7 @@ class Calibration:
 
 
 def calibrate(pair: Pair, drafter: BatchDrafter, rows: Sequence[list[int]], config: GenerationConfig,
-              k_max: int = K_MAX) -> Calibration:
+              k_max: int = AUTO_K_MAX) -> Calibration:
     """Measure one batch size's costs on `rows` (one batch) and choose k from them (untimed for the figures)."""
     model = pair.target.model
     seconds = batch_forward_seconds(model, rows, cost_widths(k_max), repeats=3)
@@ -122,7 +121,8 @@ def calibrate(pair: Pair, drafter: BatchDrafter, rows: Sequence[list[int]], conf
     stats = run_batch_sd(pair, drafter, rows, probe).stats
     alpha = alpha_from_mean_accepted(stats.mean_accepted, PROBE_K) if stats.row_steps else 0.0
     c = stats.draft_seconds / stats.draft_positions / seconds[1] if stats.draft_positions else 0.0
-    k, expected = choose_k(alpha, c, costs, k_max)
+    k = best_k(alpha, c, k_max, costs, min_k=0)
+    expected = expected_speedup(alpha, c, k, costs.get(k, 1.0)) if k else 1.0
     return Calibration(len(rows), costs, seconds[1], alpha, c, k, expected)
 
 
@@ -263,7 +263,7 @@ def warm(pair: Pair, drafter: BatchDrafter, rows: Sequence[list[int]], config: G
 
 
 def iter_batch_sweep(pair: Pair, prompt_ids: Sequence[list[int]], batch_sizes: Sequence[int],
-                     config: GenerationConfig, k: int | None = None, anchors: bool = False, k_max: int = K_MAX,
+                     config: GenerationConfig, k: int | None = None, anchors: bool = False, k_max: int = AUTO_K_MAX,
                      on_run: Callable[[str, int, int], None] | None = None,
                      max_batches: int | None = None) -> Iterator[BatchSweep]:
     """Calibrate every batch size (costs and auto k), then time each one: per batch, our autoregressive run, then

@@ -20,6 +20,7 @@ DEFAULT_DRAFTER = "model"
 MIN_K = 1
 MAX_K = 16  # UI range; the engine refuses anything above MAX_K_ENGINE
 MAX_K_ENGINE = 64
+AUTO_K_MAX = 8  # the largest k that auto k (batches) considers
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from .config import MAX_K
 from .engine import StepEvent
 
 
@@ -84,10 +85,12 @@ def expected_speedup(alpha: float, c: float, k: int, verify_cost: float = 1.0) -
     return expected_tokens(alpha, k) / (k * c + verify_cost)
 
 
-def best_k(alpha: float, c: float, k_max: int = 16, verify_costs: dict[int, float] | None = None) -> int:
-    """The k in 1..k_max that maximizes expected_speedup."""
+def best_k(alpha: float, c: float, k_max: int = MAX_K, verify_costs: dict[int, float] | None = None,
+           min_k: int = 1) -> int:
+    """The k in min_k..k_max that maximizes expected_speedup (the smallest on a tie). With min_k = 0, k = 0 (no
+    speculation) is worth exactly 1: what auto k picks for a batch where speculation stops paying."""
     costs = verify_costs or {}
-    return max(range(1, k_max + 1), key=lambda k: expected_speedup(alpha, c, k, costs.get(k, 1.0)))
+    return max(range(min_k, k_max + 1), key=lambda k: expected_speedup(alpha, c, k, costs.get(k, 1.0)) if k else 1.0)
 
 
 def alpha_from_mean_accepted(mean_accepted: float, k: int) -> float:

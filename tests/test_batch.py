@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from specdemo import batch, batch_kv
-from specdemo.batch import (AutoK, batch_autoregressive, batch_speculative, batch_stats, choose_k,
+from specdemo.metrics import best_k, expected_speedup
+from specdemo.batch import (AutoK, batch_autoregressive, batch_speculative, batch_stats,
                             greedy_accept_batch, row_outputs)
 from specdemo.batch_drafters import batch_drafter
 from specdemo.batch_kv import BatchKV, left_padded
@@ -241,13 +242,15 @@ def test_greedy_accept_batch_equals_greedy_accept_per_row():
     assert accepted == [3, 0, 2, 2, 0]
 
 
-def test_choose_k_returns_zero_where_verify_passes_cost_too_much():
+def test_best_k_from_zero_returns_zero_where_verify_passes_cost_too_much():
+    """Auto k's choice (metrics.best_k with min_k = 0): k = 0 where speculation cannot pay."""
     cheap = {k: 1.0 for k in range(1, 9)}
     dear = {k: 1.0 + 0.8 * k for k in range(1, 9)}  # a compute-bound pass: each token costs most of a pass
-    k, s = choose_k(0.7, 0.05, cheap, 8)
+    k = best_k(0.7, 0.05, 8, cheap, min_k=0)
+    s = expected_speedup(0.7, 0.05, k, cheap[k])
     assert k >= 3 and s > 1.5
-    assert choose_k(0.7, 0.05, dear, 8) == (0, 1.0)
-    assert choose_k(0.0, 0.0, cheap, 8) == (0, 1.0)
+    assert best_k(0.7, 0.05, 8, dear, min_k=0) == 0
+    assert best_k(0.0, 0.0, 8, cheap, min_k=0) == 0
 
 
 def test_auto_k_follows_the_shrinking_batch_and_stays_lossless(tiny_target, tiny_tok):
