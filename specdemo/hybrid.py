@@ -20,10 +20,9 @@ from .timing import forward_costs
 log = logging.getLogger(__name__)
 
 # What hybrid_model_k assumes of a draft that carries no held-out figures of its own: the chance that its first and its
-# first two drafted tokens are accepted (the held-out chain of the self-written draft shipped until 2026-12-01; the
-# one shipped now has 0.51 / 0.26 on harder held-out requests, and both choose one token per step here when the
-# load-time timing is steady), and its cost per drafted token over a 1-token target pass where none was measured (the
-# shipped draft's, as the benchmark measures it).
+# first two drafted tokens are accepted (the held-out chain of an earlier trained draft, docs/notes/hybrid-cap.md), and its cost
+# per drafted token over a 1-token target pass where none was measured (a trained draft's, as the benchmark measures
+# it).
 DEFAULT_CHAIN = (0.53, 0.30)
 DEFAULT_DRAFT_COST = 0.07
 PROBE_TEXT = "Speculative decoding lets a small draft propose tokens that the target checks in one pass."
@@ -54,10 +53,9 @@ def hybrid_model_k(costs: dict[int, float], chain: tuple[float, float] = DEFAULT
     1 where the model's second token, accepted with chance chain[1], does not pay for the wider pass and its own
     drafting, that is where (1 + a1) / (v2 + c) >= (1 + a1 + a2) / (v3 + 2c); else None (k).
 
-    On the 2-core CPU with the shipped draft, v2 = 1.02-1.08 and v3 = 1.34-1.43 as measured at load: about 1.36
-    against 1.20 tokens per unit of cost, so 1 (the break-even v3 is 1.22), and on the evaluation prompts at k = 8
-    the hybrid measured 1.52-1.53x with the cap, 1.45x without. On a GPU a few more tokens cost about nothing
-    (v2 = v3 = 1), so a cheap draft drafts up to k, while one that costs a third of a target pass still drafts one.
+    On a small CPU, where a 3-token pass costs clearly more than a 2-token one, this usually chooses 1 for a trained
+    draft (docs/notes/hybrid-cap.md has a measured case). On a GPU a few more tokens cost about nothing (v2 = v3 = 1), so a
+    cheap draft drafts up to k, while one that costs a third of a target pass still drafts one.
     Prompt lookup is never capped: its long copies cost nothing to draft and are accepted far more often.
     """
     a1, a2 = chain

@@ -101,8 +101,8 @@ def forward_seconds(model, prompt_ids: list[int], widths: Sequence[int], repeats
     """{w: the best seconds of a `w`-token forward after the prompt's cache} for each width and 1.
 
     The widths take turns (a warm-up round, then `repeats` rounds of one pass each), so a slow spell of a shared
-    machine slows one pass of every width rather than all of one width's: measured one width after the other, a
-    hybrid load on a noisy 2-core machine timed a 3-token pass at 0.85x a 1-token one (1.10x in a quiet sitting)."""
+    machine slows one pass of every width rather than all of one width's (measured one width after the other, a busy
+    spell could make a wider pass look cheaper than a 1-token one)."""
     from transformers import DynamicCache
 
     device = execution_device(model)

@@ -3,12 +3,10 @@ writes into one buffer made for the whole answer, and attention for one query as
 head. Knows transformers' cache and attention registries; nothing of tokenizers, sampling or what is recorded.
 """
 
-# Many rows decoded at once on a CPU (distill's recorded answers, bf16). Profiled on 64 decoding steps of a batch of
-# 64 written requests (53-token prompts) with SmolLM2-135M, a step took about 107 ms in the weights' products, 85 ms in
-# sdpa's CPU flash kernel (which runs a single query on the 3 key/value heads, but at 2.7 ms a layer) and 65 ms
-# concatenating the KV cache. A buffer made once for the whole answer removes the copies, and plain products with
-# the 3 query heads of each key/value head grouped take 0.56 ms a layer instead of 1.23 (0.72 instead of 1.59 at
-# 300 positions). The whole batch (128 new tokens) then takes 21 s instead of `generate`'s 32 s.
+# Why (profiled in docs/notes/kernels.md): decoding many rows at once on a CPU spent its time in the weights'
+# products, in sdpa's flash kernel running a single query per key/value head, and in concatenating the KV cache. A
+# buffer made once for the whole answer removes the copies, and plain products with the query heads of each key/value
+# head grouped beat the flash kernel for one query.
 
 from __future__ import annotations
 

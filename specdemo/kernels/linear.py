@@ -3,24 +3,12 @@ setting that keeps CUDA decoding timings independent of run order. Reads no envi
 use either (enabled_for, plan_free_attention's keep_cudnn) from their runtime settings.
 """
 
-# Measured on this project's 2-core AMD EPYC with torch 2.13 (MKL), for the 49,152 x 576 output head:
-# `F.linear` on 1 row takes 9.7 ms (a single-threaded matrix-vector path), on 2 rows 21 ms and on 3 rows 32 ms (the
-# small-M matrix kernel is slower than one row at a time), on 5-8 rows 16-18 ms. The same product written as
-# `W @ x.T` takes 2.8-4.1 ms for 1-4 rows and 6.9 ms for 8. The result is made row-major again: left transposed, it
-# sent every later product of the pass down a slow path (the MLP's down projection 550 instead of 112 us for 4 rows).
-# On SmolLM2-135M a forward pass of 1 / 2 / 4 / 8 new tokens takes 31 / 34 / 40 / 60 ms instead of 55 / 89 / 85 / 77 ms.
-# Both decoders and transformers' `generate` run the same patched model object, so every timed comparison stays like
-# for like; the result differs from `F.linear` only by float rounding (about 1e-4 on the logits).
-#
-# That trick stops paying at 3 rows: over the 210 products of the 30 layers, 2 rows take 15 ms, but 3 / 4 / 6 / 8 rows
-# 22 / 24 / 35 / 38 ms (MKL's small-matrix kernel reaches about 20 GFLOP/s per core there). oneDNN with its weights
-# reordered once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what torch.compile's CPU backend
-# uses) takes 21-24 ms for anything from 3 to 9 rows, and beats F.linear at every larger count too. So 3 rows or more
-# go through a packed copy of each weight, made when the model is patched where the copies fit in a quarter of the
-# available memory (they double the weights' memory: 0.5 GB more for SmolLM2-135M). Whole forward passes of 3 / 5 / 8 /
-# 9 / 12 / 17 new tokens then take 41 / 42 / 48 / 48 / 52 / 58 ms instead of 47 / 55 / 67 / 102 / 106 / 124 ms, and a
-# 129-token prefill 261 instead of 348 ms: a verify pass of 3-9 tokens costs about what a 3-token one does, which is
-# what makes drafting more than one token worth it on a CPU.
+# Why (the measurements are in docs/notes/kernels.md): on a CPU, `F.linear` on 1-3 rows takes a slow small-matrix path,
+# while `W @ x.T` (made row-major again) is several times faster there; from 3 rows on, a copy of each weight packed
+# once into oneDNN's blocked layout is faster still, so a verify pass of 3-9 tokens costs about what a 3-token one does,
+# which is what makes drafting more than one token worth it on a CPU. Both decoders and transformers' `generate` run
+# the same patched model object, so every timed comparison stays like for like; the result differs from `F.linear`
+# only by float rounding.
 
 from __future__ import annotations
 
@@ -30,7 +18,7 @@ import types
 import torch
 from torch import nn
 
-MAX_ROWS = 8  # without a packed weight, F.linear's own kernel is as fast above this (whole forward, 9 tokens: 84 ms)
+MAX_ROWS = 8  # without a packed weight, F.linear's own kernel is as fast above this
 PACK_BATCH_HINT = 8  # the batch size oneDNN's reorder is tuned for
 
 log = logging.getLogger(__name__)
@@ -123,8 +111,8 @@ def available_memory() -> int | None:
 def patch_linears(model: nn.Module, packed: bool | None = None) -> int:
     """Route the model's nn.Linear forwards through the few-row product; returns how many were patched.
 
-    packed=None packs the weights when the copies take at most a quarter of the available memory (a 1.7B-parameter
-    model in float32 would need 6.8 GB more); the copies are made now (0.3 s for SmolLM2-135M), and again on first
+    packed=None packs the weights when the copies take at most a quarter of the available memory (they double the
+    weights' memory); the copies are made now, and again on first
     use after a weight changes (see Packed). Under accelerate's hooks (a device map) the patch goes under the hook
     (`_old_forward`), which still moves inputs and loads offloaded weights first; offloaded linears, whose weights are
     read back for every pass, get the few-row product without a packed copy (it would be rebuilt every pass).
