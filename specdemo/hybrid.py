@@ -19,10 +19,10 @@ from .timing import forward_costs
 
 log = logging.getLogger(__name__)
 
-# What hybrid_model_k assumes of a draft that carries no held-out figures of its own: the chance that its first and its
-# first two drafted tokens are accepted (the held-out chain of an earlier trained draft, docs/notes/hybrid-cap.md), and its cost
-# per drafted token over a 1-token target pass where none was measured (a trained draft's, as the benchmark measures
-# it).
+# What hybrid_model_k assumes of a draft that carries no held-out figures of its own: the chance that its first and
+# its first two drafted tokens are accepted (the held-out chain of an earlier trained draft,
+# docs/notes/hybrid-cap.md), and its cost per drafted token over a 1-token target pass where none was measured (a
+# trained draft's, as the benchmark measures it).
 DEFAULT_CHAIN = (0.53, 0.30)
 DEFAULT_DRAFT_COST = 0.07
 PROBE_TEXT = "Speculative decoding lets a small draft propose tokens that the target checks in one pass."
@@ -54,8 +54,8 @@ def hybrid_model_k(costs: dict[int, float], chain: tuple[float, float] = DEFAULT
     drafting, that is where (1 + a1) / (v2 + c) >= (1 + a1 + a2) / (v3 + 2c); else None (k).
 
     On a small CPU, where a 3-token pass costs clearly more than a 2-token one, this usually chooses 1 for a trained
-    draft (docs/notes/hybrid-cap.md has a measured case). On a GPU a few more tokens cost about nothing (v2 = v3 = 1), so a
-    cheap draft drafts up to k, while one that costs a third of a target pass still drafts one.
+    draft (docs/notes/hybrid-cap.md has a measured case). On a GPU a few more tokens cost about nothing (v2 = v3 = 1),
+    so a cheap draft drafts up to k, while one that costs a third of a target pass still drafts one.
     Prompt lookup is never capped: its long copies cost nothing to draft and are accepted far more often.
     """
     a1, a2 = chain
