@@ -22,9 +22,10 @@ from .config import MAX_K, MIN_K, Runtime
 from .engine import StepEvent, encode_prompt
 from .export import serve_hint
 from .metrics import PassCosts, cost_drift, pass_costs, run_stats
-from .race import (KNOWN_ERRORS, LIVE_TEXT_EVERY, AppLimits, drift_warning, RunRequest, Runs, Throttle, UserError, check_fit, check_prompt_tokens,
-                   drafted_at, final_stats_markdown, flag, free_memory, friendly_error, make_request, number, passes,
-                   placement_for, points, preset_fields, preset_k, replay_frames, run_point, sweep_table)
+from .race import (KNOWN_ERRORS, LIVE_TEXT_EVERY, AppLimits, RunRequest, Runs, Throttle, UserError, check_fit,
+                   check_prompt_tokens, drafted_at, drift_warning, final_stats_markdown, flag, free_memory,
+                   friendly_error, make_request, number, passes, placement_for, points, preset_fields, preset_k,
+                   replay_frames, run_point, sweep_table)
 from .render import Segment, event_segments, panel_stats, segments_html
 from .sweep import Sweep, iter_sweep_summaries
 
