@@ -313,6 +313,8 @@ def final_stats_markdown(result: dict, c: float | None = None, verify_cost: floa
                  + (" (dynamic)" if result["dynamic_k"] else ""))
     if result.get("placement"):
         lines.append(f"- placement: {placement_line(result['placement'])}")
+    if result.get("pass_costs"):
+        lines.append(f"- {pass_costs_line(result['pass_costs'])}")
     return "\n".join(lines + _hybrid_lines(result))
 
 
@@ -324,6 +326,18 @@ def cost_line(c: float, verify_cost: float) -> str:
 
 PASS_NAMES = {"target_pass": "the target's 1-token passes", "verify_pass": "the verify passes",
               "draft_token": "the drafted tokens"}
+
+
+def pass_costs_line(costs: dict) -> str:
+    """The run's median passes beside the calibrated ones, in milliseconds (result["pass_costs"])."""
+    parts = []
+    for name, label in (("target_pass", "1-token target pass"), ("verify_pass", "verify pass"),
+                        ("draft_token", "drafted token")):
+        now, was = costs["run"].get(name), costs["calibrated"].get(name)
+        if now and was:
+            parts.append(f"{label} {now * 1000:.1f} ms (calibrated {was * 1000:.1f})")
+    verdict = "as calibrated" if not costs.get("drift") else "**not as calibrated**"
+    return f"machine check, {verdict}: " + ", ".join(parts)
 
 
 def drift_warning(result: dict) -> str:

@@ -157,7 +157,9 @@ def test_a_run_reports_its_pass_costs_beside_the_calibrated_ones(tiny_loads):
     costs = tiny_run(h)[-1]["result_json"]["pass_costs"]
     assert set(costs) == {"calibrated", "run", "drift"}
     assert all(costs[w]["target_pass"] > 0 and costs[w]["verify_pass"] > 0 for w in ("calibrated", "run"))
-    assert tiny_run(h)[-1]["result_json"]["pass_costs"]["calibrated"] == costs["calibrated"]  # kept
+    again = tiny_run(h)[-1]
+    assert again["result_json"]["pass_costs"]["calibrated"] == costs["calibrated"]  # kept
+    assert "machine check" in again["stats"] and "1-token target pass" in again["stats"]
     frames = list(h.remeasure(TINY_PROMPT, "tiny", "ngram", "", 3, False, 0.0, 1.0, 12, False, False))
     assert any(f.get("status", "").startswith("Measuring what each pass costs") for f in frames)
     assert frames[-1]["result_json"]["pass_costs"]["calibrated"] != costs["calibrated"]  # measured again
