@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Issue 29 figures: an EAGLE-3 head trained by `distill --arch eagle3` against another head, back to back on the same
+# Issue 29 figures: an EAGLE-3 head trained by `distill` against another head, back to back on the same
 # prompts, then vLLM's eagle3 on the exported head (bash run.sh vllm first). Run from the repository root,
 # on a machine nothing else is using (the figures are timed). LIMIT=N (and MAX_NEW_TOKENS=M) shorten it to check the script.
 # E3 (default out/draft-eagle3, else the shipped head) is the EAGLE-3 head; SHIPPED (default specdemo/data/smollm2-135m-draft)
 # the head it is compared with. The run of 2026-12-02 (bench/eagle3, docs/eagle3.md) had the EAGLE-style head shipped
-# until then as SHIPPED; it is in git history: git archive 4595cf7 assets/smollm2-135m-draft | tar -x -C /tmp
+# until then as SHIPPED; it is in git history: git archive 4595cf7 assets/smollm2-135m-draft | tar -x -C /tmp (that head
+# is retired and only the code at 1cb37f1 loads it: docs/notes/eagle-style-head.md)
 set -euo pipefail
 P=${PYTHON:-.venv/bin/python}
 SHIPPED=${SHIPPED:-specdemo/data/smollm2-135m-draft}

@@ -22,7 +22,7 @@
 #                                    ONLY_DEVICES=1 runs only those)
 #   EAGLE3_HEAD=DIR EAGLE3_TARGET=T  either mode, also the benchmark of that EAGLE-3 head (e.g. a published one) with
 #                                    its target on CUDA: identical greedy output and acceptance (bench-eagle3; `real`
-#                                    defaults EAGLE3_TARGET to the bundled model, e.g. for a head from distill --arch eagle3)
+#                                    defaults EAGLE3_TARGET to the bundled model, e.g. for a head from distill)
 #
 # The GGUF (98 MB) is more than travels with one call (64 MiB), so it goes in two halves: the first call copies its
 # half to $KEEP (the machine keeps it while warm; `keep` does only that), the next brings the other. DRY=1 runs the
@@ -133,7 +133,7 @@ if [ "${1:-basic}" != real ]; then
   fi
   [ "${1:-basic}" = keep ] && exit 0  # only that: a short first call when time is short
   SPECDEMO_TEST_DEVICE=$DEV stage pytest_cuda 100 $PY -m pytest -q -p no:cacheprovider tests/test_engine.py tests/test_worker.py \
-    tests/test_verify.py tests/test_eagle.py tests/test_eagle3.py -k "not shipped_draft and not bundled" \
+    tests/test_verify.py tests/test_eagle3.py -k "not shipped_draft and not bundled" \
     -m "not slow"  # the shipped draft's tests need the real target; test_eagle3: tiny random EAGLE-3 heads
   QUICK=(--quick); [ "$DRY" = 1 ] && QUICK=(--quick --layers 2 --new 16)
   stage random_weights 90 $PY scripts/gpu_check.py --device "$DEV" "${QUICK[@]}"
@@ -216,7 +216,7 @@ stage offload_regime $((DC + 60)) $PY scripts/offload_regime.py --device "$DEV" 
 # --- end stage: devices ---
 stage bench_draft 200 "${B[@]}" --drafter model --k "$KS" --anchors --out "$R/bench-draft"
 stage distill "${DISTILL_CAP:-280}" $PY -m specdemo distill --target smollm2-135m --out "$R/draft-cuda" --work "$KEEP/distill-cache" \
-  --device "$DEV" --arch eagle3 --instructions written,written2 --train-dtype bf16 --min-confidence 0.8 "${DISTILL[@]}" \
+  --device "$DEV" --instructions written,written2 --train-dtype bf16 --min-confidence 0.8 "${DISTILL[@]}" \
   ${DISTILL_ARGS:-}  # the shipped head's recipe (an EAGLE-3 head since 2026-12-02)
 stage bench_hybrid 70 "${B[@]}" --drafter hybrid --k 8 --out "$R/bench-hybrid"
 [ -f "$R/draft-cuda/config.json" ] && \

@@ -138,7 +138,7 @@ def run_serve_config(args) -> int:
 
 def _export_parser(sub) -> None:
     p = sub.add_parser("export", help="write an EAGLE-3 head as a checkpoint vLLM and SGLang load, with their flags")
-    p.add_argument("--draft", required=True, help="an EAGLE-3 head: a folder (e.g. from `distill --arch eagle3`) or "
+    p.add_argument("--draft", required=True, help="an EAGLE-3 head: a folder (e.g. from `distill`) or a "
                                                   "hub id")
     p.add_argument("--out", required=True, help="the folder to write (config.json, model.safetensors, "
                                                 "speculative_config.json, sglang.txt)")

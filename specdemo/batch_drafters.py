@@ -1,6 +1,6 @@
 """Batched drafters: the drafter seam (begin / propose / update) for B rows at once.
 
-Prompt lookup per row, the draft model and the EAGLE head batched over rows, and the hybrid; batch_drafter maps a
+Prompt lookup per row, the draft model and an EAGLE-3 head batched over rows, and the hybrid; batch_drafter maps a
 single-sequence drafter to its batched form. Knows nothing of verification.
 """
 from __future__ import annotations
@@ -115,15 +115,18 @@ class BatchModelDrafter(BatchDrafter):
         self.kv.select(rows)
 
 
-class BatchEagle(BatchDrafter):
-    """The trained EAGLE head (eagle.EagleHead) over the batch: its own keys and values with per-row slots.
+class BatchEagle3(BatchDrafter):
+    """An EAGLE-3 head (eagle3.Eagle3Head: ours or a published one) over the batch: its own keys and values with
+    per-row slots, the midlayer over (embedding, hidden) and the pre-norm output fed back, as Eagle3Drafter does one
+    row at a time.
 
-    As in EagleDrafter, between proposals the cache holds entries computed from true target features only; the
-    entries of drafted features sit after `true_length` and are cut at the next verdict. The head is run layer by
-    layer here because its forward takes one position vector for all rows, and rows sit at different positions.
+    As in Eagle3Drafter, between proposals the cache holds entries computed from true target features only; the
+    entries of drafted features sit after `true_length` and are cut at the next verdict. The midlayer is run here
+    rather than the head's forward because that takes one position vector for all rows, and rows sit at different
+    positions.
     """
 
-    name = "eagle"
+    name = "eagle3"
     needs_target_hidden = True
 
     def __init__(self, head, min_confidence: float = 0.0):
@@ -135,47 +138,29 @@ class BatchEagle(BatchDrafter):
 
     def begin(self, prompts, target_hidden=None) -> None:
         if target_hidden is None:
-            raise ValueError("BatchEagle needs the target's hidden states (needs_target_hidden)")
+            raise ValueError("BatchEagle3 needs the target's hidden states (needs_target_hidden)")
         self.slots = Slots(len(prompts), self.device)
-        self.k = self.v = None  # (B, KV * layers, L, D)
+        self.k = self.v = None  # (B, KV, L, D)
         self.pending: list[torch.Tensor | None] = [h for h in target_hidden]  # true features not yet fed, (m, W)
         self.true_counts: list[int] | None = None  # counts after the last catch-up pass: the true entries
 
-    def _pass(self, features: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        """features (B, T, H), tokens (B, T) (the token after each feature's position) -> what the next draft step
-        reads, (B, T, H): the head's output, each row at its own positions."""
+    def _pass(self, hidden: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """hidden (B, T, H), tokens (B, T) (the token after each hidden state's position) -> what the next draft step
+        reads, (B, T, H): the midlayer's pre-norm output, each row at its own positions."""
         freqs = self.slots.positions(real).float()[..., None] * self.head.inv_freq  # (B, T, D/2)
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # (B, 1, T, D), broadcast over heads
-        scale = getattr(self.head, "rope_scale", 1.0)  # the rope type's attention scaling (EAGLE-3 heads)
-        cos, sin = (emb.cos() * scale).to(features.dtype), (emb.sin() * scale).to(features.dtype)
+        scale = self.head.rope_scale  # the rope type's attention scaling
+        cos, sin = (emb.cos() * scale).to(hidden.dtype), (emb.sin() * scale).to(hidden.dtype)
         past, t = self.slots.length, tokens.shape[1]
         causal = torch.ones(t, past + t, dtype=torch.bool, device=self.device).tril(diagonal=past)
         mask = causal[None] & self.slots.mask(real)[:, None, :]  # (B, T, L + T)
         mask = (mask | ~mask.any(-1, keepdim=True))[:, None]  # a query with nothing to see reads garbage, not NaN
-        n = self.layer_count
-        pasts = [(None, None)] * n if self.k is None else list(zip(self.k.chunk(n, 1), self.v.chunk(n, 1)))
-        out, ks, vs = self._layers(features, tokens, cos, sin, pasts, mask)
-        k, v = torch.cat(ks, dim=1), torch.cat(vs, dim=1)
+        head = self.head
+        out, k, v = head.midlayer(head.embed(tokens).to(hidden.dtype), hidden, cos, sin, self.k, self.v, mask)
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
         self.slots.append(real)
         return out
-
-    @property
-    def layer_count(self) -> int:
-        return len(self.head.decoder_layers)
-
-    def _layers(self, features, tokens, cos, sin, pasts, mask):
-        """EagleHead: fc over (feature, embedding), its decoder layers, the final norm (its logits read normed
-        features). Returns the output and each layer's new keys and values."""
-        head = self.head
-        x = head.fc(torch.cat([features, head.embed[tokens].to(features.dtype)], dim=-1))
-        ks, vs = [], []
-        for layer, (pk, pv) in zip(head.decoder_layers, pasts):
-            x, k, v = layer(x, cos, sin, pk, pv, mask)
-            ks.append(k)
-            vs.append(v)
-        return head.norm(x), ks, vs
 
     def _drop_drafted(self) -> None:
         if self.true_counts is not None:
@@ -208,7 +193,7 @@ class BatchEagle(BatchDrafter):
             feats.append(pend)
             feeds.append(ids[r][n + 1:])
         tok, real = left_padded(feeds, self.device)
-        width = next(f.shape[-1] for f in feats if f is not None)  # the engine's features: final and fused/aux layers
+        width = next(f.shape[-1] for f in feats if f is not None)  # the engine's features: final and aux layers
         x = torch.zeros(rows, tok.shape[1], width, dtype=self.dtype, device=self.device)
         for r, f in enumerate(feats):
             if f is not None and len(f):
@@ -227,7 +212,7 @@ class BatchEagle(BatchDrafter):
             for r in range(rows):
                 if not active[r]:
                     continue
-                if tokens[r] and confidence[r] < self.min_confidence:  # EagleDrafter's early stop
+                if tokens[r] and confidence[r] < self.min_confidence:  # Eagle3Drafter's early stop
                     active[r] = False
                     continue
                 if sampling.greedy:
@@ -249,7 +234,7 @@ class BatchEagle(BatchDrafter):
         self._drop_drafted()
         for r, v in enumerate(verdicts):
             if v.target_hidden is None:
-                raise ValueError("BatchEagle needs the target's hidden states in the verdict")
+                raise ValueError("BatchEagle3 needs the target's hidden states in the verdict")
             hidden = v.target_hidden.to(self.dtype)
             self.pending[r] = hidden if self.pending[r] is None else torch.cat([self.pending[r], hidden])
         self._compact()
@@ -267,20 +252,6 @@ class BatchEagle(BatchDrafter):
         index = self.slots.compaction()
         if index is not None and self.k is not None:
             self.k, self.v = gather_slots(self.k, index), gather_slots(self.v, index)
-
-
-class BatchEagle3(BatchEagle):
-    """An EAGLE-3 head (eagle3.Eagle3Head: ours or a published one) over the batch: BatchEagle's per-row chain, with
-    the midlayer over (embedding, hidden) and the pre-norm output fed back, as Eagle3Drafter does one row at a time."""
-
-    name = "eagle3"
-    layer_count = 1
-
-    def _layers(self, features, tokens, cos, sin, pasts, mask):
-        head = self.head
-        (pk, pv), = pasts
-        out, k, v = head.midlayer(head.embed(tokens).to(features.dtype), features, cos, sin, pk, pv, mask)
-        return out, [k], [v]
 
 
 class BatchHybrid(BatchDrafter):
@@ -317,9 +288,9 @@ class BatchHybrid(BatchDrafter):
 
 
 def batch_drafter(drafter: Drafter) -> BatchDrafter:
-    """The batched form of a drafter built by compare.make_drafter (prompt lookup, a draft LM, the EAGLE head, or
+    """The batched form of a drafter built by compare.make_drafter (prompt lookup, a draft LM, an EAGLE-3 head, or
     the hybrid of lookup and one of those); same settings, same proposals per row."""
-    from .eagle import EagleDrafter
+    from .eagle3_drafter import Eagle3Drafter
 
     if isinstance(drafter, BatchDrafter):
         return drafter
@@ -327,10 +298,8 @@ def batch_drafter(drafter: Drafter) -> BatchDrafter:
         return BatchNgram(drafter)
     if isinstance(drafter, ModelDrafter):
         return BatchModelDrafter(drafter.model, drafter.target_device)
-    if isinstance(drafter, EagleDrafter) and drafter.name == "eagle3":
+    if isinstance(drafter, Eagle3Drafter):
         return BatchEagle3(drafter.head, drafter.min_confidence)
-    if isinstance(drafter, EagleDrafter):
-        return BatchEagle(drafter.head, drafter.min_confidence)
     if isinstance(drafter, HybridDrafter):
         return BatchHybrid(batch_drafter(drafter.model), drafter.lookup, drafter.model_k)
     raise GenerationError(f"no batched form of the {type(drafter).__name__} drafter")

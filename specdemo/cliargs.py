@@ -19,9 +19,9 @@ def add_placement_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload-folder", default=None, metavar="DIR",
                    help="with --device-map: where weights that fit nowhere else go (read back at every pass)")
     p.add_argument("--draft-device", default=None,
-                   help="the draft model's (or trained draft head's) device, e.g. cpu beside a cuda target, or cuda:1 "
-                        "(default: the target's device; under a device map, a draft head goes where the target's "
-                        "output head computes)")
+                   help="the draft model's device, e.g. cpu beside a cuda target, or cuda:1 (default: the target's "
+                        "device; an EAGLE-3 head, the shipped draft among them, computes where the target's "
+                        "embeddings are)")
 
 
 def placement_args(args: argparse.Namespace) -> Placement:

@@ -44,21 +44,16 @@ def trained_draft_path(target_name: str) -> Path | None:
 
 
 def _is_trained_draft(path: Path) -> bool:
-    """A folder holding one of our heads: the EAGLE-style one (specdemo/eagle.py) or an EAGLE-3 checkpoint."""
-    from .eagle import CONFIG_FILE
+    """A folder holding an EAGLE-3 head (known by its config.json)."""
     from .eagle3 import is_eagle3
 
-    return (path / CONFIG_FILE).exists() or is_eagle3(path)
+    return is_eagle3(path)
 
 
-def _head_drafter(path: Path, target: LoadedModel, device=None) -> Drafter:
-    """The drafter of a head folder: an EAGLE-3 checkpoint (detected from its config.json; it computes where the
-    target's embeddings are) or our EAGLE-style head (on `device`, see eagle.load_trained_draft)."""
-    from .eagle import load_trained_draft
-    from .eagle3 import Eagle3FormatError, is_eagle3, load_eagle3
+def _head_drafter(path: Path, target: LoadedModel) -> Drafter:
+    """The drafter of an EAGLE-3 head folder; it computes where the target's embeddings are."""
+    from .eagle3 import Eagle3FormatError, load_eagle3
 
-    if not is_eagle3(path):
-        return load_trained_draft(path, target, device)
     try:
         return load_eagle3(path, target)
     except Eagle3FormatError as exc:
@@ -82,7 +77,7 @@ def make_drafter(target: LoadedModel, kind: str, draft: str | None, device=None,
     """Build a drafter by name: prompt lookup, the shipped trained draft, an EAGLE-3 head (a folder or hub id whose
     config.json says so), any causal LM sharing the tokenizer, or "hybrid": one of those drafts with prompt lookup
     taking over where the context repeats (calibrated here).
-    `device` is the draft's (None: the default device; a trained draft head: where the target's output head computes).
+    `device` is a draft LM's (None: the default device); an EAGLE-3 head computes where the target's embeddings are.
     Returns (drafter, draft name or None, the hybrid's calibration or None)."""
     if kind == "ngram":
         return NgramDrafter(), None, None
@@ -101,12 +96,14 @@ def make_drafter(target: LoadedModel, kind: str, draft: str | None, device=None,
         path = DRAFTS / TRAINED_DRAFT_ID if draft == TRAINED_DRAFT_ID else Path(draft)
         if not _is_trained_draft(path):
             raise ModelLoadError(f"the trained draft '{draft}' is not in {path}; train it with `python -m specdemo distill`")
-        return _head_drafter(path, target, device), draft, None
-    from .eagle3 import locate_eagle3
+        return _head_drafter(path, target), draft, None
+    from .eagle3 import locate_eagle3, not_a_draft, read_config
 
     hub_head = locate_eagle3(draft, runtime)  # a hub id whose config.json is an EAGLE-3 head
     if hub_head is not None:
-        return _head_drafter(hub_head, target, device), draft, None
+        return _head_drafter(hub_head, target), draft, None
+    if Path(draft).is_dir() and read_config(draft) is None:
+        raise ModelLoadError(not_a_draft(draft, "the folder has no config.json"))
     loaded = load_model(draft, device=device, dtype=dtype, trust_remote_code=trust_remote_code, runtime=runtime)
     check_tokenizers(target, loaded.name, loaded.tokenizer)
     return ModelDrafter(loaded.model, target.device), draft, None
@@ -116,7 +113,7 @@ def load_pair(target: str, kind: str = "model", draft: str | None = None, device
               draft_device=None, trust_remote_code: bool = False, runtime: Runtime = Runtime(),
               placement: Placement = Placement()) -> Pair:
     """Load a target (with accelerate's device map when `placement` names one) and its drafter, on draft_device when
-    given (else `device`; a trained draft head: where the target's head computes). Models are cached between calls."""
+    given (else `device`; an EAGLE-3 head: where the target's embeddings are). Models are cached between calls."""
     loaded = load_model(target or BUNDLED_ID, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
                         runtime=runtime, placement=placement)
     draft_device = draft_device or (None if placement.active else device)  # `device` names no device under a map

@@ -177,7 +177,7 @@ class HybridDrafter(Drafter):
     `model_k` tokens (None: k; hybrid.calibrate chooses it from this machine's measured costs). The choice
     depends only on the committed context, so each step still has one well-defined proposal distribution and
     rejection sampling stays exact. The model drafter must follow along when
-    skipped: ModelDrafter catches up from `ids`, EagleDrafter keeps the target features of skipped passes pending.
+    skipped: ModelDrafter catches up from `ids`, Eagle3Drafter keeps the target features of skipped passes pending.
     """
 
     name = "hybrid"

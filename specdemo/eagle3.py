@@ -1,4 +1,5 @@
-"""EAGLE-3 draft heads in the checkpoint format vLLM and SGLang load: config, module, drafter, save and load.
+"""EAGLE-3 draft heads in the checkpoint format vLLM and SGLang load: config, module, save and load (the drafter is
+specdemo.eagle3_drafter.Eagle3Drafter, importable from here too).
 
 The format is vLLM 0.32's vllm/model_executor/models/llama_eagle3.py (Eagle3LlamaForCausalLM) checked against
 SGLang's python/sglang/srt/models/llama_eagle3.py (LlamaForCausalLMEagle3); docs/eagle3.md lists each name and default.
@@ -11,12 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
 from .config import Runtime
-from .eagle import EagleDrafter, RMSNorm, attend, rope_tables, unroll
+from .eagle3_drafter import Eagle3Drafter
 from .loading import hub_folder
+from .placement import weight_of
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")  # SGLang's name, vLLM's name
 CONFIG_FILE = "config.json"
@@ -146,6 +149,48 @@ class Eagle3Config:
                 "rope_scaling": self.rope_scaling, "tie_word_embeddings": False, "attention_bias": False,
                 "mlp_bias": False, "norm_before_residual": self.norm_before_residual, "eagle_config": eagle,
                 "torch_dtype": str(dtype).removeprefix("torch.")}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (T, D) for integer positions (T,); `scale` is the rope type's attention scaling (1 for the default)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           past_k: torch.Tensor | None, past_v: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
+    """Grouped attention of q (B, NH, T, D) over past keys (B, KV, L, D) and the new k, v (B, KV, T, D), RoPE applied
+    here; `mask` (T, L+T) bool, or None for causal aligned to the end. Returns (B, T, NH * D) and the rotated k."""
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    keys = k if past_k is None else torch.cat([past_k, k], dim=2)
+    values = v if past_v is None else torch.cat([past_v, v], dim=2)
+    t = q.shape[2]
+    if mask is None and t > 1:  # causal, aligned to the end when there is a past
+        past = keys.shape[2] - t
+        mask = torch.ones(t, past + t, dtype=torch.bool, device=q.device).tril(diagonal=past)
+    att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # (B, NH, T, D)
+    return att.transpose(1, 2).reshape(q.shape[0], t, -1), k
 
 
 class Attention(nn.Module):
@@ -286,22 +331,44 @@ class Eagle3Head(nn.Module):
         return self.lm_head(self.norm(hidden_out))
 
     def unrolled(self, aux: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
-        """Training-time test (eagle.EagleHead.unrolled's semantics): aux (B, T, n_aux * target_hidden), tokens
-        (B, T + depth) with tokens[:, i + 1] following position i -> `depth` pre-norm outputs (B, T, H)."""
+        """Training-time test: `depth` draft steps from every position at once, exactly as the drafter runs them.
+
+        aux (B, T, n_aux * target_hidden), tokens (B, T + depth) with tokens[:, i + 1] following position i. Row i of
+        step d is the chain that started from the true state at i; it sits at position i + d - 1, sees the true
+        entries at positions <= i and its own chain's earlier steps. Returns `depth` pre-norm outputs (B, T, H)."""
         return unroll(self, self.combine(aux), tokens, depth)
+
+
+def unroll(head: nn.Module, feat: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
+    """The training-time test loop: `head(feat, tokens, positions, past_k, past_v, mask)` from every position at
+    once, `depth` times, each step reading the last one's outputs (see Eagle3Head.unrolled)."""
+    t = feat.shape[1]
+    pos = torch.arange(t, device=feat.device)
+    causal = torch.ones(t, t, dtype=torch.bool, device=feat.device).tril()
+    eye = torch.eye(t, dtype=torch.bool, device=feat.device)
+    outs, past_k, past_v = [], None, None
+    for d in range(1, depth + 1):
+        mask = causal if d == 1 else torch.cat([causal] + [eye] * (d - 1), dim=1)
+        feat, k, v = head(feat, tokens[:, d : d + t], pos + d - 1, past_k, past_v, mask)
+        past_k = k if past_k is None else torch.cat([past_k, k], dim=2)
+        past_v = v if past_v is None else torch.cat([past_v, v], dim=2)
+        outs.append(feat)
+    return outs
 
 
 def build_head(target_model: nn.Module, draft_vocab: torch.Tensor, aux_layer_ids: tuple[int, ...] | None = None,
                norm_before_residual: bool = False) -> Eagle3Head:
     """A fresh head for a target (HF causal LM) on its device and dtype; draft_vocab (S,) holds the target ids of the
-    draft vocabulary in draft-id order (d2t = draft_vocab - arange). The lm_head starts as the target's rows."""
+    draft vocabulary in draft-id order (d2t = draft_vocab - arange). The lm_head starts as the target's rows (under a
+    device map, read back from any offload)."""
     c = Eagle3Config.for_target(target_model.config, len(draft_vocab), aux_layer_ids, norm_before_residual)
-    embed = target_model.get_input_embeddings().weight
+    embed = weight_of(target_model.get_input_embeddings())
     head = Eagle3Head(c, c.resolve_aux(target_model.config.num_hidden_layers), embed)
     draft_vocab = draft_vocab.long().to(embed.device)
     with torch.no_grad():
         head.d2t.copy_(draft_vocab - torch.arange(len(draft_vocab), device=embed.device))
-        head.lm_head.weight.copy_(target_model.get_output_embeddings().weight[draft_vocab])
+        out = weight_of(target_model.get_output_embeddings())
+        head.lm_head.weight.copy_(out[draft_vocab.to(out.device)])
     _check_d2t(head)
     return head.to(device=embed.device, dtype=embed.dtype)
 
@@ -343,6 +410,12 @@ def is_eagle3(spec_or_config: str | Path | dict | None) -> bool:
     config = spec_or_config if isinstance(spec_or_config, dict) else (
         read_config(spec_or_config) if spec_or_config else None)
     return bool(config) and any(a in ARCHITECTURES for a in config.get("architectures") or [])
+
+
+def not_a_draft(draft: str, why: str) -> str:
+    """What a draft that is neither an EAGLE-3 head nor a causal LM is told (`why`: what the folder lacks)."""
+    return (f"'{draft}' is not an EAGLE-3 head (a config.json with architectures {' or '.join(ARCHITECTURES)}) nor a "
+            f"causal LM: {why}")
 
 
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -387,7 +460,7 @@ def load_head(folder: str | Path, target_model: nn.Module) -> tuple[Eagle3Head, 
     tensors = read_weights(folder)
     tensors.pop("t2d", None)
     own = "embed_tokens.weight" in tensors
-    embed = None if own else target_model.get_input_embeddings().weight
+    embed = None if own else weight_of(target_model.get_input_embeddings())
     head = Eagle3Head(c, aux, embed)
     if "d2t" not in tensors:
         if c.draft_vocab_size != c.vocab_size:
@@ -395,12 +468,12 @@ def load_head(folder: str | Path, target_model: nn.Module) -> tuple[Eagle3Head, 
                                     f"but the checkpoint has no d2t mapping")
         tensors["d2t"] = torch.zeros(c.draft_vocab_size, dtype=torch.long)
     if "lm_head.weight" not in tensors and c.draft_vocab_size == c.vocab_size:  # vLLM shares the target's then
-        tensors["lm_head.weight"] = target_model.get_output_embeddings().weight.detach().cpu()
+        tensors["lm_head.weight"] = weight_of(target_model.get_output_embeddings()).detach().cpu()
     missing, unexpected = head.load_state_dict({k: v for k, v in tensors.items()}, strict=False)
     if missing or unexpected:
         raise Eagle3FormatError(f"{folder}: the weights do not match the EAGLE-3 layout (missing {missing}, "
                                 f"unexpected {unexpected})")
-    ref = target_model.get_input_embeddings().weight
+    ref = weight_of(target_model.get_input_embeddings())
     head = head.to(device=ref.device, dtype=ref.dtype)
     _check_d2t(head)
     try:
@@ -408,21 +481,6 @@ def load_head(folder: str | Path, target_model: nn.Module) -> tuple[Eagle3Head, 
     except (OSError, ValueError):
         meta = {}
     return head.eval(), meta
-
-
-class Eagle3Drafter(EagleDrafter):
-    """Drafts with an Eagle3Head: EagleDrafter's chain (KV cache of true entries, pending target features), with the
-    aux layers' hidden states as features and q zero outside the draft vocabulary (mapped to target ids by d2t).
-
-    num_speculative_tokens is the head's recorded k (None: the usual default).
-    """
-
-    name = "eagle3"
-
-    def __init__(self, head: Eagle3Head, num_speculative_tokens: int | None = None, min_confidence: float = 0.0,
-                 held_out_chain: tuple[float, float] | None = None):
-        super().__init__(head, min_confidence, held_out_chain)
-        self.num_speculative_tokens = num_speculative_tokens
 
 
 def load_eagle3(spec: str | Path, target_loaded, runtime: Runtime = Runtime()) -> Eagle3Drafter:

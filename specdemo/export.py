@@ -1,7 +1,7 @@
 """`python -m specdemo export`: an EAGLE-3 head as a checkpoint folder vLLM and SGLang load unchanged, with the flags
 that serve it at a k: speculative_config.json for `vllm serve --speculative-config`, sglang.txt for SGLang.
 
-Only EAGLE-3 heads export; our older EAGLE-style head (specdemo/eagle.py) is another architecture and is refused.
+Only EAGLE-3 heads export; anything else is refused, saying what it is instead.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from .eagle3 import (
     Eagle3FormatError,
     is_eagle3,
     locate_eagle3,
+    not_a_draft,
     read_config,
     read_weights,
     recorded_k,
@@ -55,14 +56,8 @@ def head_folder(draft: str, runtime: Runtime = Runtime()) -> Path:
     path = DRAFTS / TRAINED_DRAFT_ID if draft == TRAINED_DRAFT_ID else Path(draft)
     if is_eagle3(path):
         return path
-    from .eagle import CONFIG_FILE as EAGLE_CONFIG
-
-    if (path / EAGLE_CONFIG).exists():
-        raise Eagle3FormatError(
-            f"'{draft}' is a specdemo EAGLE-style head (specdemo/eagle.py): it reads the target's final hidden state "
-            f"(and fused layers through its own projection) and borrows the target's output head, a different "
-            f"architecture from EAGLE-3, so vLLM and SGLang cannot load it. Train an exportable head with "
-            f"`python -m specdemo distill --arch eagle3 ...`, then export that folder")
+    if path.is_dir() and read_config(path) is None:
+        raise Eagle3FormatError(not_a_draft(draft, "the folder has no config.json"))
     folder = locate_eagle3(draft, runtime)
     if folder is None:
         raise Eagle3FormatError(

@@ -146,7 +146,6 @@ def plan(target: str, drafter: str, draft: str | None, k: int, runtime: Runtime 
     elif drafter != "model":
         raise ValueError(f"unknown drafter '{drafter}'")
     from .compare import DRAFTS, default_draft
-    from .eagle import CONFIG_FILE
 
     draft = draft or default_draft(target)
     if not draft:
@@ -154,16 +153,13 @@ def plan(target: str, drafter: str, draft: str | None, k: int, runtime: Runtime 
     ours = DRAFTS / TRAINED_DRAFT_ID if draft == TRAINED_DRAFT_ID else Path(draft)
     if eagle3_export(ours):
         return ServePlan(served, "eagle3", k, str(ours.resolve()), notes=tuple(notes))
-    from .eagle3 import is_eagle3
+    from .eagle3 import is_eagle3, not_a_draft, read_config
     from .loading import cached_hub_config
 
     if is_eagle3(cached_hub_config(draft)):  # a published head vLLM loads by its hub id
         return ServePlan(served, "eagle3", k, draft, notes=tuple(notes))
-    if (ours / CONFIG_FILE).exists():
-        raise ValueError(f"'{draft}' is a specdemo EAGLE-style head (specdemo/eagle.py), a different architecture "
-                         f"from EAGLE-3 that vLLM cannot load; train an EAGLE-3 head with `python -m specdemo distill "
-                         f"--arch eagle3`, write it with `python -m specdemo export --draft HEAD --out DIR`, then pass "
-                         f"--draft DIR")
+    if ours.is_dir() and read_config(ours) is None:
+        raise ValueError(not_a_draft(draft, "the folder has no config.json"))
     return ServePlan(served, "draft_model", k, draft, notes=tuple(notes))
 
 

@@ -12,7 +12,6 @@ from specdemo.batch_drafters import batch_drafter
 from specdemo.batch_kv import BatchKV, left_padded
 from specdemo.config import GenerationConfig, SamplingConfig
 from specdemo.drafters import HybridDrafter, ModelDrafter, NgramDrafter, with_cache
-from specdemo.eagle import EagleDrafter, build_head
 from specdemo.eagle3 import Eagle3Drafter
 from specdemo.engine import GenerationError, autoregressive, generated_ids
 from specdemo.verify import greedy_accept
@@ -21,24 +20,6 @@ from conftest import tiny_llama
 
 PROMPTS = [[3, 5, 7, 3, 5, 9, 2], [4, 4, 1], [9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 8], [2]]  # mixed lengths
 NEAR_TIE = 1e-3  # top-2 logit gap below which a tiny fp32 model's batched numerics may pick the other token
-
-
-@pytest.fixture(scope="module")
-def eagle_target():
-    return tiny_llama(16, seed=3, sharpness=8.0)
-
-
-def eagle_drafter(target, seed: int = 0, fuse: tuple[int, ...] = ()) -> EagleDrafter:
-    """A random EAGLE head over the whole tiny vocabulary, with weights large enough that its drafts vary."""
-    torch.manual_seed(seed)
-    head = build_head(target, torch.arange(16), fuse)
-    with torch.no_grad():
-        if head.fuse is not None:
-            head.fuse.weight.normal_(0.0, head.fuse.weight.shape[1] ** -0.5)
-        for p in head.parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)
-    return EagleDrafter(head.eval())
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +41,6 @@ def make(kind, draft, target):
         return NgramDrafter()
     if kind == "model":
         return ModelDrafter(draft)
-    if kind == "eagle":
-        return eagle_drafter(target)
     if kind == "eagle3":
         return eagle3_drafter(target)
     if kind == "hybrid-eagle3":
@@ -69,8 +48,8 @@ def make(kind, draft, target):
     return HybridDrafter(ModelDrafter(draft), min_match=2)
 
 
-def target_for(kind, tiny_target, eagle_target, eagle3_target):
-    return eagle3_target if "eagle3" in kind else eagle_target if kind.startswith("eagle") else tiny_target
+def target_for(kind, tiny_target, eagle3_target):
+    return eagle3_target if "eagle3" in kind else tiny_target
 
 
 def single(target, tok, prompts, config):
@@ -96,11 +75,11 @@ def assert_lossless(model, prompts, expected, got):
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-@pytest.mark.parametrize("kind", ["ngram", "model", "hybrid", "eagle", "eagle3", "hybrid-eagle3"])
-def test_greedy_batch_equals_each_rows_single_sequence_output(tiny_target, tiny_draft, eagle_target, eagle3_target,
-                                                             tiny_tok, kind, k):
+@pytest.mark.parametrize("kind", ["ngram", "model", "hybrid", "eagle3", "hybrid-eagle3"])
+def test_greedy_batch_equals_each_rows_single_sequence_output(tiny_target, tiny_draft, eagle3_target, tiny_tok, kind,
+                                                             k):
     """Every row of a batched speculative run is that prompt's own greedy output, for every drafter and k."""
-    target = target_for(kind, tiny_target, eagle_target, eagle3_target)
+    target = target_for(kind, tiny_target, eagle3_target)
     config = GenerationConfig(max_new_tokens=40, num_draft_tokens=k)
     expected = single(target, tiny_tok, PROMPTS, config)
     events = list(batch_speculative(target, tiny_tok, batch_drafter(make(kind, tiny_draft, target)), PROMPTS, config))
@@ -108,18 +87,17 @@ def test_greedy_batch_equals_each_rows_single_sequence_output(tiny_target, tiny_
     assert batch_stats(events).drafted > 0
 
 
-@pytest.mark.parametrize("kind", ["ngram", "model", "hybrid", "eagle", "eagle-confident", "eagle3",
-                                  "eagle3-confident"])
-def test_each_row_drafts_what_its_single_sequence_drafter_drafts(tiny_target, tiny_draft, eagle_target,
-                                                                eagle3_target, tiny_tok, kind):
+@pytest.mark.parametrize("kind", ["ngram", "model", "hybrid", "eagle3", "eagle3-confident", "hybrid-eagle3"])
+def test_each_row_drafts_what_its_single_sequence_drafter_drafts(tiny_target, tiny_draft, eagle3_target, tiny_tok,
+                                                                kind):
     """Step by step, every row's proposal in the batch equals the proposal of the same drafter decoding that prompt
     alone: the batched draft state (KV slots, pending EAGLE features, the hybrid's catch-up) follows each row."""
     from specdemo.engine import speculative
 
-    target = target_for(kind, tiny_target, eagle_target, eagle3_target)
+    target = target_for(kind, tiny_target, eagle3_target)
 
     def fresh():
-        d = make(kind.split("-")[0], tiny_draft, target)
+        d = make(kind.removesuffix("-confident"), tiny_draft, target)
         if kind.endswith("-confident"):
             d.min_confidence = 0.9  # stops early on unsure drafts, differently per row
         return d

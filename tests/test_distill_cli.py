@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from specdemo.config import GenerationConfig
-from specdemo.distill import TrainConfig, agreement, cli, main, training
-from specdemo.eagle import load_trained_draft
+from specdemo.distill import TrainConfig, agreement, cli, heads, main, training
 from specdemo.engine import autoregressive, encode_prompt, generated_ids, speculative
 from specdemo.loading import load_model
 
@@ -23,8 +22,8 @@ TEMPLATE = ("{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}"
 
 def test_the_shipped_recipe_is_the_default():
     config = cli.parse_config(["--target", "x", "--out", "y"])
-    assert (config.self_instruct, config.instructions, config.features, config.steps, config.arch) == (
-        0, "written,written2", "writer", 4000, "eagle3")
+    assert (config.self_instruct, config.instructions, config.features, config.steps, config.fuse_layers) == (
+        0, "written,written2", "writer", 4000, "")  # no aux layers given: vLLM's default (2, L // 2, L - 3)
     assert config == TrainConfig(target="x", out="y")  # every flag's default is TrainConfig's
 
 
@@ -51,7 +50,7 @@ def tiny_run(tmp_path_factory):
     argv = ["--target", str(root / "target"), "--out", str(root / "out"), "--device", "cpu", "--scale", "0.05",
             "--max-new-tokens", "8", "--gen-batch-size", "16", "--self-instruct", "4", "--instructions", "",
             "--subset-size", "24", "--steps", "40", "--batch-size", "4", "--eval-every", "20", "--log-every", "20",
-            "--lr", "3e-3", "--seed", "1", "--arch", "eagle"]  # a 2-layer target has no 3 distinct EAGLE-3 aux layers
+            "--lr", "3e-3", "--seed", "1", "--fuse-layers", "1"]  # a 2-layer target has no 3 distinct default aux layers
     torch.manual_seed(0)
     assert main(argv) == 0
     return root, argv
@@ -66,10 +65,11 @@ def test_a_run_logs_its_config_and_writes_a_lossless_asset(tiny_run):
     events = {r["event"] for r in records}
     assert {"generated", "instructions", "features", "split", "eval", "done"} <= events
     assert {r["stage"] for r in records if r["event"] == "generated"} >= {"paragraph", "self"}
-    assert json.loads((root / "out" / "eagle_config.json").read_text())["step"] == 40
+    assert json.loads((root / "out" / "specdemo.json").read_text())["step"] == 40
 
     loaded = load_model(str(root / "target"), device="cpu", dtype="fp32")
-    drafter = load_trained_draft(root / "out", loaded)
+    drafter = heads.load_drafter(str(root / "out"), loaded)
+    assert drafter.name == "eagle3" and drafter.target_layers == (1,)
     config = GenerationConfig(max_new_tokens=16, num_draft_tokens=3)
     prompt = loaded.tokenizer("w3 w5 w7 w9").input_ids
     ar = generated_ids(list(autoregressive(loaded.model, loaded.tokenizer, prompt, config)))
@@ -93,7 +93,8 @@ def test_agreement_on_a_prompt_set_by_category(tiny_run, tmp_path, capsys):
     assert list(table) == ["all", "a", "b"] and [table[k][1] for k in table] == ["5", "2", "3"]
 
     loaded = load_model(str(root / "target"), device="cpu", dtype="fp32")
-    head = load_trained_draft(root / "out", loaded).head
+    drafter = heads.load_drafter(str(root / "out"), loaded)
+    head = heads.evaluable(drafter.head, loaded.model)
     from specdemo.prompts import read_prompts
 
     samples = agreement.target_answers(loaded.model, loaded.tokenizer, read_prompts(prompts), 10)
@@ -101,7 +102,7 @@ def test_agreement_on_a_prompt_set_by_category(tiny_run, tmp_path, capsys):
     for s, (_, p) in zip(samples, rows):  # the target's own greedy answers
         ids = encode_prompt(loaded.tokenizer, p)
         assert s["ids"] == ids + generated_ids(list(autoregressive(loaded.model, loaded.tokenizer, ids, config)))
-    data = agreement.answer_features(loaded.model, samples)
+    data = agreement.answer_features(loaded.model, samples, drafter.target_layers)
     m = training.evaluate(head, samples, data, list(range(5)), training.subset_index(head), loaded.device, depth=2,
                           batch_size=1, max_len=1 << 16, skip=0)
     assert table["all"][2] == " / ".join(f"{x:.3f}" for x in m["top1_step"])

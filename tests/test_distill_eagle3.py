@@ -1,6 +1,6 @@
-"""distill --arch eagle3 on a tiny random llama: the EAGLE-3 head learns the target's answers from its aux layers'
-states, its checkpoint loads through specdemo.eagle3's loader and drafts losslessly, the per-channel scale it trains
-under is folded into fc exactly, and a whole `distill --arch eagle3` run writes a vLLM-format head."""
+"""distill on a tiny random llama: the EAGLE-3 head learns the target's answers from its aux layers' states, its
+checkpoint loads through specdemo.eagle3's loader and drafts losslessly, the per-channel scale it trains under is
+folded into fc exactly, and a whole `distill` run writes a vLLM-format head."""
 
 import json
 
@@ -31,7 +31,7 @@ def _trained(tmp_path, steps: int = 150, aux: tuple[int, ...] = AUX, **flags):
     data = features.build_features(target, samples, tmp_path, layers=aux)
     flags = {"fuse_layers": ",".join(map(str, aux)), **flags}
     subset = features.choose_subset(samples, data["top1"], 24, VOCAB, [0])
-    argv = ["--target", "x", "--out", str(tmp_path), "--arch", "eagle3", "--steps", str(steps), "--batch-size", "8",
+    argv = ["--target", "x", "--out", str(tmp_path), "--steps", str(steps), "--batch-size", "8",
             "--eval-every", str(steps), "--log-every", "50"]
     flags = {"lr": "3e-3", **flags}
     config = cli.parse_config(argv + [x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v))])
@@ -51,8 +51,8 @@ def training_config(config, num_layers):
 
 
 def test_eagle3_head_learns_the_target_and_its_checkpoint_drafts_losslessly(tmp_path):
-    """Held-out agreement rises far above chance (0.43 after 150 steps here, against 0.6 for the EAGLE head on the
-    final state); the checkpoint is an EAGLE-3 head with its explicit aux ids, loads through eagle3.load_eagle3 with
+    """Held-out agreement rises far above chance (0.43 after 150 steps here, against 0.6 for the retired EAGLE-style
+    head on the final state); the checkpoint is an EAGLE-3 head with its explicit aux ids, loads through eagle3.load_eagle3 with
     the scale folded into fc (the same logits as the trainee), and its drafter keeps the target's greedy output while
     getting drafts accepted."""
     target, samples, data, trainee, records, final = _trained(tmp_path)
@@ -101,7 +101,7 @@ def test_the_scale_is_folded_into_fc_exactly_and_restored():
 
 
 def test_init_from_a_target_layer_copies_its_weights_into_the_hidden_half():
-    """--init-layer with --arch eagle3: q/k/v read [embedding, hidden]; the target layer's weights fill the hidden
+    """--init-layer: q/k/v read [embedding, hidden]; the target layer's weights fill the hidden
     half, the embedding half starts at zero, the rest of the layer is the target's."""
     target = tiny_llama(VOCAB, seed=3, layers=LAYERS)
     head = heads.build_eagle3_head(target, torch.arange(VOCAB), default_aux_layer_ids(LAYERS))
@@ -114,13 +114,17 @@ def test_init_from_a_target_layer_copies_its_weights_into_the_hidden_half():
     assert torch.equal(head.lm_head.weight, target.lm_head.weight)  # the whole vocabulary here, in order
 
 
-def test_eagle3_refuses_what_its_layer_does_not_have():
-    with pytest.raises(SystemExit, match="eagle3"):
-        main(["--target", "x", "--out", "/nonexistent", "--arch", "eagle3", "--draft-layers", "2"])
+@pytest.mark.parametrize("flag", [["--arch", "eagle"], ["--draft-layers", "2"], ["--dropout", "0.1"]])
+def test_the_retired_heads_options_are_gone(flag, capsys):
+    """EAGLE-3 is the one head distill trains: one midlayer (vLLM's layout), no dropout; the EAGLE-style head's
+    --arch, --draft-layers and --dropout are unknown flags (docs/notes/eagle-style-head.md)."""
+    with pytest.raises(SystemExit):
+        main(["--target", "x", "--out", "/nonexistent", *flag])
+    assert f"unrecognized arguments: {' '.join(flag)}" in capsys.readouterr().err
 
 
 def test_a_whole_eagle3_run_writes_a_vllm_format_head(tmp_path):
-    """`distill --arch eagle3` on a tiny model folder: the answers record the default aux layers while answering,
+    """`distill` on a tiny model folder: the answers record the default aux layers while answering,
     and the asset is an EAGLE-3 checkpoint (config.json, model.safetensors) that drafts losslessly."""
     target = tiny_llama(VOCAB, seed=5, sharpness=6.0, layers=LAYERS)
     tok = tiny_tokenizer([f"w{i}" for i in range(1, VOCAB)])
@@ -130,7 +134,7 @@ def test_a_whole_eagle3_run_writes_a_vllm_format_head(tmp_path):
     argv = ["--target", str(tmp_path / "target"), "--out", str(tmp_path / "out"), "--device", "cpu", "--scale",
             "0.05", "--max-new-tokens", "8", "--gen-batch-size", "16", "--self-instruct", "4", "--instructions", "",
             "--subset-size", "24", "--steps", "30", "--batch-size", "4", "--eval-every", "30", "--log-every", "10",
-            "--lr", "3e-3", "--arch", "eagle3"]
+            "--lr", "3e-3"]
     torch.manual_seed(0)
     assert main(argv) == 0
     out = tmp_path / "out"

@@ -1,14 +1,21 @@
-"""distill.features on a tiny random llama: the recorded labels are the target's greedy tokens, fused-layer caches
-are sliced or rebuilt as their layers require, and a fused head trains on them."""
+"""distill.features on a tiny random llama: the recorded labels are the target's greedy tokens, caches with inner
+layers' states are sliced or rebuilt as their layers require, and an EAGLE-3 head trains on them."""
 
 import torch
 
-from specdemo.distill import cli, features, training
-from specdemo.eagle import build_head
+from specdemo.distill import cli, features, heads, training
 
 from conftest import tiny_llama
 
 VOCAB = 40
+AUX = (1,)  # the tiny 2-layer target's inner state an EAGLE-3 head reads here (the default ids need 6+ layers)
+
+
+def eagle3_trainee(target, subset, data, layers=AUX):
+    """A fresh EAGLE-3 head reading `layers` over `subset`, as distill builds it (heads.build: the trainee with the
+    per-channel scale of `data`'s aux states)."""
+    config = cli.parse_config(["--target", "x", "--out", "x", "--fuse-layers", ",".join(map(str, layers))])
+    return heads.build(config, target, subset, data)[0]
 
 
 def greedy_samples(target, n: int, length: int) -> list[dict]:
@@ -26,9 +33,9 @@ def greedy_samples(target, n: int, length: int) -> list[dict]:
 
 
 def test_fused_features_cache_and_training(tmp_path):
-    """With fused layers the cache holds wider features (final state first, same labels), is rebuilt when the layers
-    change, and a fused head trains on them under bf16 autocast: held-out agreement rises, the fusion moves off the
-    identity it starts as, and the weights stay fp32."""
+    """With inner layers the cache holds wider features (final state first, same labels), is rebuilt when the layers
+    change, and an EAGLE-3 head reading them trains under bf16 autocast: held-out agreement rises, fc moves off its
+    start, and the weights stay fp32."""
     target = tiny_llama(VOCAB, seed=5, sharpness=6.0)
     samples = greedy_samples(target, n=24, length=12)
     plain = features.build_features(target, samples, tmp_path)
@@ -44,13 +51,13 @@ def test_fused_features_cache_and_training(tmp_path):
     config = cli.parse_config(["--target", "x", "--out", str(tmp_path), "--steps", "60", "--batch-size", "8",
                                "--eval-every", "60", "--log-every", "60", "--lr", "3e-3", "--train-dtype", "bf16"])
     torch.manual_seed(0)
-    head = build_head(target, subset, (1,))
-    start = head.fuse.weight.detach().clone()
+    head = eagle3_trainee(target, subset, fused)
+    start = head.head.fc.weight.detach().clone()
     records = []
     final = training.train(head, samples, fused, config, torch.device("cpu"), records.append)
     first = [r for r in records if r["event"] == "eval"][0]
     assert final["top1_step"][0] > first["top1_step"][0]
-    assert float((head.fuse.weight.detach() - start)[:, h:].abs().max()) > 0
+    assert float((head.head.fc.weight.detach() - start).abs().max()) > 0
     assert all(p.dtype == torch.float32 for p in head.parameters())
 
 

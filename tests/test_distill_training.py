@@ -1,24 +1,24 @@
-"""distill.training on a tiny random llama: the head learns the target's own answers (answer-only loss, held-out
-agreement rises, the asset drafts losslessly), the split, the losses, regularisation and the time budget."""
+"""distill.training on a tiny random llama: the EAGLE-3 head learns the target's own answers (answer-only loss,
+held-out agreement rises, the checkpoint drafts losslessly), the split, the losses, weight decay and the time budget."""
 
 import json
 
 import torch
 
 from specdemo.config import GenerationConfig
-from specdemo.distill import cli, features, training
-from specdemo.eagle import build_head, load_trained_draft, save_draft
+from specdemo.distill import cli, features, heads, training
+from specdemo.eagle3 import load_eagle3
 from specdemo.engine import autoregressive, generated_ids, speculative
 from specdemo.loading import LoadedModel
 
 from conftest import tiny_llama, tiny_tokenizer
-from test_distill_features import VOCAB, greedy_samples
+from test_distill_features import AUX, VOCAB, eagle3_trainee, greedy_samples
 
 
 def test_distill_learns_the_target_and_writes_a_lossless_draft(tmp_path):
     target = tiny_llama(VOCAB, seed=5, sharpness=6.0)
     samples = greedy_samples(target, n=48, length=20)
-    data = features.build_features(target, samples, tmp_path)
+    data = features.build_features(target, samples, tmp_path, layers=AUX)
     assert (tmp_path / "features.pt").exists()
     # the recorded labels are the target's greedy tokens: along a greedy answer they are the next answer token
     s, top1 = samples[0], data["top1"][0]
@@ -27,18 +27,19 @@ def test_distill_learns_the_target_and_writes_a_lossless_draft(tmp_path):
     subset = features.choose_subset(samples, data["top1"], 24, VOCAB, [0])
     assert 0 in subset.tolist() and len(set(subset.tolist())) == 24
     config = cli.parse_config(["--target", "x", "--out", str(tmp_path), "--steps", "150", "--batch-size", "8",
-                               "--eval-every", "150", "--log-every", "50", "--lr", "3e-3"])
+                               "--eval-every", "150", "--log-every", "50", "--lr", "3e-3", "--fuse-layers", "1"])
     torch.manual_seed(0)
-    head = build_head(target, subset)
+    head, save = heads.build(config, target, subset, data)
     records = []
     final = training.train(head, samples, data, config, torch.device("cpu"), records.append,
-                          lambda step, m: save_draft(head, tmp_path, {"target": "tiny", "step": step, "metrics": m}))
+                          lambda step, m: save(str(tmp_path / "head"), {"target": "tiny", "step": step, "metrics": m}))
     evals = [r for r in records if r["event"] == "eval"]
     assert evals[0]["top1_step"][0] < 0.3 and final["top1_step"][0] > 0.6  # held-out agreement learned, not given
-    assert json.loads((tmp_path / "eagle_config.json").read_text())["step"] == 150
+    assert json.loads((tmp_path / "head" / "specdemo.json").read_text())["step"] == 150
 
     tok = tiny_tokenizer([f"w{i}" for i in range(1, VOCAB)])
-    drafter = load_trained_draft(tmp_path, LoadedModel("tiny", target, tok, torch.device("cpu"), torch.float32, "test"))
+    drafter = load_eagle3(tmp_path / "head", LoadedModel("tiny", target, tok, torch.device("cpu"), torch.float32,
+                                                         "test"))
     config = GenerationConfig(max_new_tokens=24, num_draft_tokens=3)
     prompt = samples[-1]["ids"][: samples[-1]["prompt_len"]]
     ar = generated_ids(list(autoregressive(target, tok, prompt, config)))
@@ -69,14 +70,14 @@ def test_agreement_counts_every_draftable_token_and_misses_outside_the_subset(tm
     rows at every depth, counted directly here."""
     target = tiny_llama(VOCAB, seed=5, sharpness=6.0)
     samples = greedy_samples(target, n=24, length=12)
-    data = features.build_features(target, samples, tmp_path)
+    data = features.build_features(target, samples, tmp_path, layers=AUX)
     subset = features.choose_subset(samples, data["top1"], 12, VOCAB, [0])
-    sub_index = training.subset_index(build_head(target, subset))
+    sub_index = training.subset_index(eagle3_trainee(target, subset, data))
     answers = torch.tensor([t for s in samples for t in s["ids"][s["prompt_len"] :]])
     assert 0.1 < float((sub_index[answers] < 0).float().mean()) < 0.9  # some answer tokens lie outside it
     config = cli.parse_config(["--target", "x", "--out", "x", "--steps", "60", "--lr", "3e-3", "--eval-every", "60"])
     torch.manual_seed(0)
-    head = build_head(target, subset)
+    head = eagle3_trainee(target, subset, data)
     training.train(head, samples, data, config, torch.device("cpu"), lambda r: None)
     head.eval()
     hits, counts = [0, 0], [0, 0]  # tokens up to the end, and all but the last (a depth-2 row needs a next one)
@@ -108,11 +109,11 @@ def test_a_training_share_keeps_the_held_out_set_and_nests(tmp_path):
     assert training.training_share(train, 1.0, 8) == train and len(training.training_share(train, 0.001, 8)) == 8
     target = tiny_llama(VOCAB, seed=5, sharpness=6.0)  # and train() logs and uses it, the held-out set unchanged
     samples = greedy_samples(target, n=48, length=8)
-    data = features.build_features(target, samples, tmp_path)
+    data = features.build_features(target, samples, tmp_path, layers=AUX)
     config = cli.parse_config(["--target", "x", "--out", "x", "--steps", "2", "--train-fraction", "0.25"])
     records = []
-    training.train(build_head(target, features.choose_subset(samples, data["top1"], 24, VOCAB, [0])), samples, data,
-                  config, torch.device("cpu"), records.append)
+    subset = features.choose_subset(samples, data["top1"], 24, VOCAB, [0])
+    training.train(eagle3_trainee(target, subset, data), samples, data, config, torch.device("cpu"), records.append)
     assert [r for r in records if r["event"] == "split"] == [{"event": "split", "held_out": 4, "training": 11}]
 
 
@@ -125,10 +126,10 @@ def test_soft_label_loss_is_cross_entropy_to_the_target_distribution_and_trains(
 
     target = tiny_llama(VOCAB, seed=5, sharpness=6.0)
     samples = greedy_samples(target, n=48, length=20)
-    data = features.build_features(target, samples, tmp_path)
+    data = features.build_features(target, samples, tmp_path, layers=AUX)
     subset = features.choose_subset(samples, data["top1"], 24, VOCAB, [0])
     torch.manual_seed(0)
-    head = build_head(target, subset)
+    head = eagle3_trainee(target, subset, data)
     sub_index = training.subset_index(head)
     feats, tokens, labels, valid, t = training.padded_batch(samples, data, list(range(8)), 64, 0, 2, sub_index,
                                                      torch.device("cpu"))
@@ -138,7 +139,8 @@ def test_soft_label_loss_is_cross_entropy_to_the_target_distribution_and_trains(
     for d, g in enumerate(outs, start=1):
         ok = valid[:, d : d + t]
         draft_logprobs = F.log_softmax(head.logits(g[ok]), dim=-1)
-        target_probs = F.softmax(feats[:, d : d + t][ok] @ target.lm_head.weight[subset].T, dim=-1)
+        final = feats[:, d : d + t, :32][ok]  # the target's final hidden state (the aux states follow it)
+        target_probs = F.softmax(final @ target.lm_head.weight[subset].T, dim=-1)
         assert torch.allclose(soft[d - 1][0], -(target_probs * draft_logprobs).sum(-1).mean(), rtol=1e-4)
         assert torch.allclose(hard[d - 1][0], F.nll_loss(draft_logprobs, labels[:, d : d + t][ok]), rtol=1e-4)
         assert torch.equal(soft[d - 1][1], hard[d - 1][1])  # the feature loss is unchanged
@@ -150,51 +152,28 @@ def test_soft_label_loss_is_cross_entropy_to_the_target_distribution_and_trains(
     assert [r for r in records if r["event"] == "eval"][0]["top1_step"][0] < 0.1 and final["top1_step"][0] > 0.4
 
 
-def test_dropout_and_weight_decay_regularise_training_only(tmp_path):
-    """--dropout acts while training and never while drafting; --weight-decay shrinks the weight matrices (not the
-    norms); a head trained with both still learns the target."""
+def test_weight_decay_shrinks_the_weight_matrices_and_the_head_still_learns(tmp_path):
+    """--weight-decay shrinks the trained weight matrices (not the norms, nor the frozen lm_head); a head trained with
+    it still learns the target."""
     target = tiny_llama(VOCAB, seed=5, sharpness=6.0)
     samples = greedy_samples(target, n=48, length=20)
-    data = features.build_features(target, samples, tmp_path)
+    data = features.build_features(target, samples, tmp_path, layers=AUX)
     subset = features.choose_subset(samples, data["top1"], 24, VOCAB, [0])
-    heads = {}
+    trained = {}
     for wd in ("0", "0.5"):
         config = cli.parse_config(["--target", "x", "--out", str(tmp_path), "--steps", "150", "--batch-size", "8",
-                                   "--eval-every", "150", "--log-every", "150", "--lr", "3e-3", "--dropout", "0.1",
-                                   "--weight-decay", wd])
+                                   "--eval-every", "150", "--log-every", "150", "--lr", "3e-3", "--weight-decay", wd])
         torch.manual_seed(0)
-        head = build_head(target, subset)
+        head = eagle3_trainee(target, subset, data)
         final = training.train(head, samples, data, config, torch.device("cpu"), lambda r: None)
-        assert final["top1_step"][0] > 0.5  # learned despite the regularisation (over 0.6 without it)
-        heads[wd] = head
-    head = heads["0"]
-    assert head.layer.dropout == 0.1
-    feats, tokens, _, _, t = training.padded_batch(samples, data, list(range(4)), 64, 0, 1, training.subset_index(head),
-                                            torch.device("cpu"))
-    draft = lambda: head(feats[:, :t], tokens[:, 1 : t + 1], torch.arange(t))[0]  # noqa: E731
-    with torch.no_grad():
-        head.train()
-        assert not torch.equal(draft(), draft())
-        head.eval()  # as every drafter holds it: the same input gives the same draft
-        assert torch.equal(draft(), draft())
-    norm = lambda h: sum(float(p.norm()) for p in h.parameters() if p.ndim >= 2)  # noqa: E731
-    assert norm(heads["0.5"]) < 0.95 * norm(heads["0"])
+        assert final["top1_step"][0] > 0.5  # learned despite the regularisation
+        trained[wd] = head
 
+    def norm(h):
+        return sum(float(p.detach().norm()) for p in h.parameters() if p.ndim >= 2 and p.requires_grad)
 
-def test_head_can_start_as_a_copy_of_a_target_layer():
-    """--init-layer -1: the head's decoder layer and final norm start as the target's last layer and final norm."""
-    from specdemo.eagle import init_from_target_layer
-
-    target = tiny_llama(VOCAB, seed=5, sharpness=6.0)
-    head = build_head(target, torch.arange(24))
-    init_from_target_layer(head, target, -1)
-    last = target.model.layers[-1]
-    assert torch.equal(head.layer.q_proj.weight, last.self_attn.q_proj.weight)
-    assert torch.equal(head.layer.down_proj.weight, last.mlp.down_proj.weight)
-    assert torch.equal(head.layer.post_norm.weight, last.post_attention_layernorm.weight)
-    assert torch.equal(head.norm.weight, target.model.norm.weight)
-    head.layer.q_proj.weight.data.add_(1.0)  # a copy: training the head leaves the target alone
-    assert not torch.equal(head.layer.q_proj.weight, last.self_attn.q_proj.weight)
+    assert norm(trained["0.5"]) < 0.95 * norm(trained["0"])
+    assert torch.equal(trained["0.5"].head.lm_head.weight, trained["0"].head.lm_head.weight)  # frozen in both
 
 
 def test_time_budget_uses_the_pace_after_warm_up(tmp_path, monkeypatch):
@@ -204,7 +183,7 @@ def test_time_budget_uses_the_pace_after_warm_up(tmp_path, monkeypatch):
 
     target = tiny_llama(VOCAB, seed=5, sharpness=6.0)
     samples = greedy_samples(target, n=24, length=12)
-    data = features.build_features(target, samples, tmp_path)
+    data = features.build_features(target, samples, tmp_path, layers=AUX)
     subset = features.choose_subset(samples, data["top1"], 24, VOCAB, [0])
     config = cli.parse_config(["--target", "x", "--out", str(tmp_path), "--steps", "500", "--batch-size", "4",
                                "--eval-every", "1000", "--train-minutes", "1"])
@@ -219,7 +198,7 @@ def test_time_budget_uses_the_pace_after_warm_up(tmp_path, monkeypatch):
 
     monkeypatch.setattr(training, "losses", slow_start)
     records = []
-    training.train(build_head(target, subset), samples, data, config, torch.device("cpu"), records.append)
+    training.train(eagle3_trainee(target, subset, data), samples, data, config, torch.device("cpu"), records.append)
     budget = next(r for r in records if r["event"] == "budget")
     assert budget["seconds_per_step"] == 0.1
     assert 100 <= budget["steps"] <= 110  # 52 s spent by step 30, 8 s left at 0.1 s a step: 30 + 80

@@ -19,7 +19,7 @@ from specdemo.config import (
     placement_from,
 )
 from specdemo.drafters import ModelDrafter, NgramDrafter
-from specdemo.eagle import build_head
+from specdemo.eagle3 import build_head
 from specdemo.engine import autoregressive, generated_ids, speculative
 from specdemo.loading import ModelLoadError, load_model
 from specdemo.placement import (
@@ -160,14 +160,15 @@ def test_fast_linears_run_under_the_hooks_and_match(folder, tmp_path):
 
 
 def test_a_draft_head_reads_the_offloaded_embeddings_and_head(mapped, folder):
-    """build_head on an offloaded target gets the real weights (from the offload), not the meta placeholders."""
+    """An EAGLE-3 head built on an offloaded target (eagle3.build_head) gets the real weights (from the offload), not
+    the meta placeholders: its lm_head starts as the target's rows, its embeddings are the target's."""
     whole = load_model(folder, device="cpu", runtime=CPU_ONLY)
     assert torch.equal(weight_of(mapped.model.lm_head), whole.model.lm_head.weight)
     subset = torch.tensor([0, 3, 5, 7])
-    head = build_head(mapped.model, subset)
-    assert head.head_weight.device.type == "cpu"
-    assert torch.equal(head.head_weight, whole.model.lm_head.weight[subset])
-    assert torch.equal(head.embed, whole.model.get_input_embeddings().weight)
+    head = build_head(mapped.model, subset, (1, 2, 3))  # the default (2, 3, 3) of a 6-layer target is not distinct
+    assert head.lm_head.weight.device.type == "cpu"
+    assert torch.equal(head.lm_head.weight, whole.model.lm_head.weight[subset])
+    assert torch.equal(head.target_embed, whole.model.get_input_embeddings().weight)
 
 
 def test_result_json_says_where_each_part_and_the_draft_live(folder, draft_folder, tmp_path):

@@ -98,8 +98,9 @@ def test_sglang_flags_count_the_root_token():
 
 
 def test_serve_config_prints_vllm_and_sglang_for_the_tuned_k(capsys, tmp_path):
-    """k from --k, else the measured best k of a bench.json; an exported EAGLE-3 folder maps to eagle3; our own
-    EAGLE-style head is refused with the export command, the shipped EAGLE-3 head is served as it is; tensor and pipeline parallel flags reach the command."""
+    """k from --k, else the measured best k of a bench.json; an exported EAGLE-3 folder maps to eagle3; a folder that
+    is neither an EAGLE-3 head nor a causal LM is refused, the shipped EAGLE-3 head is served as it is; tensor and
+    pipeline parallel flags reach the command."""
     assert cli_main(["serve-config", "--drafter", "ngram", "--k", "6", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["speculative_config"] == vllm_speculative_config("ngram", 6) and out["k_source"] == "--k"
@@ -124,11 +125,11 @@ def test_serve_config_prints_vllm_and_sglang_for_the_tuned_k(capsys, tmp_path):
     assert cli_main(["serve-config", "--drafter", "model", "--draft", "smollm2-135m-draft", "--k", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["method"] == "eagle3" and out["speculative_config"]["model"].endswith("specdemo/data/smollm2-135m-draft")
-    old = tmp_path / "eagle-style"  # specdemo's EAGLE-style head (eagle_config.json): another architecture
-    old.mkdir()
-    (old / "eagle_config.json").write_text("{}")
-    assert cli_main(["serve-config", "--drafter", "model", "--draft", str(old)]) == 2
-    assert "python -m specdemo export" in capsys.readouterr().err
+    other = tmp_path / "no-config"  # a folder with no config.json: neither an EAGLE-3 head nor a causal LM
+    other.mkdir()
+    (other / "weights.safetensors").write_bytes(b"")
+    assert cli_main(["serve-config", "--drafter", "model", "--draft", str(other)]) == 2
+    assert "is not an EAGLE-3 head (a config.json with architectures" in capsys.readouterr().err
     assert cli_main(["serve-config", "--drafter", "ngram", "--k", "0"]) == 2
 
 

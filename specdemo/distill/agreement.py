@@ -62,19 +62,24 @@ def prompt_table(head, samples: list[Sample], data: dict, depth: int, device: to
 
 
 def held_out_table(target, heads: list[tuple[str, object, tuple[int, ...]]], cache: Path, depth: int) -> str:
-    """distill's held-out agreement for each (name, head, fused layers), with the current `evaluate` on a cache's samples and
-    distill's own defaults (seed, max length, batch size, the skipped common prefix). The cache's final states are
-    read (and written to its features.pt where missing); a head that reads fused layers is not measured."""
+    """distill's held-out agreement for each (name, head, aux layers), with the current `evaluate` on a cache's samples
+    and distill's own defaults (seed, max length, batch size, the skipped common prefix). The features are the
+    cache's own (its features.pt, written where missing); a head whose layers the cache did not record is not
+    measured (recording them would run the target over the whole cache and replace what it holds)."""
     samples = read_jsonl(cache / "samples.jsonl")
     if not samples:
         raise FileNotFoundError(f"no samples.jsonl in {cache}")
     held, _ = split_held_out(samples, random.Random(TrainConfig.seed))
-    data = build_features(target, samples, cache)
+    path = cache / "features.pt"
+    recorded = tuple(torch.load(path, mmap=True).get("layers", ())) if path.exists() else None
     lines = [f"| draft | held-out top-1 agreement, steps 1..{depth} | chain rate |", "|---|---|---|"]
     for name, head, layers in heads:
-        if layers:  # its wider features would be recorded again over the whole cache: not here
-            lines.append(f"| {name} | (reads fused layers; not measured here) | |")
+        layers = tuple(layers)
+        if recorded is not None and recorded[: len(layers)] != layers:  # build_features slices a prefix only
+            lines.append(f"| {name} | (reads layers {list(layers)}, the cache holds {list(recorded)}; not measured "
+                         f"here) | |")
             continue
+        data = build_features(target, samples, cache, layers=layers)
         m = evaluate(head, samples, data, held, subset_index(head), target.device, depth=depth,
                      batch_size=TrainConfig.batch_size, max_len=TrainConfig.max_len, skip=common_prefix(samples))
         lines.append(f"| {name} | {_slashed(m['top1_step'])} | {_slashed(m['chain'])} |")

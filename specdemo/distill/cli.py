@@ -22,14 +22,15 @@ from .agreement import answer_features, held_out_table, prompt_table, target_ans
 from .answers import build_data
 from .config import LogFn, TrainConfig
 from .features import build_features, choose_subset
-from .heads import ARCHS, default_layers, evaluable, load_drafter
+from .heads import default_layers, evaluable, load_drafter
 from .heads import build as build_trainee
 from .training import common_prefix, train
 
 log = logging.getLogger(__name__)
 
 DESCRIPTION = ("Distil a draft head from a target model, using only the target's own answers: an EAGLE-3 head "
-               "(specdemo.eagle3, the default) or our EAGLE-style head (specdemo.eagle, --arch eagle).")
+               "(specdemo.eagle3) in vLLM's and SGLang's checkpoint format, reading the aux layers' states "
+               "(--fuse-layers, default vLLM's 2, L/2, L-3) over a --subset-size draft vocabulary; docs/eagle3.md.")
 EPILOG = ("`python -m specdemo distill agreement --help`: a trained draft's teacher-forced agreement with its target "
           "on a prompt set or on a distill cache's held-out split.")
 
@@ -72,11 +73,6 @@ def train_parser() -> argparse.ArgumentParser:
                         "project's file of 2,974 helper-written requests; 'written2': its second batch of 2,978; both "
                         "by default, as for the shipped draft; 'written3': a third batch of 2,989, not in the default "
                         "(docs/draft.md); '': none)")
-    p.add_argument("--arch", default=D.arch, choices=list(ARCHS),
-                   help="the head: 'eagle3' (specdemo.eagle3, the shipped draft's: an EAGLE-3 head in vLLM's and "
-                        "SGLang's checkpoint format, reading the aux layers' states (--fuse-layers, default vLLM's "
-                        "2, L/2, L-3) over a --subset-size draft vocabulary; docs/eagle3.md) or 'eagle' "
-                        "(specdemo.eagle, the EAGLE-style head shipped until 2026-12-02; docs/draft.md)")
     p.add_argument("--subset-size", type=int, default=D.subset_size,
                    help="the draft vocabulary: the target's most frequent tokens in the answers")
     p.add_argument("--steps", type=int, default=D.steps)
@@ -87,17 +83,15 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=D.batch_size)
     p.add_argument("--max-len", type=int, default=D.max_len)
     p.add_argument("--fuse-layers", default=D.fuse_layers,
-                   help="comma-separated target layers whose hidden states the head also reads (EAGLE-3 fusion)")
-    p.add_argument("--draft-layers", type=int, default=D.draft_layers, help="decoder layers in the head (1: EAGLE's)")
+                   help="comma-separated target layers whose hidden states the head reads (its aux layers, written "
+                        "to config.json; default: vLLM's 2, L/2, L-3)")
     p.add_argument("--train-dtype", default=D.train_dtype, choices=["fp32", "bf16"],
                    help="bf16: autocast the head's forward and backward (weights and optimiser stay fp32)")
     p.add_argument("--depth", type=int, default=D.depth, help="draft steps unrolled in training (training-time test)")
     p.add_argument("--decay", type=float, default=D.decay, help="loss weight ratio between successive depths")
     p.add_argument("--lr", type=float, default=D.lr)
     p.add_argument("--init-layer", type=int, default=D.init_layer,
-                   help="start the head's decoder layer as a copy of this target layer (-1: the last), not at random")
-    p.add_argument("--dropout", type=float, default=D.dropout,
-                   help="dropout on the head's attention and MLP outputs while training")
+                   help="start the head's midlayer as a copy of this target layer (-1: the last), not at random")
     p.add_argument("--weight-decay", type=float, default=D.weight_decay,
                    help="AdamW weight decay on the weight matrices")
     p.add_argument("--train-fraction", type=float, default=D.train_fraction,
@@ -109,7 +103,7 @@ def train_parser() -> argparse.ArgumentParser:
                         "of its greedy token (EAGLE trains on the distribution: 1.0)")
     p.add_argument("--skip", type=int, default=D.skip, help="leading positions without loss (default: shared prefix)")
     p.add_argument("--min-confidence", type=float, default=D.min_confidence,
-                   help="confidence gate written into the asset's config (see EagleDrafter; docs/draft.md, "
+                   help="confidence gate written into the asset's config (see Eagle3Drafter; docs/draft.md, "
                         "'The confidence gate', says how 0.8 was chosen)")
     p.add_argument("--log-every", type=int, default=D.log_every)
     p.add_argument("--eval-every", type=int, default=D.eval_every,
@@ -149,10 +143,6 @@ def _logger(path: Path, t_start: float) -> LogFn:
 def run(config: TrainConfig, runtime: Runtime = Runtime()) -> int:
     """Generate data with the target, record its features, train the head and write the asset to config.out."""
     from ..loading import load_model
-
-    if config.arch == "eagle3" and (config.draft_layers != 1 or config.dropout):
-        raise SystemExit("--arch eagle3 trains one midlayer (vLLM's layout) without dropout: drop --draft-layers "
-                         "and --dropout")
 
     out = Path(config.out)
     work = Path(config.work) if config.work else out / "cache"

@@ -33,22 +33,19 @@ class TrainConfig:
     steered_instruct: int = 0
     features: str = "writer"  # "writer" (recorded while answering) or "target" (a pass of the fp32 target)
     instructions: str = "written,written2"  # comma-separated files or names (instructions.NAMED); "": none
-    # Stage 3: the head and its training
-    arch: str = "eagle3"  # "eagle3" (specdemo.eagle3, vLLM's format: the shipped head) or "eagle" (specdemo.eagle)
+    # Stage 3: the head (an EAGLE-3 head, specdemo.eagle3) and its training
     subset_size: int = 8192
     steps: int = 4000
     train_minutes: float = 0  # 0: no time budget for training
     total_minutes: float = 0  # 0: no time budget for the whole run
     batch_size: int = 8
     max_len: int = 320
-    fuse_layers: str = ""  # comma-separated target layers (EAGLE-3 fusion); see `layers`
-    draft_layers: int = 1
+    fuse_layers: str = ""  # comma-separated target layers the head reads (EAGLE-3 aux; "": vLLM's default); see `layers`
     train_dtype: str = "fp32"  # or "bf16" (autocast)
     depth: int = 2  # draft steps unrolled in training
     decay: float = 0.8
     lr: float = 2e-3
     init_layer: int | None = None
-    dropout: float = 0.0
     weight_decay: float = 0.0
     train_fraction: float = 1.0
     noise: float = 0.05

@@ -1,4 +1,4 @@
-"""Stage 2: the target's features (its final hidden state, then any fused layers' states; fp16) and greedy next
+"""Stage 2: the target's features (its final hidden state, then the head's aux layers' states; fp16) and greedy next
 token at every position of every sample, cached in work/features.pt; and the draft's vocabulary subset chosen from
 them. Knows the samples' shape and where answers recorded them; nothing of training.
 """

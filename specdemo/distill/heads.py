@@ -1,6 +1,6 @@
-"""The head architectures distill trains (`--arch`): specdemo.eagle's EAGLE head and specdemo.eagle3's EAGLE-3 head
-(vLLM's and SGLang's checkpoint format), each built and initialised from the target and saved; Eagle3Trainee shows
-an Eagle3Head to training.train and evaluate through the interface an EagleHead has. Knows nothing of the loop.
+"""The head distill trains: specdemo.eagle3's EAGLE-3 head (vLLM's and SGLang's checkpoint format), built and
+initialised from the target and saved; Eagle3Trainee is what training.train and evaluate read (the head behind a
+fixed per-channel input scale, with the target's distribution for the soft loss). Knows nothing of the loop.
 """
 
 from __future__ import annotations
@@ -13,13 +13,9 @@ from torch import nn
 
 from .config import TrainConfig
 
-ARCHS = ("eagle", "eagle3")
-
 
 def default_layers(config: TrainConfig, num_target_layers: int) -> str:
-    """config.fuse_layers, or for an EAGLE-3 head without them vLLM's default aux layers (2, L // 2, L - 3)."""
-    if config.arch != "eagle3":
-        return config.fuse_layers
+    """config.fuse_layers, or without them vLLM's default aux layers (2, L // 2, L - 3)."""
     if config.fuse_layers:  # the head reads them sorted, as vLLM captures them
         return ",".join(map(str, sorted(set(config.layers))))
     from ..eagle3 import default_aux_layer_ids
@@ -28,33 +24,28 @@ def default_layers(config: TrainConfig, num_target_layers: int) -> str:
 
 
 def load_drafter(folder: str, target_loaded):
-    """A trained draft folder's drafter, either architecture (an EAGLE-3 head is known by its config.json)."""
-    from ..eagle import load_trained_draft
-    from ..eagle3 import is_eagle3, load_eagle3
+    """A trained draft folder's drafter (an EAGLE-3 head: eagle3.load_eagle3)."""
+    from ..eagle3 import load_eagle3
 
-    return load_eagle3(folder, target_loaded) if is_eagle3(folder) else load_trained_draft(folder, target_loaded)
+    return load_eagle3(folder, target_loaded)
 
 
 def evaluable(head: nn.Module, target_model: nn.Module) -> nn.Module:
-    """A loaded head as training.evaluate reads it: an Eagle3Head (fc already folded) through an Eagle3Trainee."""
-    from ..eagle3 import Eagle3Head
-
-    return Eagle3Trainee(head, target_model.get_output_embeddings().weight) if isinstance(head, Eagle3Head) else head
+    """A loaded Eagle3Head (fc already folded) as training.evaluate reads it: through an Eagle3Trainee."""
+    return Eagle3Trainee(head, target_model.get_output_embeddings().weight)
 
 
 class Eagle3Trainee(nn.Module):
-    """An Eagle3Head as training.train sees an EagleHead. Features are the target's final hidden state followed by
+    """An Eagle3Head as training.train and evaluate read it. Features are the target's final hidden state followed by
     the aux layers' states (engine.target_features' layout), of which the head reads the aux ones. The state its
-    lm_head reads (the normed output) is regressed to the target's final hidden state, as the EAGLE head's output is:
-    lm_head starts as the target's own rows and stays frozen, so that state plays the same part. The target's
-    distribution over the draft vocabulary (the soft loss) comes from the target's head rows.
+    lm_head reads (the normed output) is regressed to the target's final hidden state: lm_head starts as the target's
+    own rows and stays frozen, so that state plays the final hidden state's part. The target's distribution over the
+    draft vocabulary (the soft loss) comes from the target's head rows.
 
     The aux states are raw residual streams, whose channels differ in scale by orders of magnitude (SmolLM2: a few
     near 1e4 beside most near 1), so `fc` trains on them divided by a fixed per-channel scale (their RMS over the
     training data) and `folded()` writes fc.weight / scale back: the same function, in vLLM's format.
     """
-
-    decoder_layers: tuple = ()  # no dropout in the vLLM layer
 
     def __init__(self, head: nn.Module, target_head: torch.Tensor, aux_scale: torch.Tensor | None = None):
         super().__init__()
@@ -114,8 +105,8 @@ def aux_scale(data: dict, hidden_size: int, samples: int = 256) -> torch.Tensor:
 
 def build_eagle3_head(target_model: nn.Module, subset: torch.Tensor, layers: tuple[int, ...]) -> nn.Module:
     """A fresh EAGLE-3 head (eagle3.build_head) over the draft vocabulary `subset` (sorted target ids): the target's
-    embeddings borrowed, lm_head the target's head rows, frozen as the EAGLE head's borrowed head is (but saved: vLLM
-    reads it from the checkpoint), norm starting as the target's final norm."""
+    embeddings borrowed, lm_head the target's head rows, frozen (but saved: vLLM reads it from the checkpoint), norm
+    starting as the target's final norm."""
     from ..eagle3 import build_head
 
     head = build_head(target_model, subset, tuple(layers))
@@ -145,24 +136,17 @@ def init_eagle3_from_target_layer(head: nn.Module, target_model: nn.Module, inde
 
 def build(config: TrainConfig, target_model: nn.Module, subset: torch.Tensor, data: dict
           ) -> tuple[nn.Module, Callable[[str, dict], None]]:
-    """(the module training.train trains, save(out, meta) writing its asset) for config.arch."""
-    if config.arch == "eagle3":
-        from ..eagle3 import save_eagle3
+    """(the Eagle3Trainee training.train trains, save(out, meta) writing its checkpoint with the scale folded in)."""
+    from ..eagle3 import save_eagle3
 
-        head = build_eagle3_head(target_model, subset, config.layers)
-        if config.init_layer is not None:
-            init_eagle3_from_target_layer(head, target_model, config.init_layer)
-        trainee = Eagle3Trainee(head, target_model.get_output_embeddings().weight,
-                                aux_scale(data, head.c.target_hidden_size))
-
-        def save(out: str, meta: dict) -> None:
-            with trainee.folded() as folded:
-                save_eagle3(folded, out, meta)
-
-        return trainee, save
-    from ..eagle import build_head, init_from_target_layer, save_draft
-
-    head = build_head(target_model, subset, config.layers, config.draft_layers)
+    head = build_eagle3_head(target_model, subset, config.layers)
     if config.init_layer is not None:
-        init_from_target_layer(head, target_model, config.init_layer)
-    return head, lambda out, meta: save_draft(head, out, meta)
+        init_eagle3_from_target_layer(head, target_model, config.init_layer)
+    trainee = Eagle3Trainee(head, target_model.get_output_embeddings().weight,
+                            aux_scale(data, head.c.target_hidden_size))
+
+    def save(out: str, meta: dict) -> None:
+        with trainee.folded() as folded:
+            save_eagle3(folded, out, meta)
+
+    return trainee, save

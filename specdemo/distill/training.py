@@ -51,15 +51,15 @@ def padded_batch(samples: list[Sample], data: dict, idx: list[int], max_len: int
 def losses(head, feats: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, t: int,
            depth: int, noise: float, feat_weight: float, gen: torch.Generator | None = None,
            soft_weight: float = 0.0) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per-depth (ce, feature loss, correct mask); row i of depth d predicts position i + d. `head` is an
-    eagle.EagleHead or a heads.Eagle3Trainee.
+    """Per-depth (ce, feature loss, correct mask); row i of depth d predicts position i + d. `head` is a
+    heads.Eagle3Trainee.
 
     ce mixes cross-entropy to the target's greedy token with, at `soft_weight`, cross-entropy to the target's own
     distribution over the subset (EAGLE's classification loss), computed from the recorded final hidden state with
     the same frozen head: the whole distribution, not one token, per position."""
     inp = feats[:, :t]
-    if noise > 0:  # in the units the head reads its features in (input_scale: per channel, or None for as they are)
-        scale = noise if head.input_scale is None else noise * head.input_scale.to(inp.dtype)
+    if noise > 0:  # in the units the head reads its features in (input_scale: per channel)
+        scale = noise * head.input_scale.to(inp.dtype)
         inp = inp + (torch.rand(inp.shape, generator=gen, device=inp.device) - 0.5) * 2 * scale
     outs = head.unrolled(inp, tokens, depth)
     res = []
@@ -159,8 +159,6 @@ def train(head, samples: list[Sample], data: dict, config: TrainConfig, device: 
     evaluate_held = lambda: evaluate(head, samples, data, held, sub_index, device, depth=config.depth,  # noqa: E731
                                      batch_size=config.batch_size, max_len=config.max_len, skip=config.skip)
     params = [p for p in head.parameters() if p.requires_grad]
-    for layer in head.decoder_layers:
-        layer.dropout = config.dropout
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},  # not the norms
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
