@@ -24,6 +24,7 @@ from .loading import (BUNDLED_ALIASES, ModelLoadError, TokenizerMismatchError, d
 from .placement import placement_line
 from .render import Segment
 from .sweep import Run, Sweep, SweepPoint, point
+from .worker import WorkerError
 
 TEXT_EVERY = 0.1  # seconds between text updates of a replay
 LIVE_TEXT_EVERY = 0.5  # seconds between text updates while runs are timed (the page's drawing takes their CPU)
@@ -387,7 +388,8 @@ def free_memory(exc: Exception) -> None:
         torch.cuda.empty_cache()
 
 
-KNOWN_ERRORS = (UserError, ModelLoadError, TokenizerMismatchError, GenerationError, ValueError, OOM, MemoryError)
+KNOWN_ERRORS = (UserError, ModelLoadError, TokenizerMismatchError, GenerationError, ValueError, OOM, MemoryError,
+                WorkerError)
 
 
 # ---- pacing ----

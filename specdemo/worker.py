@@ -129,6 +129,8 @@ def serve(conn, threads: int | None, every: float = SEND_EVERY) -> None:
                 conn.send(("items", batch))
             conn.send(("end", None))
         except Exception as exc:  # the server says what went wrong; this process keeps serving
+            if "out of memory" in str(exc).lower() and torch.cuda.is_available():
+                torch.cuda.empty_cache()  # this process holds the memory, so it hands it back for the next request
             if batch:
                 conn.send(("items", batch))
             try:
