@@ -2,7 +2,7 @@
 inspect_verify (one topk and a logsumexp on the verify logits) against the same decoder with it replaced by a no-op,
 interleaved runs on the bundled model; plus inspect_verify alone on verify-shaped logits.
 
-    python scripts/inspect_overhead.py --out bench/inspect-overhead     # about 3 minutes on a quiet 2-core CPU
+    python scripts/inspect_overhead.py --out bench/inspect-overhead     # a few minutes on a CPU (docs/app.md)
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The offload regime in one run (issue 31, docs/devices.md): the bundled target fully in memory, then with part of it
+"""The offload regime in one run (docs/devices.md): the bundled target fully in memory, then with part of it
 forced to disk by accelerate's device map; for each, the cost of a forward pass of 1, 2, 4, 8 new tokens, the AR speed,
 and the speculative speedup at several k for prompt lookup and the trained draft. Prints a table, writes JSON.
 

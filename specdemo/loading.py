@@ -143,7 +143,7 @@ def _bundled_folder(runtime: Runtime = Runtime()) -> Path:
         )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.info("converting %s once (about 25 s); cached in %s", gguf.name, folder)
+    log.info("converting %s once; cached in %s", gguf.name, folder)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = quantized.config

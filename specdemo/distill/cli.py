@@ -47,32 +47,32 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale", type=float, default=D.scale, help="multiplies the number of generated answers")
     p.add_argument("--max-new-tokens", type=int, default=D.max_new_tokens)
     p.add_argument("--gen-batch-size", type=int, default=D.gen_batch_size,
-                   help="conversations answered at once (128: 0.29 s per answer here with --features writer, "
-                        "against 0.33 s at 64)")
+                   help="conversations answered at once (larger batches answer faster per conversation with "
+                        "--features writer, at the cost of memory)")
     p.add_argument("--max-sequences", type=int, default=D.max_sequences,
                    help="stop generating at this many sequences (0: all)")
     p.add_argument("--data-minutes", type=float, default=D.data_minutes,
                    help="time budget for answering: no batch starts after it (0: none); the written requests go "
                         "shortest first, so a cut keeps the shorter ones")
     p.add_argument("--gen-dtype", default=D.gen_dtype,
-                   help="dtype of the target copy that writes instructions and answers (bf16: 1.7x faster on an "
-                        "AVX512-BF16 CPU); with --features target, features and labels come from the fp32 target")
+                   help="dtype of the target copy that writes instructions and answers (bf16: faster on a CPU "
+                        "with AVX512-BF16); with --features target, features and labels come from the fp32 target")
     p.add_argument("--self-instruct", type=int, default=D.self_instruct,
-                   help="also answer this many instructions the target writes itself (Magpie-style; the draft "
-                        "shipped until 2026-12-01 used 3000)")
+                   help="also answer this many instructions the target writes itself (Magpie-style; 0 by default: "
+                        "the written requests generalise better, docs/notes/draft-experiments.md)")
     p.add_argument("--steered-instruct", type=int, default=D.steered_instruct,
                    help="then this many self-written instructions that start with one of distill.instructions.OPENINGS "
                         "(translation, edits of a given text, extraction, formats; the target writes the rest)")
     p.add_argument("--features", default=D.features, choices=["writer", "target"],
                    help="where the features and labels come from: 'writer' (the default), the passes that write the "
-                        "answers (the --gen-dtype copy; shortest prompts batched together, no pass of its own: the "
-                        "shipped recipe's data took 34 min here, against 88 before); 'target', a pass of the fp32 "
-                        "target over every sequence once all are answered (the drafts shipped before 2026-12-01 noon)")
+                        "answers (the --gen-dtype copy; shortest prompts batched together, no pass of its own, so the "
+                        "data stage takes far less time); 'target', a pass of the fp32 "
+                        "target over every sequence once all are answered (what earlier drafts used)")
     p.add_argument("--instructions", default=D.instructions,
                    help="also answer the instructions in these JSONL files (comma-separated; 'written': the "
                         "project's file of 2,974 helper-written requests; 'written2': its second batch of 2,978; both "
                         "by default, as for the shipped draft; 'written3': a third batch of 2,989, not in the default "
-                        "(docs/draft.md); '': none)")
+                        "(docs/notes/draft-experiments.md); '': none)")
     p.add_argument("--subset-size", type=int, default=D.subset_size,
                    help="the draft vocabulary: the target's most frequent tokens in the answers")
     p.add_argument("--steps", type=int, default=D.steps)
@@ -103,11 +103,11 @@ def train_parser() -> argparse.ArgumentParser:
                         "of its greedy token (EAGLE trains on the distribution: 1.0)")
     p.add_argument("--skip", type=int, default=D.skip, help="leading positions without loss (default: shared prefix)")
     p.add_argument("--min-confidence", type=float, default=D.min_confidence,
-                   help="confidence gate written into the asset's config (see Eagle3Drafter; docs/draft.md, "
-                        "'The confidence gate', says how 0.8 was chosen)")
+                   help="confidence gate written into the asset's config (see Eagle3Drafter; docs/draft.md "
+                        "says how the default was chosen)")
     p.add_argument("--log-every", type=int, default=D.log_every)
     p.add_argument("--eval-every", type=int, default=D.eval_every,
-                   help="held-out evaluation every N steps (17 s each here)")
+                   help="held-out evaluation every N steps (each one takes time from training)")
     p.add_argument("--data-only", action="store_true", default=D.data_only,
                    help="stop after generating data and features")
     return p

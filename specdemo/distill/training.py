@@ -41,7 +41,7 @@ def padded_batch(samples: list[Sample], data: dict, idx: list[int], max_len: int
         tokens[r, :n] = torch.tensor(samples[i]["ids"][:n])
         lab = sub_index[data["top1"][i][:n].long()]
         # Loss on the answer only: the draft never proposes prompt text, and templated prompts are easy to memorise,
-        # which inflated held-out agreement (34%) far above the acceptance measured on real prompts (14%).
+        # which inflated held-out agreement far above the acceptance measured on real prompts.
         lab[: max(skip, samples[i]["prompt_len"] - 1)] = -100
         labels[r, :n] = lab
     valid = labels != -100
@@ -96,8 +96,8 @@ def evaluate(head, samples: list[Sample], data: dict, idx: list[int], sub_index:
     """Held-out top-1 agreement with the target at draft steps 1..depth, and the chain rate (all steps right).
 
     A target token outside the draft's subset counts as a miss, since the draft can never propose it: the figure at
-    step 1 is the acceptance a greedy run at k = 1 measures. (Before 2026-11-30 the rows depended on the depth and a
-    depth-1 evaluation left those tokens out, which put it about 0.04 higher on the evaluation prompts.)"""
+    step 1 is the acceptance a greedy run at k = 1 measures. (Leaving those tokens out, as an earlier version did at depth 1, overstates it:
+    docs/notes/draft-experiments.md, "A fix to the agreement figure".)"""
     head.eval()
     right = torch.zeros(depth)
     chain = torch.zeros(depth)
@@ -131,7 +131,7 @@ def subset_index(head) -> torch.Tensor:
 def split_held_out(samples: list[Sample], rng: random.Random) -> tuple[list[int], list[int]]:
     """(held-out, training) sample indices: 1 in 20 held out, from the self-written or file-given instructions when
     there are enough. Templated ones are near-duplicates of training items and overstate agreement on new prompts
-    (draft v3: 0.54 top-1 on a mixed split against 0.34 accepted per pass on dev.jsonl)."""
+    (an early draft's held-out figure on a mixed split was far above its acceptance on dev.jsonl)."""
     order = list(range(len(samples)))
     rng.shuffle(order)
     n_eval = max(4, len(order) // 20)

@@ -147,10 +147,9 @@ def plan_free_attention(device: torch.device, keep_cudnn: bool = False) -> bool:
 
     torch 2.11 on an H200 sends `scaled_dot_product_attention` to cuDNN first, and cuDNN builds an execution plan for
     every shape it has not seen. Decoding meets a new shape at every step (the KV cache grows by one), so the first run
-    over a range of lengths pays that build at every step and any later run over the same lengths does not. Measured
-    on the GPU check (SmolLM2-135M, bf16, transformers 5.17): our loop took 16-17 tok/s on the first two prompts and
-    53-56 tok/s once their lengths had been seen, while `generate`, run second on each prompt, took 45-55 tok/s
-    throughout: a timing that favours whichever decoder runs second, which no comparison here may have."""
+    over a range of lengths pays that build at every step and any later run over the same lengths does not: a timing that
+    favours whichever decoder runs second, which no comparison here may have (the GPU check's figures:
+    docs/gpu.md)."""
     if device.type != "cuda" or keep_cudnn:
         return False
     torch.backends.cuda.enable_cudnn_sdp(False)
