@@ -17,7 +17,7 @@
 #                                    distill options, e.g. "--self-instruct 12000" to add the target's own
 #                                    instructions to the cache on the GPU first, or "--draft-layers 2" for the deeper
 #                                    head; DISTILL_CAP: the distill stage's cap in seconds, default 280); first the
-#                                    device stages of issue 31 (a CPU draft beside the GPU target, the target split over
+#                                    device stages (a CPU draft beside the GPU target, the target split over
 #                                    GPU and CPU, the target offloaded to CPU memory: SPLIT_MEM, OFFLOAD_MEM;
 #                                    ONLY_DEVICES=1 runs only those)
 #   EAGLE3_HEAD=DIR EAGLE3_TARGET=T  either mode, also the benchmark of that EAGLE-3 head (e.g. a published one) with
@@ -94,7 +94,7 @@ finish() {
 }
 trap finish EXIT
 
-# --- stage: eagle3 (issue 29) ---
+# --- stage: eagle3 ---
 # A published EAGLE-3 head with its target (EAGLE3_HEAD: the head's folder, carried or already on the machine;
 # EAGLE3_TARGET: its target, a folder or a hub id in the machine's hub cache, for `real` by default the bundled
 # model): the benchmark at k = EAGLE3_KS (default 1,3) on EAGLE3_LIMIT prompts (default 5) reports whether greedy
@@ -195,7 +195,7 @@ mkdir -p "$KEEP/distill-cache"
 [ -n "${SAMPLES:-}" ] && cp "$SAMPLES"/*.jsonl "$KEEP/distill-cache/"
 note "prompts per benchmark: $N, new tokens: $TOKENS, k: $KS, distill data: ${SAMPLES:-generated here}"
 B=($PY -m specdemo bench --prompts "$R/prompts.jsonl" --limit "$N" --max-new-tokens "$TOKENS" --device "$DEV" --quiet)
-# --- stage: devices (issue 31, docs/devices.md) ---
+# --- stage: devices (docs/devices.md) ---
 # the target and the draft on different devices: a GPU target with the trained draft head on the CPU; the target split
 # across the GPU and CPU memory by accelerate's device map (SPLIT_MEM: most layers on the GPU, the rest streamed over
 # PCIe at every pass); and the target offloaded to CPU memory (OFFLOAD_MEM: only the embeddings and head stay on the
@@ -223,7 +223,7 @@ stage bench_hybrid 70 "${B[@]}" --drafter hybrid --k 8 --out "$R/bench-hybrid"
   stage bench_cuda_draft 70 "${B[@]}" --draft "$R/draft-cuda" --k 1,2 --out "$R/bench-cuda-draft"
 stage bench_fp32 70 "${B[@]}" --drafter model --k 3 --dtype fp32 --out "$R/bench-draft-fp32"  # greedy without bf16 ties
 eagle3_stage "${EAGLE3_TARGET:-smollm2-135m}"
-# --- stage: batch (issue 30) ---
+# --- stage: batch ---
 # throughput and speedup against batch size on the GPU (the CPU's crossover comes at a few rows; here it should come
 # much later), prompt lookup and the trained draft at auto k, generate on the same padded batches as the baseline
 # check; BATCH_SIZES (default 1,...,64), BATCH_TOKENS (default 64 new tokens per row), BATCH_MAX_BATCHES (batches per
@@ -235,7 +235,7 @@ BB=($PY -m specdemo bench --prompts "$R/prompts.jsonl" --max-new-tokens "$BT" --
 stage bench_batch_ngram "${BATCH_CAP:-150}" "${BB[@]}" --drafter ngram --out "$R/bench-batch-ngram"
 stage bench_batch_draft "${BATCH_CAP:-150}" "${BB[@]}" --drafter model --out "$R/bench-batch-draft"
 # --- end stage: batch ---
-# --- stage: vllm (issue 32) ---
+# --- stage: vllm ---
 # vLLM's plain and ngram decoding beside ours on the same prompt ids (bench --anchors vllm, docs/vllm.md), where the
 # machine already has vLLM: it cannot be installed there (no package index is reachable). VLLM_PY names its python,
 # else .venv-vllm/bin/python (carry it when it was built for that machine: `bash run.sh vllm` picks upstream vllm
