@@ -11,8 +11,8 @@ import sys
 from dataclasses import replace
 
 from .cliargs import add_placement_args, placement_args
-from .config import (BUNDLED_ID, DEFAULT_DRAFTER, DRAFTER_KINDS, MAX_K_ENGINE, MIN_K, GenerationConfig, SamplingConfig,
-                     runtime_from_env)
+from .config import BUNDLED_ID, DEFAULT_DRAFTER, MAX_K_ENGINE, MIN_K, GenerationConfig, SamplingConfig, runtime_from_env
+from .registry import check_draft, cli_help, kinds, names
 
 G, S = GenerationConfig(), SamplingConfig()
 
@@ -22,11 +22,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--prompt", required=True)
     p.add_argument("--target", default=BUNDLED_ID, help="hub id, local folder, or the bundled 'smollm2-135m'")
     p.add_argument("--draft", help="draft model id or folder (same tokenizer as the target)")
-    p.add_argument("--drafter", choices=DRAFTER_KINDS, default=DEFAULT_DRAFTER,
-                   help="'model' (default) uses --draft or the target's trained draft; 'ngram' is prompt lookup (no "
-                        "draft model); 'hybrid' is prompt lookup where the context repeats (up to k tokens) and the "
-                        "draft model elsewhere (1 token per step where a 3-token verify pass costs too much more "
-                        "than a 2-token one, as on a small CPU; measured at load)")
+    p.add_argument("--drafter", choices=names(), default=DEFAULT_DRAFTER, help=cli_help(DEFAULT_DRAFTER))
     p.add_argument("--k", type=int, default=None,
                    help=f"draft tokens per step ({MIN_K}..{MAX_K_ENGINE}; default: an EAGLE-3 head's recorded k, "
                         f"else {G.num_draft_tokens})")
@@ -50,9 +46,7 @@ def run_generate(args) -> int:
     from .placement import placement_line
 
     kind = args.drafter
-    if kind == "ngram" and args.draft:
-        print("error: --draft names a draft model, but --drafter ngram (prompt lookup) uses none", file=sys.stderr)
-        return 2
+    check_draft(kind, args.draft)
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, num_draft_tokens=args.k or G.num_draft_tokens, dynamic_k=args.dynamic_k,
         sampling=SamplingConfig(args.temperature, args.top_k, args.top_p), stop_strings=tuple(args.stop),
@@ -83,12 +77,18 @@ def run_generate(args) -> int:
     return 0
 
 
+def _serve_help() -> str:
+    """serve-config's --drafter help: each registered kind's vLLM method."""
+    fixed = [f"'{k.name}' -> {k.vllm_method}" for k in kinds() if k.vllm_method]
+    by_draft = ", ".join(f"'{k.name}'" for k in kinds() if not k.vllm_method)
+    return "; ".join(fixed + [f"{by_draft} -> the draft's: eagle3 (an EAGLE-3 head, e.g. from `python -m specdemo "
+                              f"export`) or draft_model (any causal LM)"])
+
+
 def _serve_config_parser(sub) -> None:
     p = sub.add_parser("serve-config", help="print the `vllm serve` (and SGLang) command for a target, drafter and k")
     p.add_argument("--target", default=BUNDLED_ID, help="hub id, local folder, or the bundled 'smollm2-135m'")
-    p.add_argument("--drafter", choices=DRAFTER_KINDS, default=DEFAULT_DRAFTER,
-                   help="'ngram' maps to vLLM's ngram; 'model' to eagle3 (a folder from `python -m specdemo export`) "
-                        "or draft_model (any causal LM); 'hybrid' to its draft half")
+    p.add_argument("--drafter", choices=names(), default=DEFAULT_DRAFTER, help=_serve_help())
     p.add_argument("--draft", help="draft model id or folder (an exported EAGLE-3 folder for eagle3)")
     p.add_argument("--k", type=int, default=None,
                    help=f"draft tokens per step (default: the tuned k in --sweep, else {G.num_draft_tokens})")
@@ -121,7 +121,7 @@ def run_serve_config(args) -> int:
     vllm_cmd = vllm_serve_command(p.target, p.speculative_config, extra)
     sglang_extra = (f" --tp-size {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else "") + (
         f" --pp-size {args.pipeline_parallel_size}" if args.pipeline_parallel_size > 1 else "")
-    sglang_cmd = sglang_command(p.target, p.method, k, p.draft_path, p.lookup) + sglang_extra
+    sglang_cmd = sglang_command(p.target, p.method, k, p.draft_path, p.lookup, p.sglang_method) + sglang_extra
     if args.json:
         print(json.dumps({"target": p.target, "method": p.method, "k": k, "k_source": source,
                           "speculative_config": p.speculative_config, "vllm": vllm_cmd, "sglang": sglang_cmd,

@@ -326,7 +326,7 @@ class BatchRequest:
     """What the Batch tab asks for, as plain data (validated by the handler)."""
 
     target: str
-    drafter: str  # one of config.DRAFTER_KINDS
+    drafter: str  # a registry kind's name
     draft: str | None
     prompts: tuple[str, ...]
     batch_sizes: tuple[int, ...]

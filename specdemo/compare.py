@@ -1,27 +1,24 @@
 """A target and its drafter (a Pair), built from user-facing names; both decoders on one prompt; the JSON result.
 
 The two runs take turns and never overlap: each one's clock counts only its own compute (see engine.StepEvent.elapsed).
-This is the one place that builds drafters from names; the CLI, the app, the sweep and the benchmark use it.
+make_drafter builds drafters from names, through the registry; the CLI, the app, the sweep and the benchmark use it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
-from .config import BUNDLED_HUB_ID, BUNDLED_ID, DRAFTER_KINDS, TRAINED_DRAFT_ID, GenerationConfig, Placement, Runtime
-from .drafters import Drafter, ModelDrafter, NgramDrafter
+from .config import BUNDLED_ID, GenerationConfig, Placement, Runtime
+from .drafters import Drafter
 from .engine import StepEvent, autoregressive, encode_prompt, generated_ids, speculative
-from .hybrid import HybridCalibration, calibrated_hybrid
-from .loading import BUNDLED_ALIASES, LoadedModel, ModelLoadError, check_tokenizers, load_model
+from .hybrid import HybridCalibration
+from .loading import LoadedModel, load_model
 from .metrics import PassCosts, RunStats, pass_costs, run_stats, speedup
 from .placement import drafter_device
-
-DRAFTS = Path(__file__).resolve().parent / "data"  # the shipped trained drafts: package data, so a clone and an
-# installed package find them in the same place
+from .registry import BuildOptions, get
 
 
 @dataclass
@@ -30,39 +27,9 @@ class Pair:
 
     target: LoadedModel
     drafter: Drafter
-    drafter_kind: str  # one of config.DRAFTER_KINDS
+    drafter_kind: str  # a registry kind's name
     draft_name: str | None  # None for prompt lookup
     calibration: HybridCalibration | None = None  # the hybrid's cap and the costs it came from
-
-
-def trained_draft_path(target_name: str) -> Path | None:
-    """The shipped distilled draft for a target, if there is one."""
-    if target_name.lower() in BUNDLED_ALIASES | {BUNDLED_HUB_ID.lower()}:
-        path = DRAFTS / TRAINED_DRAFT_ID
-        return path if _is_trained_draft(path) else None
-    return None
-
-
-def _is_trained_draft(path: Path) -> bool:
-    """A folder holding an EAGLE-3 head (known by its config.json)."""
-    from .eagle3 import is_eagle3
-
-    return is_eagle3(path)
-
-
-def _head_drafter(path: Path, target: LoadedModel) -> Drafter:
-    """The drafter of an EAGLE-3 head folder; it computes where the target's embeddings are."""
-    from .eagle3 import Eagle3FormatError, load_eagle3
-
-    try:
-        return load_eagle3(path, target)
-    except Eagle3FormatError as exc:
-        raise ModelLoadError(str(exc)) from exc
-
-
-def default_draft(target_name: str) -> str | None:
-    """The draft used when --drafter model is given without --draft."""
-    return TRAINED_DRAFT_ID if trained_draft_path(target_name) else None
 
 
 def drafter_k(drafter: Drafter) -> int | None:
@@ -74,39 +41,11 @@ def drafter_k(drafter: Drafter) -> int | None:
 def make_drafter(target: LoadedModel, kind: str, draft: str | None, device=None, dtype=None,
                  trust_remote_code: bool = False, runtime: Runtime = Runtime()
                  ) -> tuple[Drafter, str | None, HybridCalibration | None]:
-    """Build a drafter by name: prompt lookup, the shipped trained draft, an EAGLE-3 head (a folder or hub id whose
-    config.json says so), any causal LM sharing the tokenizer, or "hybrid": one of those drafts with prompt lookup
-    taking over where the context repeats (calibrated here).
-    `device` is a draft LM's (None: the default device); an EAGLE-3 head computes where the target's embeddings are.
-    Returns (drafter, draft name or None, the hybrid's calibration or None)."""
-    if kind == "ngram":
-        return NgramDrafter(), None, None
-    if kind == "hybrid":
-        model, name, _ = make_drafter(target, "model", draft, device, dtype, trust_remote_code, runtime)
-        hybrid, calibration = calibrated_hybrid(model, target, name)
-        return hybrid, name, calibration
-    if kind != "model":
-        raise ValueError(f"unknown drafter '{kind}'; choose one of {DRAFTER_KINDS}")
-    draft = draft or default_draft(target.name)
-    if draft is None:
-        raise ModelLoadError(
-            f"no draft model given for target '{target.name}': pass a draft id (same tokenizer) or use prompt lookup"
-        )
-    if draft == TRAINED_DRAFT_ID or _is_trained_draft(Path(draft)):
-        path = DRAFTS / TRAINED_DRAFT_ID if draft == TRAINED_DRAFT_ID else Path(draft)
-        if not _is_trained_draft(path):
-            raise ModelLoadError(f"the trained draft '{draft}' is not in {path}; train it with `python -m specdemo distill`")
-        return _head_drafter(path, target), draft, None
-    from .eagle3 import locate_eagle3, not_a_draft, read_config
-
-    hub_head = locate_eagle3(draft, runtime)  # a hub id whose config.json is an EAGLE-3 head
-    if hub_head is not None:
-        return _head_drafter(hub_head, target), draft, None
-    if Path(draft).is_dir() and read_config(draft) is None:
-        raise ModelLoadError(not_a_draft(draft, "the folder has no config.json"))
-    loaded = load_model(draft, device=device, dtype=dtype, trust_remote_code=trust_remote_code, runtime=runtime)
-    check_tokenizers(target, loaded.name, loaded.tokenizer)
-    return ModelDrafter(loaded.model, target.device), draft, None
+    """Build a drafter of a registered kind (registry.get(kind).factory): prompt lookup, a draft (the shipped trained
+    draft, an EAGLE-3 head, any causal LM sharing the tokenizer: drafts.resolve_draft says which), the hybrid of the
+    two, or any kind registered since. `device` is a draft LM's (None: the default device); an EAGLE-3 head computes
+    where the target's embeddings are. Returns (drafter, draft name or None, the hybrid's calibration or None)."""
+    return get(kind).factory(target, draft, BuildOptions(device, dtype, trust_remote_code, runtime))
 
 
 def load_pair(target: str, kind: str = "model", draft: str | None = None, device=None, dtype=None,

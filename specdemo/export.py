@@ -11,7 +11,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import BUNDLED_ID, TRAINED_DRAFT_ID, GenerationConfig, Runtime
+from .config import BUNDLED_ID, GenerationConfig, Runtime
+from .drafts import DraftError, resolve_draft
 from .eagle3 import (
     CONFIG_FILE,
     META_FILE,
@@ -19,8 +20,6 @@ from .eagle3 import (
     WEIGHTS_FILE,
     Eagle3Config,
     Eagle3FormatError,
-    is_eagle3,
-    locate_eagle3,
     not_a_draft,
     read_config,
     read_weights,
@@ -49,21 +48,19 @@ class Export:
 
 
 def head_folder(draft: str, runtime: Runtime = Runtime()) -> Path:
-    """The EAGLE-3 checkpoint folder `draft` names (a folder, a hub id, or the shipped draft); refuses anything else,
-    saying what it is instead."""
-    from .compare import DRAFTS
-
-    path = DRAFTS / TRAINED_DRAFT_ID if draft == TRAINED_DRAFT_ID else Path(draft)
-    if is_eagle3(path):
-        return path
-    if path.is_dir() and read_config(path) is None:
-        raise Eagle3FormatError(not_a_draft(draft, "the folder has no config.json"))
-    folder = locate_eagle3(draft, runtime)
-    if folder is None:
+    """The EAGLE-3 checkpoint folder `draft` names (a folder, a hub id, or the shipped draft: drafts.resolve_draft);
+    refuses anything else, saying what it is instead."""
+    try:
+        resolved = resolve_draft(draft, None, runtime)
+    except DraftError as exc:
+        raise Eagle3FormatError(str(exc)) from exc
+    if not resolved.is_head:
         raise Eagle3FormatError(
             f"'{draft}' is not an EAGLE-3 head (its config.json names none of the EAGLE-3 architectures). A draft LLM "
             f"serves as it is: `python -m specdemo serve-config --drafter model --draft {draft}`")
-    return folder
+    if read_config(resolved.path) is None:  # only `export`'s speculative_config.json: nothing to export from
+        raise Eagle3FormatError(not_a_draft(draft, "the folder has no config.json"))
+    return resolved.path
 
 
 def export_eagle3(draft: str, out: str | Path, k: int | None = None, target: str | None = None,
@@ -103,17 +100,14 @@ def export_eagle3(draft: str, out: str | Path, k: int | None = None, target: str
 def serve_hint(target: str, draft: str | None, k: int, runtime: Runtime = Runtime()) -> str | None:
     """Markdown for the app after Tune k with an EAGLE-3 draft: the commands that serve it at k in vLLM and SGLang
     (a hub head as it is, ours exported first); None for other drafts."""
-    from .compare import default_draft
-
-    draft = draft or default_draft(target)
     try:
-        source = head_folder(draft, runtime) if draft else None
-    except (Eagle3FormatError, OSError, RuntimeError):
+        resolved = resolve_draft(draft, target, runtime)
+    except (DraftError, OSError, RuntimeError):
         return None
-    if source is None:
+    if not resolved.is_head:
         return None
+    draft, local = resolved.name, resolved.local
     served, _ = serve_target(target, runtime)
-    local = Path(draft).is_dir() or draft == TRAINED_DRAFT_ID
     model = f"{Path(draft).name}-eagle3" if local else draft  # vLLM and SGLang load a published head by its hub id
     export = f"python -m specdemo export --draft {draft} --out {model} --k {k} --target {target}\n" if local else ""
     spec = vllm_speculative_config("eagle3", k, model)

@@ -27,6 +27,7 @@ from .race import (KNOWN_ERRORS, LIVE_TEXT_EVERY, AppLimits, RunRequest, Runs, T
                    friendly_error, make_request, number, passes, placement_for, points, preset_fields, preset_k,
                    replay_frames, run_point, sweep_table)
 from .render import Segment, event_segments, panel_stats, segments_html
+from .registry import get
 from .sweep import Sweep, iter_sweep_summaries
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,8 @@ def compute(request: RunRequest, limits: AppLimits, runtime: Runtime, recalibrat
     status lines, then ("ar" | "sd", event, its display segments) as each decoder yields, then the result dict with
     `pass_costs`: the run's pass costs beside those calibrated when this pair and k first ran (or on `recalibrate`),
     and how far they drifted (metrics.cost_drift; empty when the machine was as it was at calibration)."""
-    label = "prompt lookup" if request.drafter == "ngram" else request.draft or "the default draft"
+    kind = get(request.drafter)
+    label = (request.draft or "the default draft") if kind.needs_draft else kind.label
     label += " + prompt lookup" if request.drafter == "hybrid" else ""
     pair = yield from _load(request, limits, runtime, f"Loading {request.target} with {label} (cached after the first "
                                                       "load)…")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import (BUNDLED_ID, DRAFTER_KINDS, MAX_K, MIN_K, PRESETS, TRAINED_DRAFT_ID, GenerationConfig, Placement,
+from .config import (BUNDLED_ID, MAX_K, MIN_K, PRESETS, TRAINED_DRAFT_ID, GenerationConfig, Placement,
                      Runtime, SamplingConfig)
 from .engine import GenerationError, StepEvent, encode_prompt
 from .hybrid import describe_hybrid_cap
@@ -22,6 +22,7 @@ from .fit import estimate_fit, parameter_count
 from .loading import (BUNDLED_ALIASES, ModelLoadError, TokenizerMismatchError, default_dtype, is_loaded, load_device,
                       load_tokenizer, locate)
 from .placement import placement_line
+from .registry import get, names
 from .render import Segment
 from .sweep import Run, Sweep, SweepPoint, point
 from .worker import WorkerError
@@ -60,7 +61,7 @@ class RunRequest:
 
     prompt: str
     target: str
-    drafter: str  # one of config.DRAFTER_KINDS
+    drafter: str  # a registry kind's name
     draft: str | None
     k: int
     dynamic_k: bool
@@ -100,8 +101,8 @@ def make_request(prompt, target, drafter, draft, k, dynamic_k, temperature, top_
     prompt is checked by its characters here, by its tokens later (check_prompt_tokens)."""
     if not isinstance(prompt, str) or not prompt.strip():
         raise UserError("The prompt is empty: type something, or pick an example.")
-    if drafter not in DRAFTER_KINDS:
-        raise UserError(f"Unknown drafter {drafter!r}: choose one of {', '.join(DRAFTER_KINDS)}.")
+    if not isinstance(drafter, str) or drafter not in names():
+        raise UserError(f"Unknown drafter {drafter!r}: choose one of {', '.join(names())}.")
     k, max_new_tokens = number(k, "k", whole=True), number(max_new_tokens, "max new tokens", whole=True)
     temperature, top_p = number(temperature, "temperature"), number(top_p, "top-p")
     if not MIN_K <= k <= MAX_K:
@@ -110,7 +111,7 @@ def make_request(prompt, target, drafter, draft, k, dynamic_k, temperature, top_
         raise UserError(f"max new tokens must be between 1 and {limits.max_new_tokens} here, got {max_new_tokens}.")
     check_prompt_chars(prompt, limits)
     target = str(target or "").strip() or BUNDLED_ID
-    draft = (str(draft or "").strip() or None) if drafter != "ngram" else None
+    draft = (str(draft or "").strip() or None) if get(drafter).needs_draft else None
     for name in (target, draft):
         if name:
             check_model_id(name, limits)
@@ -187,9 +188,9 @@ def check_fit(request: RunRequest, limits: AppLimits, runtime: Runtime, placemen
     count can be had (then loading itself says what goes wrong)."""
     if is_loaded(request.target):
         return None
-    names = [request.target] + ([request.draft] if request.draft and request.drafter != "ngram" else [])
+    model_ids = [request.target] + ([request.draft] if request.draft and get(request.drafter).needs_draft else [])
     counts = []
-    for name in names:
+    for name in model_ids:
         if name == TRAINED_DRAFT_ID:
             continue  # a draft head of a few million parameters, borrowing the target's embeddings
         try:
@@ -201,7 +202,7 @@ def check_fit(request: RunRequest, limits: AppLimits, runtime: Runtime, placemen
         counts.append(count)
     device = load_device(placement, limits.device)
     fit = estimate_fit(counts, default_dtype(device).itemsize, placement, device)
-    message = fit.message(" + ".join(names))
+    message = fit.message(" + ".join(model_ids))
     if not fit.fits:
         raise UserError(f"This pair does not fit here: {message}")
     return message

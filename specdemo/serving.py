@@ -12,10 +12,12 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import BUNDLED_HUB_ID, BUNDLED_ID, TRAINED_DRAFT_ID, Runtime
+from .config import BUNDLED_HUB_ID, BUNDLED_ID, Runtime
 from .drafters import NgramDrafter
+from .registry import check_draft, get
 
 VLLM_METHODS = ("ngram", "eagle3", "draft_model")
+SGLANG_METHODS = {"ngram": "NGRAM", "eagle3": "EAGLE3", "draft_model": "STANDALONE"}  # each method's SGLang algorithm
 
 
 @dataclass(frozen=True)
@@ -75,21 +77,23 @@ def vllm_serve_command(target: str, spec_config: dict | None, extra: list[str] |
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def sglang_flags(method: str, k: int, draft_path: str | None = None, lookup: Lookup | None = None) -> str:
+def sglang_flags(method: str, k: int, draft_path: str | None = None, lookup: Lookup | None = None,
+                 algorithm: str | None = None) -> str:
     """SGLang's speculative flags for the same setting (`python -m sglang.launch_server --model-path T ...`).
 
     SGLang verifies a tree whose root is the last committed token, so k drafted tokens in a chain (top-k 1) is
     `--speculative-num-steps k --speculative-eagle-topk 1 --speculative-num-draft-tokens k+1`. Its NGRAM drafter is a
     different algorithm (a trie of earlier n-grams walked breadth-first); breadth 1 keeps it to one chain.
+    `algorithm`: SGLang's name for it (a ServePlan's sglang_method); None: SGLANG_METHODS[method].
     """
     spec = vllm_speculative_config(method, k, draft_path, lookup)  # the same validation
+    algorithm = algorithm or SGLANG_METHODS[method]
     if method == "ngram":
-        flags = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(k + 1),
+        flags = ["--speculative-algorithm", algorithm, "--speculative-num-draft-tokens", str(k + 1),
                  "--speculative-ngram-min-match-window-size", str(spec["prompt_lookup_min"]),
                  "--speculative-ngram-max-match-window-size", str(spec["prompt_lookup_max"]),
                  "--speculative-ngram-max-bfs-breadth", "1"]
     else:
-        algorithm = "EAGLE3" if method == "eagle3" else "STANDALONE"
         flags = ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", spec["model"],
                  "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
                  "--speculative-num-draft-tokens", str(k + 1)]
@@ -97,10 +101,10 @@ def sglang_flags(method: str, k: int, draft_path: str | None = None, lookup: Loo
 
 
 def sglang_command(target: str, method: str, k: int, draft_path: str | None = None,
-                   lookup: Lookup | None = None) -> str:
+                   lookup: Lookup | None = None, algorithm: str | None = None) -> str:
     """The whole SGLang launch line for the setting."""
     return (f"python -m sglang.launch_server --model-path {shlex.quote(str(target))} "
-            + sglang_flags(method, k, draft_path, lookup))
+            + sglang_flags(method, k, draft_path, lookup, algorithm))
 
 
 @dataclass(frozen=True)
@@ -108,11 +112,12 @@ class ServePlan:
     """A tuned setting as a serving engine sees it: what to load, which speculative method, notes for the user."""
 
     target: str  # a folder or hub id vLLM can load
-    method: str  # one of VLLM_METHODS
+    method: str  # vLLM's speculative method (registry: the kind's, or its draft's)
     k: int
     draft_path: str | None = None
     lookup: Lookup | None = None
     notes: tuple[str, ...] = ()
+    sglang_method: str | None = None  # SGLang's --speculative-algorithm; None: SGLANG_METHODS[method]
 
     @property
     def speculative_config(self) -> dict:
@@ -133,34 +138,22 @@ def serve_target(target: str, runtime: Runtime = Runtime()) -> tuple[str, str | 
 
 
 def plan(target: str, drafter: str, draft: str | None, k: int, runtime: Runtime = Runtime()) -> ServePlan:
-    """Map our target, drafter kind, draft and k to a vLLM method (no model is loaded)."""
+    """Map our target, drafter kind (the registry's methods), draft (drafts.resolve_draft, from the local hub cache
+    only) and k to a vLLM method (no model is loaded)."""
     served, note = serve_target(target, runtime)
-    notes = [note] if note else []
-    if drafter == "ngram":
-        if draft:
-            raise ValueError("--draft names a draft model, but --drafter ngram (prompt lookup) uses none")
-        return ServePlan(served, "ngram", k, lookup=Lookup.of(), notes=tuple(notes))
-    if drafter == "hybrid":
-        notes.append("vLLM has no hybrid drafter (prompt lookup where the context repeats, the draft elsewhere); "
-                     "this is its draft half, and --drafter ngram gives its lookup half")
-    elif drafter != "model":
-        raise ValueError(f"unknown drafter '{drafter}'")
-    from .compare import DRAFTS, default_draft
+    kind = get(drafter)
+    check_draft(drafter, draft)
+    notes = tuple(n for n in (note, kind.serve_note) if n)
+    if not kind.needs_draft:
+        lookup = Lookup.of() if kind.vllm_method == "ngram" else None
+        return ServePlan(served, kind.vllm_method, k, lookup=lookup, notes=notes, sglang_method=kind.sglang_method)
+    from .drafts import resolve_draft
 
-    draft = draft or default_draft(target)
-    if not draft:
-        raise ValueError(f"no draft for target '{target}': pass --draft, or use --drafter ngram")
-    ours = DRAFTS / TRAINED_DRAFT_ID if draft == TRAINED_DRAFT_ID else Path(draft)
-    if eagle3_export(ours):
-        return ServePlan(served, "eagle3", k, str(ours.resolve()), notes=tuple(notes))
-    from .eagle3 import is_eagle3, not_a_draft, read_config
-    from .loading import cached_hub_config
-
-    if is_eagle3(cached_hub_config(draft)):  # a published head vLLM loads by its hub id
-        return ServePlan(served, "eagle3", k, draft, notes=tuple(notes))
-    if ours.is_dir() and read_config(ours) is None:
-        raise ValueError(not_a_draft(draft, "the folder has no config.json"))
-    return ServePlan(served, "draft_model", k, draft, notes=tuple(notes))
+    resolved = resolve_draft(draft, target, runtime, fetch=False)
+    # a local head is served from its folder, a published one by its hub id; a causal LM by its name as given
+    path = str(resolved.path.resolve()) if resolved.is_head and resolved.local else resolved.name
+    return ServePlan(served, kind.vllm_method or resolved.vllm_method, k, path, notes=notes,
+                     sglang_method=kind.sglang_method or resolved.sglang_method)
 
 
 def k_from_report(path: str | Path) -> tuple[int, str]:

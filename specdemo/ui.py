@@ -9,8 +9,9 @@ from collections.abc import Callable
 import gradio as gr
 
 from . import charts
-from .compare import trained_draft_path
 from .config import BUNDLED_ID, MAX_K, MIN_K, PRESETS, TRAINED_DRAFT_ID, GenerationConfig, Runtime, SamplingConfig
+from .drafts import trained_draft_path
+from .registry import kinds
 from .batch_handlers import BATCH_NOTE, BATCH_SIZES, BatchHandlers, BatchOutputs
 from .handlers import Handlers, Outputs, RaceOutputs, SettingsOutputs, SweepOutputs
 from .race import AppLimits, allowed, preset_fields, preset_k
@@ -73,8 +74,7 @@ def build_demo(limits: AppLimits = AppLimits(), runtime: Runtime = Runtime(),
             with gr.Column(scale=2, min_width=320, elem_id="settings"):
                 prompt = gr.Textbox(label="Prompt", lines=4, max_lines=8, value=EXAMPLES[1][1], elem_id="prompt")
                 preset = gr.Dropdown(preset_choices(limits), value=default_preset(), label="Preset pair")
-                drafter = gr.Radio([("draft model", "model"), ("prompt lookup", "ngram"),
-                                    ("draft + lookup", "hybrid")], value=first[1], label="Drafter")
+                drafter = gr.Radio([(kind.label, kind.name) for kind in kinds()], value=first[1], label="Drafter")
                 with gr.Row():
                     k = gr.Slider(MIN_K, MAX_K, value=preset_k(default_preset()), step=1,
                                   label="k (draft tokens per step)", scale=3)

@@ -8,12 +8,12 @@ import pytest
 
 from specdemo.bench import main
 from specdemo.bench.cli import bench_config, parser
-from specdemo.config import DRAFTER_KINDS
 from specdemo.prompts import DEFAULT_PROMPTS
+from specdemo.registry import names
 
 
 def test_defaults_come_from_the_config_and_need_nothing_outside_the_repository():
-    """With no flags: the in-repo prompt set, a git-ignored output folder, the drafters config knows."""
+    """With no flags: the in-repo prompt set, a git-ignored output folder, the drafters the registry knows."""
     args = parser().parse_args([])
     bc = bench_config(args, env={})
     assert Path(bc.prompts) == DEFAULT_PROMPTS and DEFAULT_PROMPTS.exists()
@@ -21,7 +21,7 @@ def test_defaults_come_from_the_config_and_need_nothing_outside_the_repository()
     assert bc.out == "out/bench"
     ignored = subprocess.run(["git", "check-ignore", "-q", "out/bench/bench.json"], cwd=Path(__file__).parent.parent)
     assert ignored.returncode == 0
-    assert parser()._option_string_actions["--drafter"].choices == DRAFTER_KINDS
+    assert parser()._option_string_actions["--drafter"].choices == names()
     assert bench_config(args, env={"SPECDEMO_FAST_LINEAR": "0"}).runtime.fast_linear is False
 
 

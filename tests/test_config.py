@@ -1,6 +1,7 @@
 """Defaults and the runtime switches read from an environment mapping (only the app and the CLI pass os.environ)."""
 
-from specdemo.config import DRAFTER_KINDS, PRESETS, Runtime, runtime_from_env
+from specdemo.config import DEFAULT_DRAFTER, PRESETS, Runtime, runtime_from_env
+from specdemo.registry import names
 
 
 def test_runtime_from_an_empty_environment_is_the_default():
@@ -19,4 +20,5 @@ def test_runtime_reads_each_variable():
 
 def test_presets_name_known_drafters():
     for p in PRESETS:
-        assert p.drafter in ("",) + DRAFTER_KINDS
+        assert p.drafter in ("",) + names()
+    assert DEFAULT_DRAFTER in names()

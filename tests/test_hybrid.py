@@ -49,7 +49,8 @@ def test_calibration_records_the_costs_it_chose_from(tiny_target, tiny_draft, ti
 @pytest.mark.slow
 def test_shipped_draft_with_prompt_lookup_is_lossless(bundled):
     """The hybrid (lookup where the text repeats, the trained draft elsewhere) on the real pair: the target's output."""
-    from specdemo.compare import DRAFTS, make_drafter
+    from specdemo.compare import make_drafter
+    from specdemo.drafts import DRAFTS
 
     hybrid, _, cal = make_drafter(bundled, "hybrid", None)  # the shipped draft, capped as this machine's costs say
     chain = json.loads((DRAFTS / "smollm2-135m-draft" / "specdemo.json").read_text())["metrics"]["chain"]

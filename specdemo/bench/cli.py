@@ -1,5 +1,5 @@
 """`python -m specdemo bench` flags, turned once into a BenchConfig; the one-line summary. argv and the environment
-are read here (the flags' defaults come from BenchConfig and config.DRAFTER_KINDS)."""
+are read here (the flags' defaults come from BenchConfig, the drafter kinds from the registry)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 
 from ..cliargs import add_placement_args, placement_args
-from ..config import DRAFTER_KINDS, runtime_from_env
+from ..config import runtime_from_env
 from ..engine import GenerationError
 from ..loading import ModelLoadError, TokenizerMismatchError
+from ..registry import cli_help, names
 from .batch_report import batch_baseline_warning
 from .report import baseline_warning
 from .run import BenchConfig, run_batch_bench, run_bench
@@ -40,9 +41,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=D.limit, help="only the first N prompts")
     p.add_argument("--target", default=D.target)
     p.add_argument("--draft", help="draft model id or folder (implies --drafter model unless hybrid is asked for)")
-    p.add_argument("--drafter", choices=DRAFTER_KINDS, default=D.drafter,
-                   help="'ngram' is prompt lookup (the default without --draft); 'model' uses --draft or the shipped "
-                        "trained draft; 'hybrid' is that draft with prompt lookup where the context repeats")
+    p.add_argument("--drafter", choices=names(), default=D.drafter,
+                   help="default: 'ngram' without --draft, else 'model'; " + cli_help())
     p.add_argument("--k", default=D.k, help="draft tokens per step: N, a list like 1,2,4,8, or 'auto'")
     p.add_argument("--temperature", type=float, default=D.temperature, help="0 is greedy")
     p.add_argument("--max-new-tokens", type=int, default=D.max_new_tokens)

@@ -16,6 +16,7 @@ from ..compare import Pair, first_mismatch, load_pair, pair_placement, warmup
 from ..config import BUNDLED_ID, MAX_K, MAX_K_ENGINE, GenerationConfig, Placement, Runtime, SamplingConfig
 from ..engine import encode_prompt, eos_ids
 from ..prompts import DEFAULT_PROMPTS, PromptItem, read_prompts
+from ..registry import check_draft
 from ..serving import Lookup, eagle3_export, serve_target
 from ..sweep import point, run_ar, run_sd, summarize, sweep
 from ..timing import ForwardTimer, verify_costs_for
@@ -223,8 +224,7 @@ def run_bench(bc: BenchConfig) -> dict:
         raise ValueError(f"no prompts in {bc.prompts}")
     ks = parse_ks(bc.k)
     kind = bc.drafter_kind
-    if kind == "ngram" and bc.draft:
-        raise ValueError("--draft names a draft model, but --drafter ngram (prompt lookup) uses none")
+    check_draft(kind, bc.draft)
     config = GenerationConfig(max_new_tokens=bc.max_new_tokens, sampling=SamplingConfig(bc.temperature),
                               seed=bc.seed, use_chat_template=bc.chat_template)
     config.validate()
@@ -327,8 +327,7 @@ def run_batch_bench(bc: BenchConfig) -> dict:
         raise ValueError("--anchors vllm compares at batch 1 and is not part of the batch sweep; use --anchors "
                          "(transformers' generate on the same padded batches) with --batch-size")
     kind = bc.drafter_kind
-    if kind == "ngram" and bc.draft:
-        raise ValueError("--draft names a draft model, but --drafter ngram (prompt lookup) uses none")
+    check_draft(kind, bc.draft)
     config = GenerationConfig(max_new_tokens=bc.max_new_tokens, sampling=SamplingConfig(bc.temperature),
                               num_draft_tokens=k or 1, seed=bc.seed, use_chat_template=bc.chat_template)
     config.validate()
