@@ -39,6 +39,20 @@ def tiny_llama(vocab_size: int, seed: int, sharpness: float = 1.0, layers: int =
     return model.to(TEST_DEVICE)
 
 
+def until_second_token(gen):
+    """A run's events up to the one that commits its second new token (or its end), then the run is closed: the step
+    after it, which only decides the third token, is never computed. Its drafts would be none anyway (k is capped to
+    leave the last token to the target), so counts of drafted tokens are those of the whole run."""
+    events, n = [], 0
+    for event in gen:
+        events.append(event)
+        n += len(event.tokens)
+        if n >= 2:
+            break
+    gen.close()
+    return events
+
+
 WORDS = [f"w{i}" for i in range(1, 16)]
 
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import until_second_token
 
 from specdemo.config import GenerationConfig, SamplingConfig
 from specdemo.drafters import HybridDrafter, ModelDrafter, NgramDrafter, with_cache
@@ -118,7 +119,11 @@ def _second_token_distribution(model, prompt, eos=0):
 
 @pytest.mark.parametrize("kind", ["model", "ngram", "hybrid"])
 def test_sampled_distribution_matches_target(tiny_target, tiny_draft, tiny_tok, kind):
-    """Speculative sampling draws the second token from the target's distribution, far from the draft's."""
+    """Speculative sampling draws the second token from the target's distribution, far from the draft's.
+
+    The 2,000 trials stay: the TV between 2,000 multinomial draws and this 16-token `expected` is ~0.034 on average
+    (99.9th percentile ~0.056), so fewer trials would not hold the 0.06 bound. Each trial stops once its second token
+    is committed (until_second_token): the same samples as full runs, ~20-30% fewer target passes."""
     prompt = list(range(1, 16)) + [3]  # every token occurs in the prompt, so prompt lookup always proposes
     expected = _second_token_distribution(tiny_target, prompt)
     draft_p2 = _second_token_distribution(tiny_draft, prompt)
@@ -126,9 +131,10 @@ def test_sampled_distribution_matches_target(tiny_target, tiny_draft, tiny_tok, 
     counts = torch.zeros_like(expected)
     proposals = 0
     for seed in range(trials):
+        # 3 tokens, so the first spec step may draft (k is capped to leave the last token to the target)
         config = GenerationConfig(max_new_tokens=3, num_draft_tokens=1, sampling=SamplingConfig(1.0), seed=seed)
         drafter = make(kind, tiny_draft)
-        events = run(speculative(tiny_target, tiny_tok, drafter, prompt, config))
+        events = until_second_token(speculative(tiny_target, tiny_tok, drafter, prompt, config))
         ids = generated_ids(events)
         proposals += sum(len(e.drafted) for e in events)
         if len(ids) >= 2:  # an EOS first token leaves no second token; `expected` is conditioned the same way

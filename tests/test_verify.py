@@ -67,22 +67,84 @@ def tv(a: torch.Tensor, b: torch.Tensor) -> float:
     return 0.5 * float((a - b).abs().sum())
 
 
-def test_rejection_sampling_matches_target_distribution():
-    """Over many seeded trials the first emitted token follows p, not q (Leviathan et al., Thm 3.5)."""
+class _FixedDraw:
+    """Stands in for `torch` inside specdemo.verify: every `torch.rand` returns the draw `r`; all else is torch."""
+
+    def __init__(self, r: float = 0.0):
+        self.r = r
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def rand(self, size, generator=None, device=None):
+        return torch.full((size,), self.r, device=device)
+
+
+def _exact_first_token(monkeypatch, p: torch.Tensor, q: torch.Tensor | None, x: int) -> torch.Tensor:
+    """The exact distribution of the first emitted token when `x` is drafted, from rejection_accept's own branches.
+
+    torch.rand is fixed to a chosen r and verify.sample returns a marker while recording the distribution it was asked
+    to sample, so each call takes one branch deterministically. The acceptance probability is the measure of the r in
+    [0, 1) that rejection_accept accepts: the code is bisected for its threshold (checked to be one interval [0, a) on a
+    grid), so a wrong comparison shows up as a wrong weight rather than being re-derived here."""
+    import specdemo.verify as verify
+
+    draw, asked = _FixedDraw(), []
+
+    def recording_sample(probs, generator):
+        asked.append(probs.clone())
+        return -1
+
+    monkeypatch.setattr(verify, "torch", draw)
+    monkeypatch.setattr(verify, "sample", recording_sample)
+    target = torch.stack([p, p])  # row 1 gives the bonus token after an acceptance
+    draft = None if q is None else q[None]
+
+    def call(r):
+        draw.r, asked[:] = r, []
+        n, nxt = rejection_accept(torch.tensor([x]), draft, target, None)
+        assert nxt == -1 and len(asked) == 1  # the next token is always one sample
+        return n, asked[0]
+
+    if call(0.0)[0] == 0:  # even r = 0 rejects: only p(x) = 0 may do that
+        accept = 0.0
+    elif call(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)).item())[0] == 1:
+        accept = 1.0
+    else:
+        lo, hi = 0.0, 1.0  # accepts at lo, rejects at hi
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if call(mid)[0] == 1 else (lo, mid)
+        accept = hi
+    for i in range(64):  # the accepted draws form the one interval [0, accept)
+        r = (i + 0.5) / 64
+        if abs(r - accept) > 1e-6:
+            assert call(r)[0] == (1 if r < accept else 0)
+    out = torch.zeros_like(p, dtype=torch.float64)
+    if accept > 0:
+        n, bonus = call(0.0)
+        assert n == 1 and torch.equal(bonus, p)  # accepted: x is emitted, then the bonus comes from p
+        out[x] += accept
+    if accept < 1:
+        n, residual = call((accept + 1) / 2)
+        assert n == 0  # rejected: the first token is the correction, drawn from the distribution sample() was given
+        out += (1 - accept) * residual.double()
+    return out
+
+
+def test_rejection_sampling_matches_target_distribution(monkeypatch):
+    """The first emitted token follows p exactly, not q (Leviathan et al., Thm 3.5): the draft token x ~ q is
+    enumerated with weight q[x], and for each x rejection_accept's accept and reject branches are taken
+    deterministically and weighted exactly (see _exact_first_token). The same holds for a deterministic drafter
+    (q one-hot at whatever x it drafts)."""
     p = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])
     q = torch.tensor([0.5, 0.05, 0.3, 0.05, 0.1])
     assert tv(p, q) > 0.4
-    gen = torch.Generator().manual_seed(0)
-    counts = torch.zeros(5)
-    trials = 20000
-    for _ in range(trials):
-        x = int(torch.multinomial(q, 1, generator=gen))
-        _, nxt = rejection_accept(torch.tensor([x]), q[None], torch.stack([p, p]), gen)
-        first = x if _ == 1 else nxt
-        counts[first] += 1
-    empirical = counts / trials
-    assert tv(empirical, p) < 0.02
-    assert tv(empirical, q) > 0.35
+    exact = sum(float(q[x]) * _exact_first_token(monkeypatch, p, q, x) for x in range(5))
+    assert tv(exact, p.double()) < 1e-6
+    assert tv(exact, q.double()) > 0.35
+    for x in range(5):  # deterministic drafter: p exactly, whichever token it drafts
+        assert tv(_exact_first_token(monkeypatch, p, None, x), p.double()) < 1e-6
 
 
 def test_top_k_and_top_p_filter_identically():
