@@ -22,7 +22,7 @@ from .config import MAX_K, MIN_K, Runtime
 from .engine import StepEvent, encode_prompt
 from .export import serve_hint
 from .metrics import PassCosts, cost_drift, pass_costs, run_stats
-from .race import (KNOWN_ERRORS, LIVE_TEXT_EVERY, AppLimits, RunRequest, Runs, Throttle, UserError, check_fit,
+from .race import (KNOWN_ERRORS, AppLimits, RunRequest, Runs, Throttle, UserError, check_fit,
                    check_prompt_tokens, drafted_at, drift_warning, final_stats_markdown, flag, free_memory,
                    friendly_error, make_request, number, passes, placement_for, points, preset_fields, preset_k,
                    replay_frames, run_point, sweep_table)
@@ -32,7 +32,6 @@ from .sweep import Sweep, iter_sweep_summaries
 
 log = logging.getLogger(__name__)
 
-RUN_NAMES = {"ar": "autoregressive", "sd": "speculative"}
 RACING = ("Racing, timed: the two runs take turns on the hardware, one step at a time, and each clock counts only its "
           "own run's compute…")
 Component = Any  # a gradio component; the handlers use it only as a key of the dicts they return
@@ -113,18 +112,20 @@ def compute(request: RunRequest, limits: AppLimits, runtime: Runtime, recalibrat
     config = request.config()
     prompt_ids = encode_prompt(pair.target.tokenizer, request.prompt, config.use_chat_template)
     key = (request.target, request.drafter, request.draft, request.k, request.dynamic_k, config.sampling.greedy)
-    if recalibrate or key not in _CALIBRATED:
+    calibrating = recalibrate or key not in _CALIBRATED
+    if calibrating:  # calibrate warms up first, so the run needs no warm-up of its own
         yield f"Measuring what each pass costs on {pair.target.device} while nothing else is drawn (untimed)…"
         _CALIBRATED[key] = calibrate(pair, prompt_ids, config)
-    yield f"Warming up on {pair.target.device} (untimed)…"
+    else:
+        yield f"Warming up on {pair.target.device} (untimed)…"
     tok, step, events = pair.target.tokenizer, 0, {"ar": [], "sd": []}
-    with closing(iter_compare(pair, prompt_ids, config)) as steps:  # closing it stops the engine loop
+    with closing(iter_compare(pair, prompt_ids, config, do_warmup=not calibrating)) as steps:  # closing it stops the engine loop
         for which, item in steps:  # the engine's clock is paused while we are here
             if which == "result":
                 run = pass_costs(events["ar"], events["sd"])
                 yield item | {"pass_costs": {"calibrated": _CALIBRATED[key].as_dict(), "run": run.as_dict(),
                                              "drift": cost_drift(_CALIBRATED[key], run,
-                                                                 judge_draft=request.drafter != "hybrid")}}
+                                                                 judge_draft=kind.steady_draft_cost)}}
                 continue
             events[which].append(item)
             step += which == "sd" and item.kind == "spec"
@@ -290,7 +291,7 @@ class Handlers:
               recalibrate: bool = False) -> Iterator[dict]:
         """Both runs' tokens as their decoders take turns producing them (throttled text frames; no plots while a run
         is timed, since drawing them takes the CPU the runs are timed on; the last frame always comes)."""
-        out, throttle, shown = self.outputs.race, Throttle(every=LIVE_TEXT_EVERY), {"ar": 0, "sd": 0}
+        out, throttle, shown = self.outputs.race, Throttle(), {"ar": 0, "sd": 0}
         with closing(self.compute_step(request, self.limits, self.runtime, recalibrate)) as steps:
             for item in steps:
                 if stopped():  # closing the steps stops the decoders
@@ -302,8 +303,7 @@ class Handlers:
                 else:
                     which, event, segments = item
                     runs.add(which, event, segments)
-                    text, _ = throttle.due(final=event.finish_reason is not None)
-                    if text:
+                    if throttle.due(final=event.finish_reason is not None):
                         yield self._live_frame(runs, shown, hide)
 
     def _live_frame(self, runs: Runs, shown: dict[str, int], hide: bool) -> dict:

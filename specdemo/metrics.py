@@ -7,6 +7,7 @@ the first token (from the prefill pass) is counted in tokens/s but not in per-st
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from statistics import median
 
 from .config import MAX_K
 from .engine import StepEvent
@@ -151,8 +152,4 @@ def cost_drift(calibrated: PassCosts, run: PassCosts, limit: float = BUSY_RATIO,
 
 
 def _median(xs: list[float]) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    mid = len(xs) // 2
-    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+    return median(xs) if xs else None

@@ -29,7 +29,7 @@ from .worker import WorkerError
 
 TEXT_EVERY = 0.1  # seconds between text updates of a replay
 LIVE_TEXT_EVERY = 0.5  # seconds between text updates while runs are timed (the page's drawing takes their CPU)
-PLOTS_EVERY = 0.5  # seconds between plot updates
+PLOTS_EVERY = 0.5  # seconds between plot updates of a replay
 PROMPT_TOKENS_CEILING = 4096  # the default prompt cap never exceeds this
 CHARS_PER_TOKEN = 16  # a prompt with more characters than this per allowed token is refused before tokenizing
 OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
@@ -396,22 +396,20 @@ KNOWN_ERRORS = (UserError, ModelLoadError, TokenizerMismatchError, GenerationErr
 # ---- pacing ----
 
 class Throttle:
-    """Whether a live frame is due: text at most every `every` seconds, plots every PLOTS_EVERY (wall time);
-    a final frame is always due."""
+    """Whether a live frame is due: at most every `every` seconds (wall time); a final frame is always due. Live
+    frames carry text only: the plots are drawn when the timed work is over."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, every: float = TEXT_EVERY):
+    def __init__(self, clock: Callable[[], float] = time.monotonic, every: float = LIVE_TEXT_EVERY):
         self.clock = clock
         self.every = every
-        self.last_text = self.last_plots = float("-inf")
+        self.last = float("-inf")
 
-    def due(self, final: bool = False) -> tuple[bool, bool]:
-        """(text due, plots due); plots are only due with text."""
+    def due(self, final: bool = False) -> bool:
         now = self.clock()
-        text = final or now - self.last_text >= self.every
-        plots = text and (final or now - self.last_plots >= PLOTS_EVERY)
-        self.last_text = now if text else self.last_text
-        self.last_plots = now if plots else self.last_plots
-        return text, plots
+        if final or now - self.last >= self.every:
+            self.last = now
+            return True
+        return False
 
 
 def replay_frames(ar_times: list[float], sd_times: list[float], pace: bool = True,

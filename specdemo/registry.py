@@ -41,6 +41,8 @@ class DrafterKind:
     sglang_method: str | None = None  # SGLang's --speculative-algorithm; None: the draft's (EAGLE3 or STANDALONE)
     help: str = ""  # one line for the CLI's --drafter help
     serve_note: str = ""  # what serve-config says when the engines have no such drafter
+    steady_draft_cost: bool = True  # whether its cost per drafted token is the same from prompt to prompt, so a run's
+    # can be checked against a calibration (metrics.cost_drift); not a hybrid's, which depends on how much lookup drafted
 
 
 _KINDS: dict[str, DrafterKind] = {}
@@ -141,5 +143,6 @@ register(DrafterKind(
     "hybrid", "draft + lookup", hybrid_drafter, needs_draft=True,
     help="prompt lookup where the context repeats (up to k tokens) and the draft elsewhere (1 token per step where "
          "a 3-token verify pass costs too much more than a 2-token one, as on a small CPU; measured at load)",
+    steady_draft_cost=False,
     serve_note="vLLM has no hybrid drafter (prompt lookup where the context repeats, the draft elsewhere); this is "
                "its draft half, and --drafter ngram gives its lookup half"))

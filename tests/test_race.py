@@ -9,7 +9,7 @@ import pytest
 from specdemo import race
 from specdemo.config import BUNDLED_ID, PRESETS, TRAINED_DRAFT_ID
 from specdemo.engine import StepEvent
-from specdemo.race import (AppLimits, Runs, Throttle, UserError, check_prompt_tokens, final_stats_markdown,
+from specdemo.race import (LIVE_TEXT_EVERY, AppLimits, Runs, Throttle, UserError, check_prompt_tokens, final_stats_markdown,
                            is_local_path, make_request, preset_fields, preset_ids, prompt_token_limit,
                            replay_frames, run_point, sweep_table)
 from specdemo.sweep import SweepPoint, summarize
@@ -164,20 +164,18 @@ def test_the_token_cap_follows_the_context_and_the_setting(monkeypatch, tiny_tok
         check_prompt_tokens(long, AppLimits(), None)
 
 
-def test_throttle_lets_text_through_every_tenth_second_and_plots_every_half():
-    """On a fake clock: text at most every 0.1 s, plots every 0.5 s and only with text; a final frame always."""
+def test_throttle_lets_a_live_frame_through_every_half_second_and_the_last_one_always():
+    """On a fake clock: frames at most every 0.5 s (LIVE_TEXT_EVERY), the first at once, a final frame always."""
+    assert LIVE_TEXT_EVERY == 0.5
     now = [0.0]
     throttle = Throttle(clock=lambda: now[0])
     seen = []
     for i in range(200):  # an event every 10 ms for 2 s
         now[0] = i * 0.01
         seen.append(throttle.due(final=i == 199))
-    text_times = [i * 0.01 for i, (t, _) in enumerate(seen) if t]
-    plot_times = [i * 0.01 for i, (_, p) in enumerate(seen) if p]
-    assert all(b - a >= 0.1 - 1e-9 for a, b in zip(text_times[:-2], text_times[1:-1]))
-    assert all(b - a >= 0.5 - 1e-9 for a, b in zip(plot_times[:-2], plot_times[1:-1]))
-    assert set(plot_times) <= set(text_times) and seen[0] == (True, True) and seen[-1] == (True, True)
-    assert 15 <= len(text_times) <= 21 and 4 <= len(plot_times) <= 6
+    times = [i * 0.01 for i, due in enumerate(seen) if due]
+    assert all(b - a >= 0.5 - 1e-9 for a, b in zip(times[:-2], times[1:-1]))
+    assert seen[0] and seen[-1] and 4 <= len(times) <= 6
 
 
 def test_run_point_gives_c_and_verify_cost_as_the_sweep_defines_them():
