@@ -25,9 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specdemo import kernels  # noqa: E402
 from specdemo.compare import first_mismatch  # noqa: E402
-from specdemo.hybrid import hybrid_model_k  # noqa: E402
+from specdemo.drafters.hybrid import hybrid_model_k  # noqa: E402
 from specdemo.config import GenerationConfig, runtime_from_env  # noqa: E402
-from specdemo.drafters import ModelDrafter, NgramDrafter, with_cache  # noqa: E402
+from specdemo.drafters import ModelDrafter, NgramDrafter  # noqa: E402
+from specdemo.engine.kv import with_cache  # noqa: E402
 from specdemo.engine import autoregressive, generated_ids, speculative  # noqa: E402
 from specdemo.loading import LoadedModel  # noqa: E402
 

@@ -24,7 +24,7 @@ from specdemo.engine import encode_prompt
 from specdemo.loading import load_model
 from specdemo.prompts import DEFAULT_PROMPTS, read_prompts
 from specdemo.sweep import run_ar, run_sd
-from specdemo.timing import forward_seconds
+from specdemo.engine.timing import forward_seconds
 
 WIDTHS = (1, 2, 4, 8)
 

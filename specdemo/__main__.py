@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from .cliargs import add_placement_args, placement_args
 from .config import BUNDLED_ID, DEFAULT_DRAFTER, MAX_K_ENGINE, MIN_K, GenerationConfig, SamplingConfig, runtime_from_env
-from .registry import check_draft, cli_help, kinds, names
+from .drafters.registry import check_draft, cli_help, kinds, names
 
 G, S = GenerationConfig(), SamplingConfig()
 

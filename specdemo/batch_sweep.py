@@ -15,15 +15,16 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from .batch import (AutoK, BatchStats, batch_autoregressive, batch_forward_seconds, batch_speculative, batch_stats,
-                    cost_widths, row_outputs, verify_costs_from)
-from .batch_drafters import BatchDrafter, batch_drafter
-from .batch_kv import left_padded
+from .drafters import Drafter
+from .engine import decode, row_outputs
+from .engine.kv import left_padded
+from .engine.timing import cost_widths, forward_seconds, verify_costs
+from .metrics import BatchStats, batch_stats
 from .compare import Pair, first_mismatch, pair_placement
 from .config import AUTO_K_MAX, GenerationConfig
 from .engine import eos_ids
 from .metrics import alpha_from_mean_accepted, best_k, expected_speedup
-from .timing import timed_call
+from .engine.timing import timed_call
 
 PROBE_K = 4  # k of the short speculative run that measures acceptance and draft cost for auto k
 PROBE_TOKENS = 24
@@ -46,16 +47,16 @@ class BatchRun:
 def run_batch_ar(pair: Pair, rows: Sequence[list[int]], config: GenerationConfig) -> BatchRun:
     """Our batched autoregressive decoder."""
     t = pair.target
-    events, seconds = timed_call(lambda: list(batch_autoregressive(t.model, t.tokenizer, rows, config)), t.device)
+    events, seconds = timed_call(lambda: list(decode(t.model, t.tokenizer, rows, config, text=False)), t.device)
     return BatchRun(row_outputs(events, len(rows)), seconds, batch_stats(events))
 
 
-def run_batch_sd(pair: Pair, drafter: BatchDrafter, rows: Sequence[list[int]], config: GenerationConfig,
+def run_batch_sd(pair: Pair, drafter: Drafter, rows: Sequence[list[int]], config: GenerationConfig,
                  k_policy: Callable[[int], int] | None = None) -> BatchRun:
     """Our batched speculative decoder (k from config, or from k_policy at every step)."""
     t = pair.target
     events, seconds = timed_call(
-        lambda: list(batch_speculative(t.model, t.tokenizer, drafter, rows, config, k_policy)), t.device)
+        lambda: list(decode(t.model, t.tokenizer, rows, config, drafter, k_policy=k_policy, text=False)), t.device)
     return BatchRun(row_outputs(events, len(rows)), seconds, batch_stats(events))
 
 
@@ -110,12 +111,12 @@ class Calibration:
         return out
 
 
-def calibrate(pair: Pair, drafter: BatchDrafter, rows: Sequence[list[int]], config: GenerationConfig,
+def calibrate(pair: Pair, drafter: Drafter, rows: Sequence[list[int]], config: GenerationConfig,
               k_max: int = AUTO_K_MAX) -> Calibration:
     """Measure one batch size's costs on `rows` (one batch) and choose k from them (untimed for the figures)."""
     model = pair.target.model
-    seconds = batch_forward_seconds(model, rows, cost_widths(k_max), repeats=3)
-    costs = verify_costs_from(seconds, k_max)
+    seconds = forward_seconds(model, rows, cost_widths(k_max), repeats=3)
+    costs = verify_costs(seconds, k_max)
     probe = replace(config, max_new_tokens=min(config.max_new_tokens, PROBE_TOKENS), num_draft_tokens=PROBE_K,
                     dynamic_k=False)
     stats = run_batch_sd(pair, drafter, rows, probe).stats
@@ -251,7 +252,7 @@ class BatchSweep:
                 "auto_k_by_batch_size": {str(p.batch_size): p.auto_k for p in self.points}}
 
 
-def warm(pair: Pair, drafter: BatchDrafter, rows: Sequence[list[int]], config: GenerationConfig, k: int,
+def warm(pair: Pair, drafter: Drafter, rows: Sequence[list[int]], config: GenerationConfig, k: int,
          anchors: bool, hf_kwargs: dict | None) -> None:
     """Untimed short runs of every decoder at this batch shape, so first-call costs land on no clock."""
     short = replace(config, max_new_tokens=WARMUP_TOKENS)
@@ -280,7 +281,7 @@ def iter_batch_sweep(pair: Pair, prompt_ids: Sequence[list[int]], batch_sizes: S
     model, tok = pair.target.model, pair.target.tokenizer
     eos = eos_ids(model, tok)
     hf_kw = make_hf_kwargs(config.sampling, config.max_new_tokens, sorted(eos)) if anchors else None
-    drafter = batch_drafter(pair.drafter)
+    drafter = pair.drafter
     where = pair_placement(pair)
     calibrations = {}
     for b in sizes:
@@ -351,3 +352,18 @@ def sweep_batches(request: BatchRequest, device: str | None = None, runtime=None
     yield (f"Measuring pass costs and acceptance at batch sizes {', '.join(map(str, request.batch_sizes))} "
            f"(untimed), then timing each size: autoregressive, then speculative, never at once…")
     yield from iter_batch_sweep(pair, ids, request.batch_sizes, request.config, request.k, request.anchors)
+
+
+@dataclass(frozen=True)
+class AutoK:
+    """k by batch size, chosen from measured costs (batch_sweep.calibrate): a KPolicy for engine.decode.
+
+    Between measured batch sizes it takes the largest measured one not above the current size (the smallest if none),
+    so as rows finish and the batch shrinks, k follows."""
+
+    by_batch_size: dict[int, int]
+
+    def __call__(self, batch_size: int) -> int:
+        sizes = sorted(self.by_batch_size)
+        below = [b for b in sizes if b <= batch_size]
+        return self.by_batch_size[below[-1] if below else sizes[0]]

@@ -14,11 +14,11 @@ import torch
 from .config import BUNDLED_ID, GenerationConfig, Placement, Runtime
 from .drafters import Drafter
 from .engine import StepEvent, autoregressive, encode_prompt, generated_ids, speculative
-from .hybrid import HybridCalibration
+from .drafters.hybrid import HybridCalibration
 from .loading import LoadedModel, load_model
 from .metrics import PassCosts, RunStats, pass_costs, run_stats, speedup
 from .placement import drafter_device
-from .registry import BuildOptions, get
+from .drafters.registry import BuildOptions, get
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """EAGLE-3 draft heads in the checkpoint format vLLM and SGLang load: config, module, save and load (the drafter is
-specdemo.eagle3_drafter.Eagle3Drafter, importable from here too).
+specdemo.drafters.eagle3.Eagle3Drafter, importable from here too).
 
 The format is vLLM 0.32's vllm/model_executor/models/llama_eagle3.py (Eagle3LlamaForCausalLM) checked against
 SGLang's python/sglang/srt/models/llama_eagle3.py (LlamaForCausalLMEagle3); docs/eagle3.md lists each name and default.
@@ -17,7 +17,7 @@ from torch import nn
 
 from . import kernels
 from .config import Runtime
-from .eagle3_drafter import Eagle3Drafter
+from .drafters.eagle3 import Eagle3Drafter
 from .loading import hub_folder
 from .placement import weight_of
 

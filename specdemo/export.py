@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import BUNDLED_ID, GenerationConfig, Runtime
-from .drafts import DraftError, resolve_draft
+from .drafters.resolve import DraftError, resolve_draft
 from .eagle3 import (
     CONFIG_FILE,
     META_FILE,

@@ -27,7 +27,7 @@ from .race import (KNOWN_ERRORS, AppLimits, RunRequest, Runs, Throttle, UserErro
                    friendly_error, make_request, number, passes, placement_for, points, preset_fields, preset_k,
                    replay_frames, run_point, sweep_table)
 from .render import Segment, event_segments, panel_stats, segments_html
-from .registry import get
+from .drafters.registry import get
 from .sweep import Sweep, iter_sweep_summaries
 
 log = logging.getLogger(__name__)

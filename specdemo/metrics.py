@@ -6,11 +6,12 @@ the first token (from the prefill pass) is counted in tokens/s but not in per-st
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from statistics import median
 
 from .config import MAX_K
-from .engine import StepEvent
+from .engine import BatchEvent, StepEvent
 
 
 @dataclass
@@ -153,3 +154,46 @@ def cost_drift(calibrated: PassCosts, run: PassCosts, limit: float = BUSY_RATIO,
 
 def _median(xs: list[float]) -> float | None:
     return median(xs) if xs else None
+
+
+@dataclass
+class BatchStats:
+    """What one batched run achieved, pooled over its rows."""
+
+    tokens: int
+    seconds: float
+    tokens_per_s: float  # all rows' tokens over the run's compute time
+    steps: int = 0  # speculative target passes (prefill excluded)
+    row_steps: int = 0  # (row, speculative pass) pairs: each row's own verify passes
+    drafted: int = 0
+    accepted: int = 0
+    acceptance_rate: float = 0.0  # accepted drafts / drafted tokens
+    mean_accepted: float = 0.0  # tokens per row per verify pass, bonus/correction included
+    mean_width: float = 0.0  # tokens per row in a target pass (1 + the step's longest proposal)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    draft_positions: int = 0  # sum over steps of the longest proposal: sequential draft positions
+    passes: int = 0  # target passes after the prefill (autoregressive or speculative steps)
+    pass_seconds: float = 0.0  # their seconds (a speculative step's verify part: pass, acceptance, rollback)
+
+
+def batch_stats(events: Sequence[BatchEvent]) -> BatchStats:
+    """Summarize a finished batched run."""
+    if not events:
+        return BatchStats(0, 0.0, 0.0)
+    tokens, seconds = events[-1].num_generated, events[-1].elapsed
+    spec = [e for e in events if e.kind == "spec"]
+    row_steps = sum(len(e.rows) for e in spec)
+    drafted = sum(len(d) for e in spec for d in e.drafted)
+    accepted = sum(sum(e.num_accepted) for e in spec)
+    return BatchStats(
+        tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
+        steps=len(spec), row_steps=row_steps, drafted=drafted, accepted=accepted,
+        acceptance_rate=accepted / drafted if drafted else 0.0,
+        mean_accepted=sum(len(t) for e in spec for t in e.tokens) / row_steps if row_steps else 0.0,
+        mean_width=sum(e.width for e in spec) / len(spec) if spec else 0.0,
+        draft_seconds=sum(e.draft_seconds for e in spec), verify_seconds=sum(e.verify_seconds for e in spec),
+        draft_positions=sum(max((len(d) for d in e.drafted), default=0) for e in spec),
+        passes=sum(e.kind != "prefill" for e in events),
+        pass_seconds=sum(e.verify_seconds for e in events if e.kind != "prefill"),
+    )

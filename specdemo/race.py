@@ -17,12 +17,12 @@ import torch
 from .config import (BUNDLED_ID, MAX_K, MIN_K, PRESETS, TRAINED_DRAFT_ID, GenerationConfig, Placement,
                      Runtime, SamplingConfig)
 from .engine import GenerationError, StepEvent, encode_prompt
-from .hybrid import describe_hybrid_cap
+from .drafters.hybrid import describe_hybrid_cap
 from .fit import estimate_fit, parameter_count
 from .loading import (BUNDLED_ALIASES, ModelLoadError, TokenizerMismatchError, default_dtype, is_loaded, load_device,
                       load_tokenizer, locate)
 from .placement import placement_line
-from .registry import get, names
+from .drafters.registry import get, names
 from .render import Segment
 from .sweep import Run, Sweep, SweepPoint, point
 from .worker import WorkerError

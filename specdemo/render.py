@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 
 from .engine import StepEvent
-from .text import token_texts
+from .engine.text import token_texts
 
 # kind -> (css class, legend label); "plain" is the autoregressive panel, where every token is the target's own
 KINDS = {

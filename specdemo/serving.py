@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .config import BUNDLED_HUB_ID, BUNDLED_ID, Runtime
 from .drafters import NgramDrafter
-from .registry import check_draft, get
+from .drafters.registry import check_draft, get
 
 VLLM_METHODS = ("ngram", "eagle3", "draft_model")
 SGLANG_METHODS = {"ngram": "NGRAM", "eagle3": "EAGLE3", "draft_model": "STANDALONE"}  # each method's SGLang algorithm
@@ -147,7 +147,7 @@ def plan(target: str, drafter: str, draft: str | None, k: int, runtime: Runtime 
     if not kind.needs_draft:
         lookup = Lookup.of() if kind.vllm_method == "ngram" else None
         return ServePlan(served, kind.vllm_method, k, lookup=lookup, notes=notes, sglang_method=kind.sglang_method)
-    from .drafts import resolve_draft
+    from .drafters.resolve import resolve_draft
 
     resolved = resolve_draft(draft, target, runtime, fetch=False)
     # a local head is served from its folder, a published one by its hub id; a causal LM by its name as given

@@ -16,7 +16,7 @@ from .compare import Pair, warmup
 from .config import MAX_K, GenerationConfig
 from .engine import StepEvent, autoregressive, encode_prompt, generated_ids, speculative
 from .metrics import RunStats, alpha_from_mean_accepted, best_k, expected_speedup, run_stats
-from .timing import timed_call, verify_costs_for
+from .engine.timing import timed_call, verify_costs_for
 
 
 @dataclass

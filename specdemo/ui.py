@@ -10,8 +10,8 @@ import gradio as gr
 
 from . import charts
 from .config import BUNDLED_ID, MAX_K, MIN_K, PRESETS, TRAINED_DRAFT_ID, GenerationConfig, Runtime, SamplingConfig
-from .drafts import trained_draft_path
-from .registry import kinds
+from .drafters.resolve import trained_draft_path
+from .drafters.registry import kinds
 from .batch_handlers import BATCH_NOTE, BATCH_SIZES, BatchHandlers, BatchOutputs
 from .handlers import Handlers, Outputs, RaceOutputs, SettingsOutputs, SweepOutputs
 from .race import AppLimits, allowed, preset_fields, preset_k

@@ -14,7 +14,7 @@ from specdemo.config import GenerationConfig, SamplingConfig
 from specdemo.drafters import HybridDrafter, ModelDrafter, NgramDrafter, with_cache
 from specdemo.eagle3 import Eagle3Drafter
 from specdemo.engine import GenerationError, autoregressive, generated_ids
-from specdemo.verify import greedy_accept
+from specdemo.engine.verify import greedy_accept
 
 from conftest import tiny_llama
 

@@ -9,7 +9,7 @@ import pytest
 from specdemo.bench import main
 from specdemo.bench.cli import bench_config, parser
 from specdemo.prompts import DEFAULT_PROMPTS
-from specdemo.registry import names
+from specdemo.drafters.registry import names
 
 
 def test_defaults_come_from_the_config_and_need_nothing_outside_the_repository():

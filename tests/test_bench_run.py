@@ -13,7 +13,7 @@ from specdemo.config import GenerationConfig
 from specdemo.drafters import ModelDrafter, NgramDrafter
 from specdemo.loading import LoadedModel
 from specdemo.prompts import PromptItem
-from specdemo.timing import ForwardTimer
+from specdemo.engine.timing import ForwardTimer
 
 REQUIRED_ROW = {"id", "category", "k", "ar_tokens_per_s", "sd_tokens_per_s", "speedup", "mean_accepted",
                 "acceptance_rate", "identical"}

@@ -5,7 +5,7 @@ import torch
 from specdemo.compare import Pair, compare, iter_compare, result_dict
 from specdemo.config import GenerationConfig
 from specdemo.drafters import HybridDrafter, ModelDrafter, NgramDrafter
-from specdemo.hybrid import HybridCalibration
+from specdemo.drafters.hybrid import HybridCalibration
 from specdemo.loading import LoadedModel
 
 PROMPT = [3, 5, 7, 3, 5, 9, 2]

@@ -1,7 +1,7 @@
 """Defaults and the runtime switches read from an environment mapping (only the app and the CLI pass os.environ)."""
 
 from specdemo.config import DEFAULT_DRAFTER, PRESETS, Runtime, runtime_from_env
-from specdemo.registry import names
+from specdemo.drafters.registry import names
 
 
 def test_runtime_from_an_empty_environment_is_the_default():

@@ -178,7 +178,7 @@ def test_the_inspector_data_equals_a_direct_target_pass(tiny_target, tiny_draft,
     """Per verified position: the top-5 ids and p, p(x_i), the greedy top-2 logit gap and the draft's q(x_i) equal
     those of direct passes of the target and the draft on the same context (softmax at temperature 1 when greedy,
     the processed distribution of rejection sampling when sampling)."""
-    from specdemo.verify import logits_to_probs
+    from specdemo.engine.verify import logits_to_probs
 
     config = GenerationConfig(max_new_tokens=24, num_draft_tokens=3, sampling=sampling)
     ids, checked = list(PROMPT), 0

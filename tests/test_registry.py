@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from specdemo import registry
+from specdemo.drafters import registry
 from specdemo.config import TRAINED_DRAFT_ID
 from specdemo.config import GenerationConfig
 from specdemo.drafters import Drafter, DraftRequest, Proposal
 from specdemo.engine import autoregressive, generated_ids, speculative
-from specdemo.drafts import DRAFTS, EAGLE3, LM, TRAINED, DraftError, resolve_draft
+from specdemo.drafters.resolve import DRAFTS, EAGLE3, LM, TRAINED, DraftError, resolve_draft
 from specdemo.eagle3 import save_eagle3
-from specdemo.registry import DrafterKind
+from specdemo.drafters.registry import DrafterKind
 from test_eagle3 import LAYERS, VOCAB, random_head
 
 TOY = "repeat-last"

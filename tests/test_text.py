@@ -2,7 +2,7 @@
 
 import pytest
 
-from specdemo.text import IncrementalDetokenizer, find_stop
+from specdemo.engine.text import IncrementalDetokenizer, find_stop
 
 TEXTS = [
     "Hello  world,\n\n  indented line\tand a tab",

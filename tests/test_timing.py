@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from specdemo import timing
+from specdemo.engine import timing
 from specdemo.bench.timing import target_modules
-from specdemo.timing import Clock, ForwardTimer, forward_costs, verify_costs_for
+from specdemo.engine.timing import Clock, ForwardTimer, forward_costs, verify_costs_for
 
 
 def test_forward_costs_are_relative_to_one_token(tiny_target):

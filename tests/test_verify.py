@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specdemo.config import SamplingConfig
-from specdemo.verify import generator_on, greedy_accept, logits_to_probs, rejection_accept
+from specdemo.engine.verify import generator_on, greedy_accept, logits_to_probs, rejection_accept
 
 NEG = float("-inf")
 
@@ -87,7 +87,7 @@ def _exact_first_token(monkeypatch, p: torch.Tensor, q: torch.Tensor | None, x: 
     to sample, so each call takes one branch deterministically. The acceptance probability is the measure of the r in
     [0, 1) that rejection_accept accepts: the code is bisected for its threshold (checked to be one interval [0, a) on a
     grid), so a wrong comparison shows up as a wrong weight rather than being re-derived here."""
-    import specdemo.verify as verify
+    import specdemo.engine.verify as verify
 
     draw, asked = _FixedDraw(), []
 

@@ -10,7 +10,7 @@ import torch
 
 from ..config import SamplingConfig
 from ..drafters import ModelDrafter
-from ..timing import timed_call
+from ..engine.timing import timed_call
 from .timing import Measured, measuring
 
 ASSISTANT_FIELDS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")

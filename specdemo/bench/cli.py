@@ -15,7 +15,7 @@ from ..cliargs import add_placement_args, placement_args
 from ..config import runtime_from_env
 from ..engine import GenerationError
 from ..loading import ModelLoadError, TokenizerMismatchError
-from ..registry import cli_help, names
+from ..drafters.registry import cli_help, names
 from .batch_report import batch_baseline_warning
 from .report import baseline_warning
 from .run import BenchConfig, run_batch_bench, run_bench

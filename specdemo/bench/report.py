@@ -8,7 +8,7 @@ import logging
 from itertools import zip_longest
 from pathlib import Path
 
-from ..hybrid import describe_hybrid_cap
+from ..drafters.hybrid import describe_hybrid_cap
 from ..placement import placement_line
 from .timing import ratio
 

@@ -16,10 +16,10 @@ from ..compare import Pair, first_mismatch, load_pair, pair_placement, warmup
 from ..config import BUNDLED_ID, MAX_K, MAX_K_ENGINE, GenerationConfig, Placement, Runtime, SamplingConfig
 from ..engine import encode_prompt, eos_ids
 from ..prompts import DEFAULT_PROMPTS, PromptItem, read_prompts
-from ..registry import check_draft
+from ..drafters.registry import check_draft
 from ..serving import Lookup, eagle3_export, serve_target
 from ..sweep import point, run_ar, run_sd, summarize, sweep
-from ..timing import ForwardTimer, verify_costs_for
+from ..engine.timing import ForwardTimer, verify_costs_for
 from .anchors import assistant_k, hf_assistant, hf_generate, hf_kwargs, measure_hf
 from .report import build_report, write_outputs
 from .timing import drafter_modules, measure_ours, put, ratio, target_modules

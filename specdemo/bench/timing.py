@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..timing import ForwardTimer
+from ..engine.timing import ForwardTimer
 
 
 def ratio(a: float, b: float) -> float:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ..drafters import with_cache
-from ..engine import eos_ids, target_features
+from ..engine import eos_ids
+from ..engine.kv import target_features, with_cache
 from ..kernels import decode_cache, grouped_attention_on, left_pad
 from .config import LogFn, Sample, TrainConfig
 from .instructions import (OPENINGS, paragraph_prompts, read_instructions, read_jsonl, self_instructions,

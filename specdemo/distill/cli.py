@@ -205,7 +205,7 @@ def agreement_parser() -> argparse.ArgumentParser:
 
 def agreement_main(argv: list[str], runtime: Runtime = Runtime()) -> int:
     """Print (and with --out, write) the agreement tables for each draft."""
-    from ..drafts import trained_draft_path
+    from ..drafters.resolve import trained_draft_path
     from ..loading import load_model
 
     args = agreement_parser().parse_args(argv)

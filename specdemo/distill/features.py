@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine import target_features
+from ..engine.kv import target_features
 from .answers import RECORDED
 from .config import Sample
 

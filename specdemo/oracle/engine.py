@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import MAX_K_ENGINE, GenerationConfig
+from ..config import MAX_K_ENGINE, GenerationConfig
 from .drafters import Drafter, DraftRequest, Verdict, crop_cache, with_cache
-from .placement import execution_device
-from .text import IncrementalDetokenizer, find_stop
-from .timing import Clock
-from .verify import choose, greedy_accept, logits_to_probs, rejection_accept
+from ..placement import execution_device
+from ..engine.text import IncrementalDetokenizer, find_stop
+from ..engine.timing import Clock
+from ..engine.verify import choose, greedy_accept, logits_to_probs, rejection_accept
 
 
 TOP_N = 5  # the target's most likely tokens recorded at each verified position, for the app's step inspector

@@ -1,18 +1,20 @@
-"""The batch's KV cache: B rows of different lengths in one left-padded cache, each row's valid positions as slots.
+"""The KV cache of a batch: B rows of different lengths in one left-padded cache, each row's valid positions as
+slots; batch size 1 is the same cache with no holes. Also the forward that feeds it and the target's features.
 
 Rows grow, accept or roll back on their own; holes left by rollbacks are masked and compacted now and then. Knows
 nothing of drafting or acceptance.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
 
 import torch
 
-from .drafters import crop_cache, with_cache
-from .engine import GenerationError, target_features
-from .kernels import left_pad
-from .placement import execution_device
+from ..kernels import left_pad
+from ..placement import execution_device
+from .events import GenerationError
 
 PAD = 0  # the token id fed at padded positions; they are masked out, so any id would do
 # compaction: when a storage holds more than COMPACT_SLACK + COMPACT_FRACTION x the longest row's slots of holes
@@ -187,9 +189,38 @@ def right_padded(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[t
     return tokens.to(device), real.to(device)
 
 
-def check_cache(model) -> None:
-    """Holes and per-row positions assume full attention over one growing cache."""
+def check_cache(model, rows: int = 2) -> None:
+    """Holes and per-row positions assume full attention over one growing cache; a single row has no holes, so any
+    cache transformers builds for the model serves it."""
     types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
-    if types != {"full_attention"}:
+    if rows > 1 and types != {"full_attention"}:
         raise GenerationError(f"batched decoding supports full-attention models only ({type(model).__name__} has "
                               f"{sorted(types)} layers)")
+
+
+@functools.cache
+def _cache_keyword(forward) -> str:
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def with_cache(model, cache) -> dict:
+    """The forward's KV-cache keyword argument: `cache` in recent transformers 5 releases, `past_key_values` before
+    (5.17 still names it so, and takes an unknown `cache=` into **kwargs: it would decode with no cache at all)."""
+    return {_cache_keyword(type(model).forward): cache}
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first `length` positions of a KV cache (transformers 5 crops by a negative count)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def target_features(model, layers: tuple[int, ...] = (), **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(last_hidden_state (B, T, H), features (B, T, W)): the final hidden state, then the hidden state after each
+    decoder layer in `layers` (EAGLE-3 style fusion; W = H * (1 + len(layers)))."""
+    out = model.model(**inputs, output_hidden_states=bool(layers))
+    last = out.last_hidden_state
+    if not layers:
+        return last, last
+    return last, torch.cat([last] + [out.hidden_states[i] for i in layers], dim=-1)

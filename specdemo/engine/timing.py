@@ -1,5 +1,5 @@
-"""Every clock in the project: the decoders' compute clock, wall time around a call, forward-pass hooks, and the
-forward-pass cost measurements (verify cost by width) that compare, sweep, bench and the hybrid calibration share.
+"""Every clock in the project: the engine's compute clock, wall time around a call, forward-pass hooks, and the one
+pass-cost model (verify cost by width, at any batch size) that compare, the sweeps, bench and the hybrid share.
 
 All readings are `time.perf_counter` after a CUDA synchronise, so queued GPU work is counted where it ran.
 Knows models only as callables with a KV cache; no decoding, no metrics.
@@ -13,9 +13,7 @@ from typing import TypeVar
 
 import torch
 
-from .config import MAX_K
-from .drafters import crop_cache, with_cache
-from .placement import execution_device
+from ..config import MAX_K
 
 T = TypeVar("T")
 
@@ -97,52 +95,64 @@ class ForwardTimer:
 
 
 @torch.inference_mode()
-def forward_seconds(model, prompt_ids: list[int], widths: Sequence[int], repeats: int = 3) -> dict[int, float]:
-    """{w: the best seconds of a `w`-token forward after the prompt's cache} for each width and 1.
+def forward_seconds(model, prompts: Sequence[list[int]] | list[int], widths: Sequence[int],
+                    repeats: int = 3) -> dict[int, float]:
+    """{w: the best seconds of a B x w forward after the B prompts' cache} for each width and 1 (one prompt's ids
+    alone: B = 1). The pass-cost model every k choice reads: verify passes of k + 1 tokens per row.
 
     The widths take turns (a warm-up round, then `repeats` rounds of one pass each), so a slow spell of a shared
     machine slows one pass of every width rather than all of one width's (measured one width after the other, a busy
     spell could make a wider pass look cheaper than a 1-token one)."""
-    from transformers import DynamicCache
+    from .kv import BatchKV, left_padded
 
-    device = execution_device(model)
-    cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([prompt_ids], device=device), **with_cache(model, cache), use_cache=True,
-          logits_to_keep=1)
-    n = len(prompt_ids)
+    if prompts and isinstance(prompts[0], int):
+        prompts = [prompts]
+    kv = BatchKV(model, len(prompts))
+    tokens, real = left_padded(prompts, kv.device)
+    kv.forward(tokens, real, 1)
+    counts = list(kv.counts)
     order = sorted(set(widths) | {1})
     seconds = {w: float("inf") for w in order}
+    last = torch.tensor([p[-1] for p in prompts], device=kv.device)[:, None]
     for round_ in range(repeats + 1):  # round 0 warms up each shape and is not counted
         for w in order:
-            x = torch.tensor([prompt_ids[-1:] * w], device=device)  # the content does not change the cost
-            _, dt = timed_call(lambda: model(input_ids=x, **with_cache(model, cache), use_cache=True,
-                                              logits_to_keep=w), device)
+            x = last.expand(-1, w).contiguous()  # the content does not change the cost
+            _, dt = timed_call(lambda: kv.forward(x, torch.ones_like(x, dtype=torch.bool), w), kv.device)
             if round_:
                 seconds[w] = min(seconds[w], dt)
-            crop_cache(cache, n)
+            kv.keep(counts)
     return seconds
 
 
-def forward_costs(model, prompt_ids: list[int], widths: Sequence[int], repeats: int = 3) -> dict[int, float]:
-    """Seconds of a `w`-token forward after the prompt's cache, over a 1-token forward: {w: ratio}.
+def forward_costs(model, prompts: Sequence[list[int]] | list[int], widths: Sequence[int],
+                  repeats: int = 3) -> dict[int, float]:
+    """Seconds of a `w`-token forward after the prompts' cache, over a 1-token forward: {w: ratio}.
 
     A (k+1)-token verify pass costs forward_costs[k+1]; on a GPU this is ~1, on a CPU it grows with w.
     """
-    seconds = forward_seconds(model, prompt_ids, widths, repeats)
+    seconds = forward_seconds(model, prompts, widths, repeats)
     return {w: s / seconds[1] for w, s in seconds.items()}
 
 
-def verify_costs_for(model, prompt_ids: list[int], k_max: int = MAX_K, repeats: int = 2) -> dict[int, float]:
-    """{k: cost of a (k+1)-token pass / a 1-token pass} for k = 1..k_max (a micro-benchmark, see forward_costs).
+def cost_widths(k_max: int) -> list[int]:
+    """The widths measured for k up to k_max: 2..5, then at roughly doubling steps, and k_max + 1."""
+    return sorted({w for w in (2, 3, 4, 5, 7, 9, 13, 17, 25, 33, 49, 65) if w <= k_max + 1} | {k_max + 1})
 
-    Widths 2..5 are measured, wider ones at roughly doubling steps and interpolated linearly between them.
-    """
-    widths = sorted({w for w in (2, 3, 4, 5, 7, 9, 13, 17, 25, 33, 49, 65) if w <= k_max + 1} | {k_max + 1})
-    known = sorted(forward_costs(model, prompt_ids, widths, repeats).items())
+
+def verify_costs(costs: dict[int, float], k_max: int) -> dict[int, float]:
+    """{k: a (k+1)-wide pass over a 1-wide one} for k = 1..k_max from measured {width: seconds or ratio} (width 1
+    among them), linear between the measured widths."""
+    known = sorted((w, s / costs[1]) for w, s in costs.items())
     out = {}
     for k in range(1, k_max + 1):
         w = k + 1
         lo = max((x for x in known if x[0] <= w), key=lambda x: x[0])
-        hi = min((x for x in known if x[0] >= w), key=lambda x: x[0])
+        hi = min((x for x in known if x[0] >= w), key=lambda x: x[0], default=lo)
         out[k] = lo[1] if hi[0] == lo[0] else lo[1] + (hi[1] - lo[1]) * (w - lo[0]) / (hi[0] - lo[0])
     return out
+
+
+def verify_costs_for(model, prompts: Sequence[list[int]] | list[int], k_max: int = MAX_K,
+                     repeats: int = 2) -> dict[int, float]:
+    """{k: cost of a (k+1)-token pass / a 1-token pass} for k = 1..k_max (a micro-benchmark, see forward_seconds)."""
+    return verify_costs(forward_seconds(model, prompts, cost_widths(k_max), repeats), k_max)

@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .config import SamplingConfig
-from .verify import generator_on, logits_to_probs
+from ..config import SamplingConfig
+from ..engine.verify import generator_on, logits_to_probs
 
 
 @dataclass

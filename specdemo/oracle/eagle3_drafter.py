@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .drafters import Drafter, DraftRequest, Proposal, Verdict
-from .verify import generator_on, logits_to_probs
+from ..engine.verify import generator_on, logits_to_probs
 
 if TYPE_CHECKING:
     from .eagle3 import Eagle3Head

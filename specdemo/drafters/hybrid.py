@@ -1,8 +1,8 @@
-"""The hybrid drafter's calibration: how many tokens its draft model may propose per step on this machine.
+"""The hybrid drafter: prompt lookup where a row's context repeats, a draft (model or EAGLE-3 head) elsewhere, and
+its calibration: how many tokens the draft may propose per step on this machine.
 
-drafters.HybridDrafter only routes (prompt lookup where the context repeats, the model elsewhere, at most
-`model_k` tokens). The cap comes from here, from verify-pass costs and the draft's own cost timed at load
-(Leviathan et al.'s expected tokens per unit of cost); the figures behind it travel as a HybridCalibration for reports.
+The cap comes from verify-pass costs and the draft's own cost timed at load (Leviathan et al.'s expected tokens per
+unit of cost); the figures behind it travel as a HybridCalibration for reports.
 """
 
 from __future__ import annotations
@@ -12,12 +12,56 @@ import weakref
 from dataclasses import dataclass
 from statistics import median
 
-from .config import GenerationConfig
-from .drafters import Drafter, HybridDrafter
-from .engine import speculative
-from .timing import forward_costs
+from ..config import MAX_K_ENGINE, GenerationConfig
+from ..engine.loop import speculative
+from ..engine.timing import forward_costs
+from .base import Drafter, DraftRequest, Proposal
+from .ngram import NgramDrafter
 
 log = logging.getLogger(__name__)
+
+class HybridDrafter(Drafter):
+    """Prompt lookup where a row's context repeats, the draft everywhere else.
+
+    A suffix match of at least `min_match` tokens is strong evidence (copying from the prompt, a list, code); there
+    the lookup's copy costs nothing to draft, and it proposes up to k tokens. Elsewhere the draft proposes at most
+    `model_k` tokens (None: k; calibrate chooses it from this machine's measured costs). The choice depends only on
+    the committed context, so each step still has one well-defined proposal distribution and rejection sampling stays
+    exact. The draft follows along when skipped: a row that looked up is asked for nothing that step, and catches up
+    at its next proposal (ModelDrafter from the ids, Eagle3Drafter from the target features it kept pending).
+    """
+
+    name = "hybrid"
+
+    def __init__(self, model: Drafter, min_match: int = 3, model_k: int | None = None):
+        self.model = model
+        self.model_k = model_k
+        # a match of min_match tokens or more proposes up to k tokens; a shorter one proposes nothing
+        self.lookup = NgramDrafter(min_ngram=min_match, full_ngram=min_match)
+        self.needs_target_hidden = model.needs_target_hidden
+        self.target_layers = model.target_layers
+
+    def begin(self, prompts, target_hidden=None) -> None:
+        self.model.begin(prompts, target_hidden)
+
+    def propose(self, request: DraftRequest) -> list[Proposal]:
+        looked = self.lookup.propose(request)
+        cap = self.model_k if self.model_k is not None else MAX_K_ENGINE
+        model_ks = [0 if p.tokens else min(k, cap) for p, k in zip(looked, request.ks)]
+        modeled = self.model.propose(DraftRequest(request.ids, model_ks, request.sampling, request.generators,
+                                                  request.eos_token_ids))
+        for p in looked:
+            p.source = "lookup"
+        for m in modeled:
+            m.source = "model"
+        return [p if p.tokens else m for p, m in zip(looked, modeled)]
+
+    def update(self, verdicts) -> None:
+        self.model.update(verdicts)
+
+    def select(self, rows) -> None:
+        self.model.select(rows)
+
 
 # What hybrid_model_k assumes of a draft that carries no held-out figures of its own: the chance that its first and
 # its first two drafted tokens are accepted (the held-out chain of an earlier trained draft,
@@ -83,7 +127,7 @@ def measured_draft_cost(model: Drafter, target, probe: list[int], two_token_cost
     measured cost (`two_token_cost`, forward_costs[2]). The medians skip a first call's warmup. None if the target
     stopped before anything was drafted. `target` is a loading.LoadedModel."""
     config = GenerationConfig(max_new_tokens=tokens, num_draft_tokens=1)
-    steps = [e for e in speculative(target.model, target.tokenizer, model, probe, config)
+    steps = [e for e in speculative(target.model, target.tokenizer, model, probe, config, inspect=False)
              if e.kind == "spec" and e.drafted]
     if not steps:
         return None

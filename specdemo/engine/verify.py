@@ -1,14 +1,15 @@
-"""Acceptance rules as pure tensor functions.
+"""Acceptance rules as pure tensor functions, and what the step inspector reads from a verify pass.
 
 Names follow Leviathan et al. 2023 (Alg. 1): `p` is the target's distribution, `q` the draft's.
-Shapes: k drafted tokens, V vocabulary; target rows are k + 1 (the last one gives the bonus token).
+Shapes: k drafted tokens, V vocabulary; target rows are k + 1 (the last one gives the bonus token); B rows in a batch.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .config import SamplingConfig
+from ..config import SamplingConfig
+from .events import TOP_N
 
 
 def logits_to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
@@ -60,6 +61,19 @@ def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     return num_accepted, int(target_choice[num_accepted])
 
 
+def greedy_accept_batch(drafted: torch.Tensor, lengths: torch.Tensor,
+                        logits: torch.Tensor) -> tuple[list[int], list[int]]:
+    """greedy_accept for every row at once: drafted (B, W-1) with lengths (B,) real drafts, logits (B, W, V)
+    -> (num_accepted per row, next token per row)."""
+    choice = logits.argmax(-1)  # (B, W)
+    w = drafted.shape[1]
+    real = torch.arange(w, device=drafted.device)[None, :] < lengths[:, None]
+    matches = ((drafted == choice[:, :w]) & real).int()
+    accepted = matches.cumprod(dim=1).sum(dim=1)  # (B,)
+    nxt = choice.gather(1, accepted[:, None])[:, 0]
+    return accepted.tolist(), nxt.tolist()
+
+
 def rejection_accept(
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor | None,
@@ -88,3 +102,24 @@ def rejection_accept(
     if float(residual.sum()) <= 0:  # p == q up to rounding: any sample from p is exact
         residual = target_probs[i]
     return i, sample(residual / residual.sum(), generator)
+
+
+def inspect_verify(logits: torch.Tensor, target_probs: torch.Tensor | None, drafted: torch.Tensor) -> dict:
+    """StepEvent's target_* fields from one row of a verify pass: logits (k+1, V); target_probs (k+1, V) when
+    sampling, None when greedy (then p is the softmax at temperature 1); drafted (k,). One topk, no extra pass."""
+    k, n = drafted.shape[0], min(TOP_N, logits.shape[-1])
+    rows = torch.arange(k, device=logits.device)
+    if target_probs is None:
+        logits = logits.float()
+        top = torch.topk(logits, n, dim=-1)  # (k+1, n)
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # (k+1, 1)
+        top_probs, token_probs = (top.values - lse).exp(), (logits[rows, drafted] - lse[:k, 0]).exp()
+        gap = top.values[:, 0] - top.values[:, 1] if n > 1 else torch.zeros_like(lse[:, 0])
+    else:
+        top = torch.topk(target_probs, n, dim=-1)
+        top_probs, token_probs, gap = top.values, target_probs[rows, drafted], None
+    floats = torch.cat([top_probs.flatten(), token_probs] + ([gap] if gap is not None else [])).tolist()
+    m = top_probs.numel()
+    return {"target_top_ids": top.indices.tolist(),
+            "target_top_probs": [floats[i : i + n] for i in range(0, m, n)],
+            "target_token_probs": floats[m : m + k], "target_top2_gap": floats[m + k :]}

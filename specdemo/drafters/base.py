@@ -1,0 +1,88 @@
+"""The drafter seam, batch-shaped: `begin` a batch, `propose` up to k tokens per row, `update` from the target's
+verdicts, `select` the rows still decoding. Batch size 1 is the ordinary case.
+
+Drafters know token ids and their own state (a KV cache, an n-gram index); they never see text, the UI or how the
+target verifies. Imports nothing of the engine, so the engine can import this seam.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..config import SamplingConfig
+
+
+@dataclass
+class DraftRequest:
+    """What a drafter is asked, for each row r: continue ids[r] (prompt + generated; the last token is not yet in the
+    target's cache) with at most ks[r] tokens (0: nothing this step), sampling from generators[r]."""
+
+    ids: Sequence[list[int]]
+    ks: Sequence[int]
+    sampling: SamplingConfig
+    generators: Sequence[torch.Generator | None]
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def row(self, r: int, k: int | None = None) -> DraftRequest:
+        """Row r alone (with another k when given), for drafters that work row by row."""
+        return DraftRequest([self.ids[r]], [self.ks[r] if k is None else k], self.sampling, [self.generators[r]],
+                            self.eos_token_ids)
+
+
+@dataclass
+class Proposal:
+    """One row's drafted tokens (n,) and their draft distributions q (n, V); probs None means a deterministic drafter.
+
+    token_probs: q(x_i), the draft's probability of each drafted token under its own processed distribution (greedy
+    drafters fill it too: the softmax of their logits at the token); None for a deterministic drafter (q = 1). Only
+    the step inspector reads it; acceptance uses `probs`. source: where the tokens came from ("lookup", "model", ...),
+    for the inspector; None when the drafter has one source.
+    """
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+    token_probs: list[float] | None = None
+    source: str | None = None
+
+
+@dataclass
+class Verdict:
+    """The target's answer to one row's proposal: how many drafts it kept and the sequence now committed."""
+
+    num_accepted: int
+    ids: list[int]  # committed sequence, ending with the target's correction or bonus token
+    target_hidden: torch.Tensor | None = None  # (num_accepted + 1, W) target features, for drafters that read them
+
+
+class Drafter(ABC):
+    """Proposes tokens for the target to verify, for every row of a batch."""
+
+    name: str = "drafter"
+    needs_target_hidden: bool = False  # if True, the engine passes the target's last hidden states
+    target_layers: tuple[int, ...] = ()  # and, after them, these decoder layers' hidden states
+
+    @abstractmethod
+    def begin(self, prompts: Sequence[list[int]], target_hidden: Sequence[torch.Tensor] | None = None) -> None:
+        """Start a batch (drops all state); target_hidden[r] is (len(prompts[r]), W) for drafters that read it."""
+
+    @abstractmethod
+    def propose(self, request: DraftRequest) -> list[Proposal]:
+        """Up to request.ks[r] tokens continuing request.ids[r] for each row (fewer, or none, is allowed)."""
+
+    def update(self, verdicts: Sequence[Verdict]) -> None:
+        """Learn from each row's verdict, e.g. roll a KV cache back to the accepted prefix."""
+
+    def select(self, rows: Sequence[int]) -> None:
+        """Keep only these rows, in this order (finished rows leave the batch)."""
+
+
+def cut_at_eos(tokens: list[int], eos: frozenset[int]) -> list[int]:
+    """tokens up to and including the first end-of-sequence token."""
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens

@@ -1,0 +1,194 @@
+"""Drafting with an EAGLE-3 head (models' eagle3.Eagle3Head: ours or a published one) over the batch.
+
+The head reads the target's hidden states (the final one, then the aux layers': engine.kv.target_features), chains
+its own pre-norm output from one draft step to the next, and proposes over its draft vocabulary, mapped to target
+ids by d2t, so q is zero outside it and rejection sampling stays exact.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..engine.kv import PAD, Slots, gather_slots, left_padded
+from ..engine.verify import generator_on, logits_to_probs
+from .base import Drafter, DraftRequest, Proposal
+
+if TYPE_CHECKING:
+    from ..eagle3 import Eagle3Head
+
+
+class Eagle3Drafter(Drafter):
+    """Drafts with an Eagle3Head: its own keys and values with per-row slots, the midlayer over (embedding, hidden),
+    the pre-norm output fed back.
+
+    Between proposals the cache holds entries computed from true target features only; the entries of drafted
+    features sit after `true_counts` and are cut at the next verdict. A row that another drafter served (the hybrid's
+    lookup) keeps the target features of those passes pending and feeds them at its next proposal.
+
+    With min_confidence > 0 a row stops drafting before a token whose draft probability (the top one under greedy,
+    the sampled one's distribution peak under sampling) falls below it, as transformers'
+    assistant_confidence_threshold does: on a CPU a wider verify pass costs more, and unsure drafts are rarely
+    accepted. The first token is always proposed. The stop depends only on the draft's own state, so rejection
+    sampling stays exact. num_speculative_tokens is the head's recorded k (None: the usual default); held_out_chain,
+    from training's last held-out evaluation, the chance its first / first two drafted tokens are the target's.
+    """
+
+    name = "eagle3"
+    needs_target_hidden = True
+
+    def __init__(self, head: Eagle3Head, num_speculative_tokens: int | None = None, min_confidence: float = 0.0,
+                 held_out_chain: tuple[float, float] | None = None):
+        self.head = head
+        self.target_layers = head.target_layers  # the engine passes these layers' hidden states too
+        self.num_speculative_tokens = num_speculative_tokens
+        self.min_confidence = min_confidence
+        self.held_out_chain = held_out_chain
+        self.device = head.norm.weight.device
+        self.dtype = head.norm.weight.dtype
+        self.confidences: list[list[float]] = []  # per row: the peak draft probability of each proposed token
+
+    def begin(self, prompts, target_hidden=None) -> None:
+        if target_hidden is None:
+            raise ValueError("Eagle3Drafter needs the target's hidden states (needs_target_hidden)")
+        self.slots = Slots(len(prompts), self.device)
+        self.k = self.v = None  # (B, KV, L, D)
+        self.pending: list[torch.Tensor | None] = list(target_hidden)  # true features not yet fed, (m, W)
+        self.true_counts: list[int] | None = None  # counts after the last catch-up pass: the true entries
+
+    @property
+    def cache_length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def _pass(self, hidden: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """hidden (B, T, H), tokens (B, T) (the token after each hidden state's position) -> what the next draft step
+        reads, (B, T, H): the midlayer's pre-norm output, each row at its own positions."""
+        freqs = self.slots.positions(real).float()[..., None] * self.head.inv_freq  # (B, T, D/2)
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # (B, 1, T, D), broadcast over heads
+        scale = self.head.rope_scale  # the rope type's attention scaling
+        cos, sin = (emb.cos() * scale).to(hidden.dtype), (emb.sin() * scale).to(hidden.dtype)
+        mask = None  # no holes, nothing padded: the head's own causal attention (one row: always)
+        if not (bool(real.all()) and bool(self.slots.valid.all())):
+            past, t = self.slots.length, tokens.shape[1]
+            causal = torch.ones(t, past + t, dtype=torch.bool, device=self.device).tril(diagonal=past)
+            mask = causal[None] & self.slots.mask(real)[:, None, :]  # (B, T, L + T)
+            mask = (mask | ~mask.any(-1, keepdim=True))[:, None]  # a query with nothing to see reads garbage, not NaN
+        head = self.head
+        out, k, v = head.midlayer(head.embed(tokens).to(hidden.dtype), hidden, cos, sin, self.k, self.v, mask)
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        self.slots.append(real)
+        return out
+
+    def _drop_drafted(self) -> None:
+        if self.true_counts is not None:
+            self._crop(self.slots.keep(self.true_counts))
+            self.true_counts = None
+
+    def _crop(self, length: int) -> None:
+        if self.k is not None and self.k.shape[2] > length:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+    def _catch_up(self, ids, ks) -> torch.Tensor:
+        """Feed each row its pending true features, paired with the token that follows each position; returns the
+        last output of each row (B, H), what its first draft step reads."""
+        rows = len(ids)
+        feats, feeds = [], []
+        for r in range(rows):
+            pend = self.pending[r]
+            m = 0 if pend is None else len(pend)
+            n = self.slots.counts[r]
+            if n + m != len(ids[r]) - 1:
+                raise ValueError(f"draft state of row {r} covers {n + m} positions but the request has "
+                                 f"{len(ids[r]) - 1}")
+            if ks[r] > 0 and m == 0:
+                raise ValueError(f"row {r} has no new target features to draft from")
+            feats.append(pend)
+            feeds.append(ids[r][n + 1:])
+        tok, real = left_padded(feeds, self.device)
+        width = next(f.shape[-1] for f in feats if f is not None)  # the engine's features: final and aux layers
+        if rows == 1:
+            x = feats[0][None].to(self.dtype)
+        else:
+            x = torch.zeros(rows, tok.shape[1], width, dtype=self.dtype, device=self.device)
+            for r, f in enumerate(feats):
+                if f is not None and len(f):
+                    x[r, tok.shape[1] - len(f):] = f.to(self.dtype)
+        out = self._pass(self.head.prepare(x.to(self.device)), tok, real)[:, -1]  # (B, H)
+        self.pending = [None] * rows
+        self.true_counts = list(self.slots.counts)
+        return out
+
+    @torch.inference_mode()
+    def propose(self, request: DraftRequest) -> list[Proposal]:
+        ids, ks, sampling, eos = request.ids, request.ks, request.sampling, request.eos_token_ids
+        rows = len(ids)
+        tokens: list[list[int]] = [[] for _ in range(rows)]
+        probs: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+        q_tokens: list[list[float]] = [[] for _ in range(rows)]
+        self.confidences = [[] for _ in range(rows)]
+        if max(ks, default=0) <= 0:
+            return [Proposal([]) for _ in range(rows)]
+        self._drop_drafted()
+        feature = self._catch_up(ids, ks)
+        subset = self.head.subset
+        gens = None if sampling.greedy else [generator_on(g, self.device) for g in request.generators]
+        active = [k > 0 for k in ks]
+        while True:
+            logits = self.head.logits(feature)  # (B, S)
+            q_sub = torch.softmax(logits.float(), -1) if sampling.greedy else logits_to_probs(logits, sampling)
+            peak, top = q_sub.max(-1)
+            peak = peak.tolist()
+            for r in range(rows):  # unsure: stop before this token, before drawing it
+                if active[r] and tokens[r] and peak[r] < self.min_confidence:
+                    active[r] = False
+            if not any(active):
+                break
+            if sampling.greedy:
+                index = top
+            else:
+                index = torch.stack([torch.multinomial(q_sub[r], 1, generator=gens[r])[0] if active[r] else top[r]
+                                     for r in range(rows)])
+            chosen = q_sub.gather(1, index[:, None])[:, 0]
+            index_l, chosen = index.tolist(), chosen.tolist()
+            for r in range(rows):
+                if not active[r]:
+                    continue
+                token = int(subset[index_l[r]])
+                self.confidences[r].append(peak[r])
+                q_tokens[r].append(chosen[r])
+                if not sampling.greedy:
+                    q = torch.zeros(self.head.c.vocab_size, dtype=q_sub.dtype, device=q_sub.device)
+                    probs[r].append(q.index_copy_(0, subset, q_sub[r]))
+                tokens[r].append(token)
+                active[r] = token not in eos and len(tokens[r]) < ks[r]
+            if not any(active):
+                break
+            step_tok = torch.tensor([[t[-1] if a else PAD] for t, a in zip(tokens, active)], device=self.device)
+            step_real = torch.tensor([[a] for a in active], device=self.device)
+            feature = self._pass(feature[:, None], step_tok, step_real)[:, -1]
+        return [Proposal(t, torch.stack(p) if p else None, qt) for t, p, qt in zip(tokens, probs, q_tokens)]
+
+    def update(self, verdicts) -> None:
+        self._drop_drafted()
+        for r, v in enumerate(verdicts):
+            if v.target_hidden is None:
+                raise ValueError("Eagle3Drafter needs the target's hidden states in the verdict")
+            hidden = v.target_hidden.to(self.dtype)
+            self.pending[r] = hidden if self.pending[r] is None else torch.cat([self.pending[r], hidden])
+        self._compact()
+
+    def select(self, rows) -> None:
+        self._drop_drafted()
+        if self.k is not None:
+            index = torch.tensor(rows, device=self.device)
+            self.k, self.v = self.k[index], self.v[index]
+        self._crop(self.slots.select(rows))
+        self.pending = [self.pending[r] for r in rows]
+        self._compact()
+
+    def _compact(self) -> None:
+        index = self.slots.compaction()
+        if index is not None and self.k is not None:
+            self.k, self.v = gather_slots(self.k, index), gather_slots(self.v, index)

@@ -1,0 +1,76 @@
+"""A draft causal LM over the batch, with its own KV cache (engine.kv.BatchKV) rolled back per row."""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine.kv import BatchKV, check_cache
+from ..engine.verify import generator_on, logits_to_probs
+from .base import Drafter, DraftRequest, Proposal
+
+
+class ModelDrafter(Drafter):
+    """A smaller causal LM sharing the target's tokenizer, its cache rolled back exactly to each row's accepted prefix.
+
+    Each proposal is one catch-up pass (each row feeds what its cache lacks: 1 or 2 tokens after a verdict, more
+    after a hybrid's lookup steps) and then one single-token pass per drafted position, rows that stopped drafting
+    feeding a hole; the last drafted token is never fed (the next verdict decides whether it stays).
+    """
+
+    name = "model"
+
+    def __init__(self, model: torch.nn.Module, target_device: torch.device | None = None):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.target_device = target_device or self.device
+        self.kv: BatchKV | None = None
+
+    def begin(self, prompts, target_hidden=None) -> None:
+        check_cache(self.model, len(prompts))
+        self.kv = BatchKV(self.model, len(prompts))
+
+    @torch.inference_mode()
+    def propose(self, request: DraftRequest) -> list[Proposal]:
+        ids, ks, sampling, eos = request.ids, request.ks, request.sampling, request.eos_token_ids
+        rows = len(ids)
+        tokens: list[list[int]] = [[] for _ in range(rows)]
+        probs: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+        q_steps: list[torch.Tensor] = []  # per drafting pass, (B,): q of each row's token, read back once at the end
+        drafting: list[list[bool]] = []  # per drafting pass: which rows drafted in it
+        if max(ks, default=0) <= 0:
+            return [Proposal([]) for _ in range(rows)]
+        gens = None if sampling.greedy else [generator_on(g, self.device) for g in request.generators]
+        active = [k > 0 for k in ks]
+        logits = self.kv.step([row[n:] for row, n in zip(ids, self.kv.counts)])  # (B, V)
+        while True:
+            if sampling.greedy:
+                q, choice = torch.softmax(logits.float(), -1), logits.argmax(-1).tolist()
+            else:
+                q = logits_to_probs(logits, sampling)  # (B, V)
+                choice = [int(torch.multinomial(q[r], 1, generator=gens[r])) if active[r] else 0 for r in range(rows)]
+            q_steps.append(q.gather(1, torch.tensor(choice, device=q.device)[:, None])[:, 0])
+            drafting.append(list(active))
+            for r in range(rows):
+                if not active[r]:
+                    continue
+                if not sampling.greedy:
+                    probs[r].append(q[r].to(self.target_device))
+                tokens[r].append(choice[r])
+                active[r] = choice[r] not in eos and len(tokens[r]) < ks[r]
+            if not any(active):
+                break
+            logits = self.kv.step([[t[-1]] if a else [] for t, a in zip(tokens, active)])
+        q_tokens: list[list[float]] = [[] for _ in range(rows)]
+        for values, was_active in zip(torch.stack(q_steps).tolist(), drafting):
+            for r in range(rows):
+                if was_active[r]:
+                    q_tokens[r].append(values[r])
+        return [Proposal(t, torch.stack(p) if p else None, qt) for t, p, qt in zip(tokens, probs, q_tokens)]
+
+    def update(self, verdicts) -> None:
+        # the cache holds committed ids plus drafted tokens; keep the part the target agreed with (not its own token)
+        agreed = [min(n, len(v.ids) - 1) for n, v in zip(self.kv.counts, verdicts)]
+        self.kv.keep(agreed)
+
+    def select(self, rows) -> None:
+        self.kv.select(rows)
