@@ -1,5 +1,5 @@
-"""What the step inspector's recording costs the speculative decoder: ms per speculative step with the engine's
-inspect_verify (one topk and a logsumexp on the verify logits) against the same decoder with it replaced by a no-op,
+"""What the step inspector's recording costs the speculative decoder: ms per speculative step of the engine asked to
+inspect (verify.inspect_verify: one topk and a logsumexp on the verify logits) against the same engine not asked,
 interleaved runs on the bundled model; plus inspect_verify alone on verify-shaped logits.
 
     python scripts/inspect_overhead.py --out bench/inspect-overhead     # a few minutes on a CPU (docs/app.md)
@@ -18,17 +18,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file from a clone
 
-from specdemo import engine  # noqa: E402
-from specdemo.compare import load_pair, warmup
-from specdemo.config import GenerationConfig
-from specdemo.engine import encode_prompt, speculative
-from specdemo.prompts import DEFAULT_PROMPTS, read_prompts
+from specdemo.compare import load_pair, warmup  # noqa: E402
+from specdemo.config import GenerationConfig  # noqa: E402
+from specdemo.engine import encode_prompt, speculative  # noqa: E402
+from specdemo.engine.verify import inspect_verify  # noqa: E402
+from specdemo.prompts import DEFAULT_PROMPTS, read_prompts  # noqa: E402
 
 
-def step_ms(pair, prompt_ids: list[int], config: GenerationConfig) -> tuple[float, int]:
+def step_ms(pair, prompt_ids: list[int], config: GenerationConfig, inspect: bool) -> tuple[float, int]:
     """Mean ms of one speculative step (draft + verify, by the engine's own clock) and the number of steps."""
     t = pair.target
-    spec = [e for e in speculative(t.model, t.tokenizer, pair.drafter, prompt_ids, config) if e.kind == "spec"]
+    spec = [e for e in speculative(t.model, t.tokenizer, pair.drafter, prompt_ids, config, inspect=inspect)
+            if e.kind == "spec"]
     return 1000 * sum(e.draft_seconds + e.verify_seconds for e in spec) / len(spec), len(spec)
 
 
@@ -46,16 +47,12 @@ def main() -> None:
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, num_draft_tokens=args.k)
     prompts = [encode_prompt(pair.target.tokenizer, p.prompt) for p in read_prompts(DEFAULT_PROMPTS, args.prompts)]
     warmup(pair, prompts[0], config)
-    real = engine.inspect_verify
+    real = inspect_verify
     ms: dict[str, list[float]] = {"with": [], "without": []}
     for _ in range(args.repeats):
         for ids in prompts:  # interleaved, so drift of a shared machine lands on both sides alike
             for side in ("with", "without"):
-                engine.inspect_verify = real if side == "with" else (lambda logits, probs, drafted: {})
-                try:
-                    ms[side].append(step_ms(pair, ids, config)[0])
-                finally:
-                    engine.inspect_verify = real
+                ms[side].append(step_ms(pair, ids, config, side == "with")[0])
 
     vocab = pair.target.model.config.vocab_size
     logits, drafted = torch.randn(args.k + 1, vocab), torch.randint(vocab, (args.k,))

@@ -4,17 +4,15 @@ that finish early, auto k, and the sampled distribution with several rows."""
 import pytest
 import torch
 
-from specdemo import batch, batch_kv
-from specdemo.metrics import best_k, expected_speedup
-from specdemo.batch import (AutoK, batch_autoregressive, batch_speculative, batch_stats,
-                            greedy_accept_batch, row_outputs)
-from specdemo.batch_drafters import batch_drafter
-from specdemo.batch_kv import BatchKV, left_padded
+from specdemo.batch_sweep import AutoK
 from specdemo.config import GenerationConfig, SamplingConfig
-from specdemo.drafters import HybridDrafter, ModelDrafter, NgramDrafter, with_cache
-from specdemo.eagle3 import Eagle3Drafter
-from specdemo.engine import GenerationError, autoregressive, generated_ids
-from specdemo.engine.verify import greedy_accept
+from specdemo.drafters import Eagle3Drafter, HybridDrafter, ModelDrafter, NgramDrafter
+from specdemo.engine import GenerationError, autoregressive, decode, generated_ids, row_outputs
+from specdemo.engine import kv as batch_kv
+from specdemo.engine import timing
+from specdemo.engine.kv import BatchKV, left_padded, with_cache
+from specdemo.engine.verify import greedy_accept, greedy_accept_batch
+from specdemo.metrics import batch_stats, best_k, expected_speedup
 
 from conftest import tiny_llama
 
@@ -46,6 +44,11 @@ def make(kind, draft, target):
     if kind == "hybrid-eagle3":
         return HybridDrafter(eagle3_drafter(target), min_match=2)
     return HybridDrafter(ModelDrafter(draft), min_match=2)
+
+
+def spec_batch(target, tok, drafter, prompts, config, k_policy=None):
+    """engine.decode with a drafter."""
+    return decode(target, tok, prompts, config, drafter, k_policy=k_policy)
 
 
 def target_for(kind, tiny_target, eagle3_target):
@@ -82,7 +85,7 @@ def test_greedy_batch_equals_each_rows_single_sequence_output(tiny_target, tiny_
     target = target_for(kind, tiny_target, eagle3_target)
     config = GenerationConfig(max_new_tokens=40, num_draft_tokens=k)
     expected = single(target, tiny_tok, PROMPTS, config)
-    events = list(batch_speculative(target, tiny_tok, batch_drafter(make(kind, tiny_draft, target)), PROMPTS, config))
+    events = list(spec_batch(target, tiny_tok, make(kind, tiny_draft, target), PROMPTS, config))
     assert_lossless(target, PROMPTS, expected, row_outputs(events, len(PROMPTS)))
     assert batch_stats(events).drafted > 0
 
@@ -106,8 +109,8 @@ def test_each_row_drafts_what_its_single_sequence_drafter_drafts(tiny_target, ti
     alone = [[e.drafted for e in speculative(target, tiny_tok, fresh(), p, config) if e.kind == "spec"]
              for p in PROMPTS]
     together = [[] for _ in PROMPTS]
-    for e in batch_speculative(target, tiny_tok, batch_drafter(fresh()), PROMPTS, config):
-        for i, d in zip(e.rows, e.drafted):
+    for e in spec_batch(target, tiny_tok, fresh(), PROMPTS, config):
+        for i, d in zip(e.rows, e.drafted if e.kind == "spec" else []):
             together[i].append(d)
     assert together == alone
     assert len({len(d) for row in alone for d in row}) > 1  # proposals of different lengths
@@ -115,7 +118,7 @@ def test_each_row_drafts_what_its_single_sequence_drafter_drafts(tiny_target, ti
 
 def test_batched_autoregressive_equals_single_sequence(tiny_target, tiny_tok):
     config = GenerationConfig(max_new_tokens=30)
-    events = list(batch_autoregressive(tiny_target, tiny_tok, PROMPTS, config))
+    events = list(decode(tiny_target, tiny_tok, PROMPTS, config))
     assert_lossless(tiny_target, PROMPTS, single(tiny_target, tiny_tok, PROMPTS, config),
                     row_outputs(events, len(PROMPTS)))
     assert all(len(e.tokens) == len(e.rows) and all(len(t) == 1 for t in e.tokens) for e in events)
@@ -148,10 +151,10 @@ def test_ragged_rollback_leaves_each_row_a_fresh_prefill(tiny_target, tiny_draft
     monkeypatch.setattr(batch_kv, "COMPACT_SLACK", slack)
     monkeypatch.setattr(batch_kv, "COMPACT_FRACTION", 0.5 if slack else 0.0)
     config = GenerationConfig(max_new_tokens=24, num_draft_tokens=4)
-    drafter = batch_drafter(ModelDrafter(tiny_draft))
+    drafter = ModelDrafter(tiny_draft)
     ids = {i: list(p) for i, p in enumerate(PROMPTS)}
     ragged = holes = 0
-    for event in batch_speculative(tiny_target, tiny_tok, drafter, PROMPTS, config):
+    for event in spec_batch(tiny_target, tiny_tok, drafter, PROMPTS, config):
         for i, t in zip(event.rows, event.tokens):
             ids[i] += t
         if event.kind != "spec":
@@ -184,8 +187,8 @@ def test_rows_finish_independently_and_leave_the_batch(tiny_target, tiny_tok):
         reasons = _single_reasons(tiny_target, tiny_tok, PROMPTS, config)
         assert reasons == ["length", "stop", "length", "eos"]  # what the tiny target's own runs do
         expected = single(tiny_target, tiny_tok, PROMPTS, config)
-        runs = [list(batch_speculative(tiny_target, tiny_tok, batch_drafter(NgramDrafter()), PROMPTS, config)),
-                list(batch_autoregressive(tiny_target, tiny_tok, PROMPTS, config))]
+        runs = [list(spec_batch(tiny_target, tiny_tok, NgramDrafter(), PROMPTS, config)),
+                list(decode(tiny_target, tiny_tok, PROMPTS, config))]
     finally:
         tiny_target.generation_config.eos_token_id = old
     for run in runs:
@@ -200,7 +203,7 @@ def test_rows_finish_independently_and_leave_the_batch(tiny_target, tiny_tok):
 def test_max_new_tokens_is_respected_per_row(tiny_target, tiny_draft, tiny_tok):
     for limit in (1, 2, 7):
         config = GenerationConfig(max_new_tokens=limit, num_draft_tokens=4)
-        events = list(batch_speculative(tiny_target, tiny_tok, batch_drafter(ModelDrafter(tiny_draft)), PROMPTS,
+        events = list(spec_batch(tiny_target, tiny_tok, ModelDrafter(tiny_draft), PROMPTS,
                                         config))
         assert [len(o) for o in row_outputs(events, len(PROMPTS))] == [limit] * len(PROMPTS)
 
@@ -241,7 +244,7 @@ def test_auto_k_follows_the_shrinking_batch_and_stays_lossless(tiny_target, tiny
     tiny_target.generation_config.eos_token_id = [0, free[2][4]]  # row 2 (and maybe others) finish early
     try:
         expected = single(tiny_target, tiny_tok, PROMPTS, config)
-        events = list(batch_speculative(tiny_target, tiny_tok, batch_drafter(NgramDrafter()), PROMPTS, config,
+        events = list(spec_batch(tiny_target, tiny_tok, NgramDrafter(), PROMPTS, config,
                                         k_policy=policy))
     finally:
         tiny_target.generation_config.eos_token_id = old
@@ -252,9 +255,9 @@ def test_auto_k_follows_the_shrinking_batch_and_stays_lossless(tiny_target, tiny
 
 
 def test_batch_forward_seconds_measures_every_width(tiny_target):
-    seconds = batch.batch_forward_seconds(tiny_target, PROMPTS, [2, 5], repeats=1)
+    seconds = timing.forward_seconds(tiny_target, PROMPTS, [2, 5], repeats=1)
     assert sorted(seconds) == [1, 2, 5] and all(0 < s < float("inf") for s in seconds.values())
-    costs = batch.verify_costs_from({1: 1.0, 2: 1.2, 5: 2.0}, 4)
+    costs = timing.verify_costs({1: 1.0, 2: 1.2, 5: 2.0}, 4)
     assert costs[1] == pytest.approx(1.2) and costs[4] == pytest.approx(2.0) and costs[2] == pytest.approx(1.2 + 0.8 / 3)
 
 
@@ -266,11 +269,11 @@ def test_left_padding_puts_each_row_last_token_in_the_last_column():
 
 def test_bad_batches_are_refused(tiny_target, tiny_tok):
     with pytest.raises(GenerationError, match="empty"):
-        list(batch_autoregressive(tiny_target, tiny_tok, [], GenerationConfig()))
+        list(decode(tiny_target, tiny_tok, [], GenerationConfig()))
     with pytest.raises(GenerationError, match="empty"):
-        list(batch_autoregressive(tiny_target, tiny_tok, [[1, 2], []], GenerationConfig()))
+        list(decode(tiny_target, tiny_tok, [[1, 2], []], GenerationConfig()))
     with pytest.raises(GenerationError, match="between 1 and"):
-        list(batch_speculative(tiny_target, tiny_tok, batch_drafter(NgramDrafter()), PROMPTS,
+        list(spec_batch(tiny_target, tiny_tok, NgramDrafter(), PROMPTS,
                                GenerationConfig(num_draft_tokens=10_000)))
 
 
@@ -299,7 +302,7 @@ def test_sampled_distribution_matches_target_in_every_row(tiny_target, tiny_draf
     for seed in range(runs):
         config = GenerationConfig(max_new_tokens=3, num_draft_tokens=1, sampling=SamplingConfig(1.0),
                                   seed=seed * len(rows))
-        events = list(batch_speculative(tiny_target, tiny_tok, batch_drafter(ModelDrafter(tiny_draft)), rows,
+        events = list(spec_batch(tiny_target, tiny_tok, ModelDrafter(tiny_draft), rows,
                                         config))
         drafted += batch_stats(events).drafted
         for r, ids in enumerate(row_outputs(events, len(rows))):
@@ -329,8 +332,8 @@ def test_sampled_distribution_is_exact_in_every_row_through_an_eagle3_heads_draf
     for seed in range(runs):
         config = GenerationConfig(max_new_tokens=3, num_draft_tokens=2, sampling=SamplingConfig(1.0),
                                   seed=seed * len(rows))
-        drafter = batch_drafter(eagle3_drafter(eagle3_target))
-        events = list(batch_speculative(eagle3_target, tiny_tok, drafter, rows, config))
+        drafter = eagle3_drafter(eagle3_target)
+        events = list(spec_batch(eagle3_target, tiny_tok, drafter, rows, config))
         drafted += batch_stats(events).drafted
         for r, ids in enumerate(row_outputs(events, len(rows))):
             if len(ids) >= 2:

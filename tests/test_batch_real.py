@@ -4,11 +4,10 @@ single-sequence greedy output, with prompt lookup, the shipped trained draft and
 import pytest
 import torch
 
-from specdemo.batch import batch_autoregressive, batch_speculative, batch_stats, row_outputs
-from specdemo.batch_drafters import batch_drafter
 from specdemo.compare import first_mismatch, make_drafter
 from specdemo.config import GenerationConfig
-from specdemo.engine import autoregressive, encode_prompt, generated_ids
+from specdemo.engine import autoregressive, decode, encode_prompt, generated_ids, row_outputs
+from specdemo.metrics import batch_stats
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +41,7 @@ def _check_rows(bundled, ids, expected, got):
 
 def test_batched_autoregressive_gives_each_rows_own_output(bundled, reference):
     ids, expected = reference
-    events = list(batch_autoregressive(bundled.model, bundled.tokenizer, ids, GenerationConfig(max_new_tokens=NEW)))
+    events = list(decode(bundled.model, bundled.tokenizer, ids, GenerationConfig(max_new_tokens=NEW)))
     _check_rows(bundled, ids, expected, row_outputs(events, len(ids)))
 
 
@@ -52,7 +51,7 @@ def test_batched_speculative_gives_each_rows_own_output(bundled, reference, kind
     drafter, _, _ = make_drafter(bundled, kind, None)
     config = GenerationConfig(max_new_tokens=NEW, num_draft_tokens=k)
     with torch.inference_mode():
-        events = list(batch_speculative(bundled.model, bundled.tokenizer, batch_drafter(drafter), ids, config))
+        events = list(decode(bundled.model, bundled.tokenizer, ids, config, drafter))
     _check_rows(bundled, ids, expected, row_outputs(events, len(ids)))
     stats = batch_stats(events)
     assert stats.accepted > 0 and stats.mean_accepted > 1.0

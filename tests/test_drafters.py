@@ -3,8 +3,9 @@
 import pytest
 
 from specdemo.config import GenerationConfig
-from specdemo.drafters import HybridDrafter, ModelDrafter, NgramDrafter, with_cache
+from specdemo.drafters import HybridDrafter, ModelDrafter, NgramDrafter
 from specdemo.engine import GenerationError, autoregressive, generated_ids, speculative
+from specdemo.engine.kv import with_cache
 
 PROMPT = [3, 5, 7, 3, 5, 9, 2]
 
@@ -24,7 +25,7 @@ def test_hybrid_caps_the_model_not_the_lookup(tiny_target, tiny_draft, tiny_tok)
     for event in speculative(tiny_target, tiny_tok, hybrid, prompt, config):
         events.append(event)
         if event.kind == "spec" and event.drafted:
-            widths[hybrid.last_source].append(len(event.drafted))
+            widths[event.draft_source].append(len(event.drafted))
     assert generated_ids(events) == ar
     assert widths["model"] and max(widths["model"]) == 1
     assert widths["lookup"] and max(widths["lookup"]) > 1
@@ -39,10 +40,12 @@ def test_prompt_lookup_match_rules():
     ids = [1, 2, 9, 4, 1, 2, 8, 5, 1, 2]
     assert NgramDrafter().match(ids) == (2, 1)
     assert NgramDrafter(latest=True).match(ids) == (2, 5)
-    request = lambda seq, k: DraftRequest(seq, k, S(), None, frozenset([0]))  # noqa: E731
-    assert NgramDrafter().propose(request(ids, 4)).tokens == [9, 4]  # a 2-token match proposes at most 2
     longer = [7, 1, 2, 3, 6, 0, 5, 7, 1, 2, 3]
-    assert NgramDrafter().propose(request(longer, 4)).tokens == [6, 0]  # 3+ match: up to k, cut after EOS
+    request = DraftRequest([ids, longer, ids], [4, 4, 0], S(), [None] * 3, frozenset([0]))  # one row each
+    assert [p.tokens for p in NgramDrafter().propose(request)] == [
+        [9, 4],  # a 2-token match proposes at most 2
+        [6, 0],  # 3+ match: up to k, cut after EOS
+        []]  # k = 0: nothing
 
 
 def test_the_cache_goes_by_the_keyword_the_forward_takes(tiny_target, tiny_tok):

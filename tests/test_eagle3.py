@@ -21,7 +21,8 @@ from specdemo.eagle3 import (
     load_head,
     save_eagle3,
 )
-from specdemo.engine import autoregressive, encode_prompt, generated_ids, speculative, target_features
+from specdemo.engine import autoregressive, encode_prompt, generated_ids, speculative
+from specdemo.engine.kv import target_features
 
 VOCAB = 100
 LAYERS = 8  # the default aux ids (2, L // 2, L - 3) = (2, 4, 5) are distinct
@@ -62,9 +63,14 @@ def proposals(drafter, target, ids, k=4, sampling=GREEDY, seed=0):
     """Begin on `ids` with the target's features and propose once."""
     with torch.inference_mode():
         feats = target_features(target, drafter.target_layers, input_ids=torch.tensor([ids[:-1]], device=target.device))[1][0]
-    drafter.begin(ids[:-1], feats)
+    drafter.begin([ids[:-1]], [feats])
     gen = torch.Generator(device=target.device).manual_seed(seed)
-    return drafter.propose(DraftRequest(ids, k, sampling, gen))
+    return propose_one(drafter, ids, k, sampling, gen)
+
+
+def propose_one(drafter, ids, k, sampling=GREEDY, gen=None, eos=frozenset()):
+    """One row's proposal."""
+    return drafter.propose(DraftRequest([list(ids)], [k], sampling, [gen], eos))[0]
 
 
 def test_config_json_has_the_engines_keys(target8):
@@ -120,7 +126,7 @@ def test_greedy_proposal_reports_q_of_each_token(target8):
     drafter = Eagle3Drafter(random_head(target8, seed=4))
     p = proposals(drafter, target8, PROMPT, k=3)
     assert p.probs is None and len(p.token_probs) == len(p.tokens) > 0
-    assert p.token_probs == drafter.confidences and all(0 < q <= 1 for q in p.token_probs)
+    assert p.token_probs == drafter.confidences[0] and all(0 < q <= 1 for q in p.token_probs)
 
 
 def hidden(target, ids, layers):
@@ -141,13 +147,12 @@ def test_rollback_keeps_only_true_feature_entries(target8, tok100):
             continue
         rejections += event.num_accepted < len(event.drafted)
         # the last num_accepted + 1 features are pending; everything before them is cached, nothing more
-        assert drafter.cache_length == drafter.num_true == len(ids) - 2 - event.num_accepted
-        request = DraftRequest(list(ids), 4, SamplingConfig(), None, frozenset([0]))
+        assert drafter.cache_length == drafter.slots.counts[0] == len(ids) - 2 - event.num_accepted
         with torch.inference_mode():
-            again = copy.deepcopy(drafter).propose(request).tokens
+            again = propose_one(copy.deepcopy(drafter), ids, 4, eos=frozenset([0])).tokens
             fresh = Eagle3Drafter(random_head(target8, seed=1))
-            fresh.begin(ids[:-1], hidden(target8, ids[:-1], fresh.target_layers))
-            assert fresh.propose(request).tokens == again
+            fresh.begin([ids[:-1]], [hidden(target8, ids[:-1], fresh.target_layers)])
+            assert propose_one(fresh, ids, 4, eos=frozenset([0])).tokens == again
     assert rejections > 0
 
 
@@ -186,13 +191,12 @@ def test_hybrid_with_eagle3_is_lossless_and_keeps_skipped_features(target8, tok1
         ids += event.tokens
         if event.kind != "spec" or event.finish_reason:
             continue
-        sources.append(hybrid.last_source)
-        request = DraftRequest(list(ids), k, SamplingConfig(), None, frozenset([0]))
+        sources.append(event.draft_source)
         with torch.inference_mode():
-            again = copy.deepcopy(hybrid.model).propose(request).tokens
+            again = propose_one(copy.deepcopy(hybrid.model), ids, k, eos=frozenset([0])).tokens
             fresh = Eagle3Drafter(random_head(target8, seed=4))
-            fresh.begin(ids[:-1], hidden(target8, ids[:-1], fresh.target_layers))
-            assert fresh.propose(request).tokens == again
+            fresh.begin([ids[:-1]], [hidden(target8, ids[:-1], fresh.target_layers)])
+            assert propose_one(fresh, ids, k, eos=frozenset([0])).tokens == again
     assert ids[len(prompt):] == ar
     assert {"lookup", "model"} <= set(sources)
 
@@ -210,9 +214,10 @@ def test_confidence_gate_shortens_proposals_and_stays_lossless(target8, tok100):
         for event in speculative(target8, tok100, drafter, PROMPT, config):
             events.append(event)
             if event.kind == "spec" and event.drafted:
-                assert len(drafter.confidences) == len(event.drafted)
-                assert all(c >= drafter.min_confidence for c in drafter.confidences[1:])
-                seen += drafter.confidences[1:] if gate == "off" else []
+                confidences = drafter.confidences[0]
+                assert len(confidences) == len(event.drafted)
+                assert all(c >= drafter.min_confidence for c in confidences[1:])
+                seen += confidences[1:] if gate == "off" else []
         assert generated_ids(events) == ar
         spec = [e for e in events if e.kind == "spec" and e.drafted]
         lengths[gate] = sum(len(e.drafted) for e in spec) / len(spec)

@@ -5,8 +5,9 @@ import torch
 from conftest import until_second_token
 
 from specdemo.config import GenerationConfig, SamplingConfig
-from specdemo.drafters import HybridDrafter, ModelDrafter, NgramDrafter, with_cache
+from specdemo.drafters import HybridDrafter, ModelDrafter, NgramDrafter
 from specdemo.engine import GenerationError, autoregressive, encode_prompt, generated_ids, speculative
+from specdemo.engine.kv import with_cache
 
 PROMPT = [3, 5, 7, 3, 5, 9, 2]
 
@@ -58,12 +59,13 @@ def test_kv_caches_hold_exactly_the_accepted_prefix(tiny_target, tiny_draft, tin
         assert event.target_cache_length == len(ids) - 1  # the newest token is pending
         if event.kind == "spec" and event.num_accepted < len(event.drafted):
             rejections += 1
-            assert drafter.num_cached == drafter.cache.get_seq_length() <= len(ids) - 1
+            cached = drafter.kv.counts[0]
+            assert cached == drafter.kv.cache.get_seq_length() <= len(ids) - 1
             fresh = DynamicCache(config=tiny_draft.config)
             with torch.inference_mode():
-                tiny_draft(input_ids=torch.tensor([ids[: drafter.num_cached]], device=tiny_draft.device),
+                tiny_draft(input_ids=torch.tensor([ids[:cached]], device=tiny_draft.device),
                            **with_cache(tiny_draft, fresh), use_cache=True)
-            for layer, ref in zip(drafter.cache.layers, fresh.layers):
+            for layer, ref in zip(drafter.kv.cache.layers, fresh.layers):
                 assert torch.allclose(layer.keys, ref.keys, atol=1e-5)
                 assert torch.allclose(layer.values, ref.values, atol=1e-5)
     assert rejections > 0

@@ -68,7 +68,7 @@ def test_shipped_draft_with_prompt_lookup_is_lossless(bundled):
     events = []
     for event in speculative(bundled.model, bundled.tokenizer, hybrid, ids, config):
         events.append(event)
-        sources.append(hybrid.last_source if event.kind == "spec" else None)
+        sources.append(event.draft_source if event.kind == "spec" else None)
         if sources[-1] == "model":
             assert len(event.drafted) <= cap
     assert generated_ids(events) == ar

@@ -4,7 +4,7 @@ cache and sdpa give, up to float rounding, and the attention switch is undone af
 import torch
 
 from specdemo import kernels
-from specdemo.drafters import with_cache
+from specdemo.engine.kv import with_cache
 
 from conftest import tiny_llama
 

@@ -126,19 +126,18 @@ def test_greedy_output_and_rollback_across_the_hooks_match_the_model_in_memory(m
 
 
 def test_batched_decoding_across_the_hooks_matches_each_row_in_memory(mapped, folder, draft_folder):
-    """The batch decoders (issue 30) on the offloaded target: rows of mixed lengths, prompt lookup and a draft model
+    """The engine at a batch on the offloaded target: rows of mixed lengths, prompt lookup and a draft model
     with rejections, every row equal to the in-memory target's own greedy output for that prompt alone."""
-    from specdemo.batch import batch_autoregressive, batch_speculative, row_outputs
-    from specdemo.batch_drafters import batch_drafter
+    from specdemo.engine import decode, row_outputs
 
     whole = load_model(folder, device="cpu", runtime=CPU_ONLY)
     prompts = [whole.tokenizer(p)["input_ids"] for p in (PROMPT, "w4 w4 w1", "w9 w8 w7 w6 w5 w9 w8")]
     config = GenerationConfig(max_new_tokens=16, num_draft_tokens=3, use_chat_template=False)
     alone = [generated_ids(list(autoregressive(whole.model, whole.tokenizer, ids, config))) for ids in prompts]
-    runs = {"ar": list(batch_autoregressive(mapped.model, mapped.tokenizer, prompts, config))}
+    runs = {"ar": list(decode(mapped.model, mapped.tokenizer, prompts, config))}
     draft = load_model(draft_folder, device="cpu", runtime=CPU_ONLY)
     for name, drafter in (("ngram", NgramDrafter()), ("model", ModelDrafter(draft.model, mapped.device))):
-        runs[name] = list(batch_speculative(mapped.model, mapped.tokenizer, batch_drafter(drafter), prompts, config))
+        runs[name] = list(decode(mapped.model, mapped.tokenizer, prompts, config, drafter))
     for name, events in runs.items():
         assert row_outputs(events, len(prompts)) == alone, name
     assert any(n < len(d) for e in runs["model"] if e.kind == "spec" for n, d in zip(e.num_accepted, e.drafted)), \

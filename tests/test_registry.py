@@ -30,11 +30,11 @@ class RepeatLast(Drafter):
 
     name = TOY
 
-    def begin(self, prompt_ids, target_hidden=None) -> None:
+    def begin(self, prompts, target_hidden=None) -> None:
         pass
 
-    def propose(self, request: DraftRequest) -> Proposal:
-        return Proposal(tokens=[request.ids[-1]] * request.k)
+    def propose(self, request: DraftRequest) -> list[Proposal]:
+        return [Proposal(tokens=[ids[-1]] * k) for ids, k in zip(request.ids, request.ks)]
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def test_the_builtin_kinds_in_order():
 
 def test_registry_imports_nothing_heavy():
     """registry and drafts import neither torch nor gradio: the factories import when they build."""
-    code = "import sys, specdemo.registry, specdemo.drafts; print(sorted({'torch', 'gradio'} & set(sys.modules)))"
+    code = "import sys, specdemo.drafters.registry, specdemo.drafters.resolve; print(sorted({'torch', 'gradio'} & set(sys.modules)))"
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root).stdout
     assert out.strip() == "[]"

@@ -74,11 +74,11 @@ def test_verify_costs_interpolate_between_measured_widths(monkeypatch):
     """Widths 2..5 are measured, wider ones at doubling steps; k between them is interpolated linearly."""
     measured = {}
 
-    def fake_costs(model, prompt_ids, widths, repeats):
+    def fake_seconds(model, prompt_ids, widths, repeats):
         measured["widths"] = list(widths)
-        return {1: 1.0, **{w: 1.0 + 0.1 * (w - 1) for w in widths}}  # linear in width
+        return {1: 0.5, **{w: 0.5 * (1.0 + 0.1 * (w - 1)) for w in widths}}  # linear in width
 
-    monkeypatch.setattr(timing, "forward_costs", fake_costs)
+    monkeypatch.setattr(timing, "forward_seconds", fake_seconds)
     costs = verify_costs_for(None, [1, 2], k_max=8)
     assert measured["widths"] == [2, 3, 4, 5, 7, 9]
     assert sorted(costs) == list(range(1, 9))

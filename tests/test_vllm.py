@@ -269,11 +269,11 @@ def test_our_prompt_lookup_is_vllms_ngram_except_for_short_matches():
     theirs = json.loads(run.stdout.strip().splitlines()[-1])
     short = 0
     for case, vllm_tokens in zip(cases, theirs):
-        request = DraftRequest(case["ids"], case["k"], SamplingConfig(), None)
+        request = DraftRequest([case["ids"]], [case["k"]], SamplingConfig(), [None])
         exact = NgramDrafter(max_ngram=case["max"], min_ngram=case["min"], full_ngram=1)
-        assert exact.propose(request).tokens == vllm_tokens, case
+        assert exact.propose(request)[0].tokens == vllm_tokens, case
         length, _ = exact.match(case["ids"])
-        ours = NgramDrafter(max_ngram=case["max"], min_ngram=case["min"]).propose(request).tokens
+        ours = NgramDrafter(max_ngram=case["max"], min_ngram=case["min"]).propose(request)[0].tokens
         if length >= 3 or not vllm_tokens:
             assert ours == vllm_tokens, case
         else:

@@ -10,10 +10,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # no torch at import: the registry, which imports this package, lists kinds without it
+    import torch
 
-from ..config import SamplingConfig
+    from ..config import SamplingConfig
 
 
 @dataclass

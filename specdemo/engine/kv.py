@@ -117,8 +117,10 @@ class BatchKV:
     def inputs(self, tokens: torch.Tensor, real: torch.Tensor) -> dict:
         """Forward keyword arguments for tokens (B, T) whose real entries are `real` (B, T) bool."""
         mask = self.slots.mask(real)
-        return dict(input_ids=tokens, attention_mask=None if bool(mask.all()) else mask,
-                    position_ids=self.slots.positions(real), use_cache=True, **with_cache(self.model, self.cache))
+        if bool(mask.all()):  # no hole, no padding: positions follow the cache, as in a plain forward
+            return dict(input_ids=tokens, use_cache=True, **with_cache(self.model, self.cache))
+        return dict(input_ids=tokens, attention_mask=mask, position_ids=self.slots.positions(real), use_cache=True,
+                    **with_cache(self.model, self.cache))
 
     def forward(self, tokens: torch.Tensor, real: torch.Tensor, keep: int,
                 layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
