@@ -1,4 +1,4 @@
-"""Command line: `python -m specdemo generate|bench|distill|serve-config|export ...`. Environment and argv are read here
+"""Command line: `python -m specdemo generate|bench|distill|serve-config|export|space ...`. Environment and argv are read here
 only."""
 
 from __future__ import annotations
@@ -165,6 +165,28 @@ def run_export(args) -> int:
     return 0
 
 
+def _space_parser(sub) -> None:
+    from huggingface_hub import SpaceHardware
+
+    p = sub.add_parser("space", help="deploy the app as a Hugging Face Space (create, set variables, upload)")
+    p.add_argument("space_id", metavar="SPACE_ID", help="e.g. your-name/specdemo")
+    p.add_argument("--hardware", choices=[h.value for h in SpaceHardware], help="request this hardware "
+                   "(default: the Space's own, cpu-basic on a new Space)")
+    p.add_argument("--private", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help="list every file with its size and whether it goes by LFS, "
+                                                         "the variables and the hardware; no network")
+
+
+def run_space(args) -> int:
+    from .space import deploy, dry_run_lines, space_files, space_variables
+
+    if args.dry_run:
+        print("\n".join(dry_run_lines(space_files(), args.space_id, args.hardware, space_variables())))
+        return 0
+    print(deploy(args.space_id, args.hardware, args.private))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "distill":
@@ -180,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     _generate_parser(sub)
     _serve_config_parser(sub)
     _export_parser(sub)
+    _space_parser(sub)
     sub.add_parser("bench", help="benchmark against transformers' generate (see `bench --help`)")
     sub.add_parser("distill", help="train a draft for a target, or `distill agreement` to measure one "
                                   "(see `distill --help`)")
@@ -189,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     from .loading import ModelLoadError, TokenizerMismatchError
 
     try:
-        runner = {"serve-config": run_serve_config, "export": run_export}.get(args.command, run_generate)
+        runner = {"serve-config": run_serve_config, "export": run_export, "space": run_space}.get(args.command, run_generate)
         return runner(args)
     except (ModelLoadError, TokenizerMismatchError, GenerationError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
