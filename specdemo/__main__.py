@@ -1,4 +1,4 @@
-"""Command line: `python -m specdemo generate|bench|distill|serve-config|export ...`. Environment and argv are read here
+"""Command line: `python -m specdemo generate|bench|distill|serve-config|export|space ...`. Environment and argv are read here
 only."""
 
 from __future__ import annotations
@@ -146,8 +146,11 @@ def _export_parser(sub) -> None:
                    help="num_speculative_tokens (default: the tuned k in --sweep, else the head's recorded k, else "
                         f"{G.num_draft_tokens})")
     p.add_argument("--sweep", metavar="JSON", help="a bench.json or sweep result: take its measured best k")
-    p.add_argument("--target", default=None, help="the target, for the printed serve commands (default: the one "
-                                                  f"the head records, else {BUNDLED_ID})")
+    p.add_argument("--target", default=None, help="the target, for the printed serve commands and a speculators "
+                                                  f"head's verifier (default: the one the head records, else {BUNDLED_ID})")
+    p.add_argument("--format", choices=["eagle3", "speculators"], default="eagle3",
+                   help="eagle3: the raw EAGLE-3 layout vLLM and SGLang load beside the target (default); speculators: "
+                        "the speculators format, whose config names the target, so `vllm serve OUT` alone serves both")
 
 
 def run_export(args) -> int:
@@ -157,11 +160,33 @@ def run_export(args) -> int:
     k = args.k if args.k is not None else (k_from_report(args.sweep)[0] if args.sweep else None)
     if k is not None and not MIN_K <= k <= MAX_K_ENGINE:
         raise ValueError(f"k must be between {MIN_K} and {MAX_K_ENGINE}, got {k}")
-    result = export_eagle3(args.draft, args.out, k, args.target, runtime_from_env(os.environ))
-    print(f"# wrote {result.folder} (EAGLE-3, k = {result.k})")
+    result = export_eagle3(args.draft, args.out, k, args.target, runtime_from_env(os.environ), args.format)
+    print(f"# wrote {result.folder} (EAGLE-3, {args.format} format, k = {result.k})")
     print(result.vllm_command)
     print("# SGLang:")
     print(result.sglang_command)
+    return 0
+
+
+def _space_parser(sub) -> None:
+    from huggingface_hub import SpaceHardware
+
+    p = sub.add_parser("space", help="deploy the app as a Hugging Face Space (create, set variables, upload)")
+    p.add_argument("space_id", metavar="SPACE_ID", help="e.g. your-name/specdemo")
+    p.add_argument("--hardware", choices=[h.value for h in SpaceHardware], help="request this hardware "
+                   "(default: the Space's own, cpu-basic on a new Space)")
+    p.add_argument("--private", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help="list every file with its size and whether it goes by LFS, "
+                                                         "the variables and the hardware; no network")
+
+
+def run_space(args) -> int:
+    from .space import deploy, dry_run_lines, space_files, space_variables
+
+    if args.dry_run:
+        print("\n".join(dry_run_lines(space_files(), args.space_id, args.hardware, space_variables())))
+        return 0
+    print(deploy(args.space_id, args.hardware, args.private))
     return 0
 
 
@@ -180,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     _generate_parser(sub)
     _serve_config_parser(sub)
     _export_parser(sub)
+    _space_parser(sub)
     sub.add_parser("bench", help="benchmark against transformers' generate (see `bench --help`)")
     sub.add_parser("distill", help="train a draft for a target, or `distill agreement` to measure one "
                                   "(see `distill --help`)")
@@ -189,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     from .loading import ModelLoadError, TokenizerMismatchError
 
     try:
-        runner = {"serve-config": run_serve_config, "export": run_export}.get(args.command, run_generate)
+        runner = {"serve-config": run_serve_config, "export": run_export, "space": run_space}.get(args.command, run_generate)
         return runner(args)
     except (ModelLoadError, TokenizerMismatchError, GenerationError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -19,6 +19,7 @@ from .loading import LoadedModel, load_model
 from .metrics import PassCosts, RunStats, pass_costs, run_stats, speedup
 from .placement import drafter_device
 from .drafters.registry import BuildOptions, get
+from .spec_metrics import speculative_decoding, steps_of
 
 
 @dataclass
@@ -139,6 +140,7 @@ def result_dict(pair: Pair, config: GenerationConfig, ar_events: list[StepEvent]
                "draft_seconds": sd.draft_seconds, "verify_seconds": sd.verify_seconds},
         "speedup": speedup(ar, sd),
         "identical": ar_ids == sd_ids,
+        "speculative_decoding": speculative_decoding(steps_of(sd_events), config.num_draft_tokens),  # vLLM's names
     }
     if pair.calibration is not None:  # the hybrid model's cap, and the measured pass costs it came from
         out.update(pair.calibration.as_dict())

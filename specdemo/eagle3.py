@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
+from . import kernels, speculators
 from .config import Runtime
 from .drafters.eagle3 import Eagle3Drafter
 from .loading import hub_folder
@@ -398,17 +398,21 @@ def save_eagle3(head: Eagle3Head, path: str | Path, meta: dict | None = None,
 
 
 def read_config(folder: str | Path) -> dict | None:
-    """config.json of a folder, or None when it has none (or it is not JSON)."""
+    """config.json of a folder (a speculators-format head's as the raw EAGLE-3 one), or None when it has none (or it
+    is not JSON)."""
     try:
-        return json.loads((Path(folder) / CONFIG_FILE).read_text())
+        config = json.loads((Path(folder) / CONFIG_FILE).read_text())
     except (OSError, ValueError):
         return None
+    return speculators.to_raw(config) if speculators.is_speculators_eagle3(config) else config
 
 
 def is_eagle3(spec_or_config: str | Path | dict | None) -> bool:
     """Whether a config dict, or a folder's config.json, names an EAGLE-3 architecture (never guessed from a name)."""
     config = spec_or_config if isinstance(spec_or_config, dict) else (
         read_config(spec_or_config) if spec_or_config else None)
+    if speculators.is_speculators_eagle3(config):
+        return True
     return bool(config) and any(a in ARCHITECTURES for a in config.get("architectures") or [])
 
 
@@ -422,8 +426,8 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     files = sorted(folder.glob("*.safetensors"))
-    if files:
-        return {k: v for f in files for k, v in load_file(str(f)).items()}
+    if files:  # a speculators-format head names its layer layers.0., ours midlayer.
+        return speculators.to_raw_tensors({k: v for f in files for k, v in load_file(str(f)).items()})
     bins = sorted(folder.glob("pytorch_model*.bin"))
     if bins:
         return {k: v for f in bins for k, v in torch.load(f, map_location="cpu", weights_only=True).items()}
@@ -440,7 +444,10 @@ def recorded_k(folder: str | Path) -> int | None:
             continue
         if isinstance(k, int) and k > 0:
             return k
-    return None
+    try:  # a speculators-format head records its k in its config.json
+        return speculators.recorded_k(json.loads((Path(folder) / CONFIG_FILE).read_text()))
+    except (OSError, ValueError):
+        return None
 
 
 def load_head(folder: str | Path, target_model: nn.Module) -> tuple[Eagle3Head, dict]:

@@ -7,10 +7,12 @@ Only EAGLE-3 heads export; anything else is refused, saying what it is instead.
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import speculators
 from .config import BUNDLED_ID, GenerationConfig, Runtime
 from .drafters.resolve import DraftError, resolve_draft
 from .eagle3 import (
@@ -64,9 +66,11 @@ def head_folder(draft: str, runtime: Runtime = Runtime()) -> Path:
 
 
 def export_eagle3(draft: str, out: str | Path, k: int | None = None, target: str | None = None,
-                  runtime: Runtime = Runtime()) -> Export:
+                  runtime: Runtime = Runtime(), fmt: str = "eagle3") -> Export:
     """Write DIR/config.json + model.safetensors (the head's own weights, normalised to the engines' layout),
-    speculative_config.json and sglang.txt. k: given, else the head's recorded k, else the usual default."""
+    speculative_config.json and sglang.txt. k: given, else the head's recorded k, else the usual default.
+    fmt "speculators": config.json and weight names in the speculators format instead, with the target as its
+    verifier, so `vllm serve DIR` alone serves target and head (specdemo.speculators)."""
     from safetensors.torch import save_file
 
     source = head_folder(draft, runtime)
@@ -78,6 +82,8 @@ def export_eagle3(draft: str, out: str | Path, k: int | None = None, target: str
         meta = json.loads((source / META_FILE).read_text())
     except (OSError, ValueError):
         meta = {}
+    if fmt == "speculators" and out.resolve() == source.resolve():
+        raise ValueError("--format speculators rewrites config.json: give --out a new folder")
     if out.resolve() != source.resolve():
         tensors = {name: t.contiguous() for name, t in read_weights(source).items()}
         dtype = next((t.dtype for name, t in tensors.items() if name.endswith("weight")), None)
@@ -92,9 +98,26 @@ def export_eagle3(draft: str, out: str | Path, k: int | None = None, target: str
     spec = vllm_speculative_config("eagle3", k, model)
     (out / SPEC_FILE).write_text(json.dumps(spec, indent=2) + "\n")
     served, _ = serve_target(target or meta.get("target") or BUNDLED_ID, runtime)
+    if fmt == "speculators":
+        return _as_speculators(out, config, k, served, spec)
     sglang = sglang_command(served, "eagle3", k, model)
     (out / SGLANG_FILE).write_text(f"# {sglang}\n{sglang_flags('eagle3', k, model)}\n")
     return Export(out, k, spec, vllm_serve_command(served, spec), sglang)
+
+
+def _as_speculators(out: Path, config: Eagle3Config, k: int, verifier: str, spec: dict) -> Export:
+    """Rewrite an export's config.json and weight names in the speculators format; vLLM serves the folder alone."""
+    from safetensors.torch import save_file
+
+    tensors = speculators.to_speculators_tensors(read_weights(out))
+    dtype = next((t.dtype for name, t in tensors.items() if name.endswith("weight")), None)
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    raw = config.to_json(dtype) if dtype is not None else config.to_json()
+    (out / CONFIG_FILE).write_text(json.dumps(speculators.from_raw(
+        raw, k, verifier, speculators.verifier_architectures(verifier)), indent=2) + "\n")
+    (out / SGLANG_FILE).unlink(missing_ok=True)
+    return Export(out, k, spec, f"vllm serve {shlex.quote(str(out.resolve()))}",
+                  "not written for this format: SGLang takes `--format eagle3`")
 
 
 def serve_hint(target: str, draft: str | None, k: int, runtime: Runtime = Runtime()) -> str | None:

@@ -300,3 +300,9 @@ def test_vllm_ngram_greedy_output_is_ours_on_three_prompts(tmp_path, monkeypatch
         assert 0 <= r["vllm_ngram_accepted"] <= r["vllm_ngram_draft_tokens"] <= 4 * r["vllm_ngram_drafts"]
     assert sum(r["vllm_ngram_drafts"] for r in report["results"]) > 0  # extractive prompts: the lookup drafts
     assert v["ngram_tokens_per_s"] > 0 and v["plain_tokens_per_s"] > 0
+    # vLLM's own per-request metrics beside ours, under the same names, pooled and per position
+    assert v["ngram_speculative_decoding"]["num_spec_steps"] == sum(r["vllm_ngram_drafts"] for r in report["results"])
+    theirs = v["ngram_speculative_decoding"]  # its per-position counter: position 1 = steps accepting at least one
+    assert theirs["num_accepted_tokens_per_pos"][0] == theirs["num_spec_steps"] - theirs["acceptance_histogram"][0]
+    assert len(v["ours_speculative_decoding"]["num_accepted_tokens_per_pos"]) == 4
+    assert "accepted at position 1" in (tmp_path / "bench.md").read_text()

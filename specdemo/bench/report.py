@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..drafters.hybrid import describe_hybrid_cap
 from ..placement import placement_line
+from ..spec_metrics import pool
 from .timing import ratio
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,8 @@ def aggregate(rows: list[dict]) -> dict:
         "sd_tokens_per_s": ratio(sum(r["sd_tokens"] for r in rows), sd_s),
         "prompts": len(rows),
     }
+    if rows and all("speculative_decoding" in r for r in rows):  # vLLM's names, pooled as its counters pool
+        out["speculative_decoding"] = pool([r["speculative_decoding"] for r in rows])
     for name in ("hf_generate", "hf_assisted", "hf_prompt_lookup"):
         have = [r for r in rows if f"{name}_seconds" in r]
         if have and name != "hf_generate":
@@ -97,6 +100,8 @@ def vllm_summary(rows: list[dict]) -> dict:
         "ours_identical_fraction": ours["identical_fraction"],
         "prompts": len(have),
     }
+    if "speculative_decoding" in ours:
+        out["ours_speculative_decoding"] = ours["speculative_decoding"]
     drafting = sum(r.get("ours_drafting_steps", 0) for r in have)
     out["ours_mean_accepted"] = 1 + ratio(sum(r["accepted"] for r in have), drafting) if drafting else None
     out.update(_per_step("ar", have, "ar_target_forward_s", "ar_overhead_s", "ar_target_calls"))
@@ -117,6 +122,8 @@ def vllm_summary(rows: list[dict]) -> dict:
         out[f"{m}_identical_fraction"] = ratio(sum(bool(r[f"vllm_{m}_identical"]) for r in sub), len(sub))
         per_pos = [sum(x) for x in zip_longest(*(r[f"vllm_{m}_accepted_per_pos"] for r in sub), fillvalue=0)]
         out[f"{m}_per_position_acceptance"] = [ratio(a, drafts) for a in per_pos]  # vLLM's: over drafting steps
+        if all(f"vllm_{m}_speculative_decoding" in r for r in sub):  # vLLM's own per-request dicts, beside ours
+            out[f"{m}_speculative_decoding"] = pool([r[f"vllm_{m}_speculative_decoding"] for r in sub])
         out[f"ours_vs_vllm_{m}_tokens_per_s"] = ratio(aggregate(sub)["sd_tokens_per_s"], out[f"{m}_tokens_per_s"])
         out.update(_per_step(m, sub, f"vllm_{m}_forward_s", None, f"vllm_{m}_forward_calls", f"vllm_{m}_seconds"))
     return out
@@ -364,6 +371,7 @@ def vllm_markdown(report: dict) -> str:
     text += ("\nForward = the target model's forward and logits, timed by hooks inside each engine's worker (a "
              "draft model or the lookup is outside it). vLLM's mean accepted is its own metric, 1 + accepted / "
              "steps that drafted; tokens per verify pass counts every pass after the prefill, like ours.\n")
+    text += _per_position_markdown(v, methods)
     cats = v.get("by_category") or {}
     if cats and methods:
         text += "\n" + md_table(["category", "rows", "ours speedup", *[f"vLLM {m} speedup" for m in methods],
@@ -383,6 +391,24 @@ def vllm_markdown(report: dict) -> str:
         text += (f"\nvLLM greedy outputs that differ from our AR: {len(gaps)}; our target's top-2 logit gaps at the "
                  f"first difference: " + ", ".join(f"{g:.4f}" for g in gaps) + "\n")
     return text
+
+
+def _per_position_markdown(v: dict, methods: list[str]) -> str:
+    """Ours and vLLM's own per-request metrics (speculative_decoding, vLLM's names) pooled, position by position."""
+    ours, theirs = v.get("ours_speculative_decoding"), {m: v.get(f"{m}_speculative_decoding") for m in methods}
+    theirs = {m: d for m, d in theirs.items() if d}
+    if not ours or not theirs:
+        return ""
+    runs = [("ours", ours), *((f"vLLM {m}", d) for m, d in theirs.items())]
+    per_pos = {name: d.get("num_accepted_tokens_per_pos") or [] for name, d in runs}
+    width = max(map(len, per_pos.values()))
+    rows = [[name, d["num_spec_steps"], d["num_draft_tokens"], d["num_accepted_draft_tokens"],
+             d["mean_acceptance_length"], d["draft_acceptance_rate"], *(per_pos[name] + [None] * width)[:width]]
+            for name, d in runs]
+    return ("\n\n`speculative_decoding` (vLLM's names; vLLM's own per-request metrics and its per-position counter):"
+            "\n\n" + md_table(["run", "num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens",
+                                "mean_acceptance_length", "draft_acceptance_rate",
+                                *[f"accepted at position {i + 1}" for i in range(width)]], rows))
 
 
 def html(report: dict) -> str:

@@ -18,6 +18,7 @@ from ..engine import encode_prompt, eos_ids
 from ..prompts import DEFAULT_PROMPTS, PromptItem, read_prompts
 from ..drafters.registry import check_draft
 from ..serving import Lookup, eagle3_export, serve_target
+from ..spec_metrics import speculative_decoding, steps_of
 from ..sweep import point, run_ar, run_sd, summarize, sweep
 from ..engine.timing import ForwardTimer, verify_costs_for
 from .anchors import assistant_k, hf_assistant, hf_generate, hf_kwargs, measure_hf
@@ -128,6 +129,7 @@ def bench_prompt(pair, item: PromptItem, prompt_ids: list[int], ks: list[int], c
             "accepted_histogram": s.accepted_histogram,
             "draft_seconds": s.draft_seconds, "verify_seconds": s.verify_seconds,
             "ar_engine_seconds": a.seconds, "sd_engine_seconds": s.seconds,
+            "speculative_decoding": speculative_decoding(steps_of(sd.run.events), k),  # vLLM's names
         }
         put(row, "ar", ar)
         put(row, "sd", sd)

@@ -167,6 +167,9 @@ def put_vllm(row: dict, name: str, entry: dict, reference: list[int],
     row[f"{key}_draft_tokens"] = c["num_draft_tokens"]
     row[f"{key}_accepted"] = c["num_accepted_tokens"]
     row[f"{key}_accepted_per_pos"] = c.get("accepted_per_pos", [])
+    if "request_metrics" in entry:  # vLLM's own metrics.speculative_decoding, where the installed vLLM has it
+        row[f"{key}_speculative_decoding"] = {**entry["request_metrics"],
+                                              "num_accepted_tokens_per_pos": c.get("accepted_per_pos", [])}
     if "forward_seconds" in entry:
         row[f"{key}_forward_s"] = entry["forward_seconds"]
         row[f"{key}_forward_calls"] = entry["forward_calls"]

@@ -104,6 +104,15 @@ def _forward_timer(llm) -> list | None:
         return None
 
 
+def _request_metrics(spec) -> dict:
+    """LLM's argument for per-request spec-decode metrics with the per-step arrays, where this vLLM has it."""
+    from vllm.config import ObservabilityConfig
+
+    if not spec or "per_request_spec_decode_metrics" not in getattr(ObservabilityConfig, "__dataclass_fields__", {}):
+        return {}
+    return {"per_request_spec_decode_metrics": "detailed"}
+
+
 def run_method(request: dict, method: dict) -> dict:
     """Load one engine with the method's speculative_config, warm it up, then time each prompt at batch 1."""
     import vllm
@@ -117,7 +126,7 @@ def run_method(request: dict, method: dict) -> dict:
               max_model_len=request.get("max_model_len", 2048), seed=request.get("seed", 0),
               speculative_config=spec, disable_log_stats=False,
               kv_cache_memory_bytes=request.get("kv_cache_bytes", KV_CACHE_BYTES),
-              per_request_spec_decode_metrics="summary" if spec else "none", **request.get("engine_kwargs", {}))
+              **_request_metrics(spec), **request.get("engine_kwargs", {}))
     load_seconds = time.perf_counter() - t0
     profile = bool(request.get("profile_forward")) and _install(llm)
 
