@@ -35,10 +35,10 @@ import logging
 import os
 from dataclasses import replace
 
+from specdemo.app.race import AppLimits, preset_ids
+from specdemo.app.ui import build_demo, launch_options
+from specdemo.app.worker import Worker
 from specdemo.config import placement_from, runtime_from_env
-from specdemo.race import AppLimits, preset_ids
-from specdemo.ui import build_demo, launch_options
-from specdemo.worker import Worker
 
 
 def _int(env, name: str, default: int | None) -> int | None:

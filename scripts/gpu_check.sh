@@ -105,7 +105,7 @@ eagle3_stage() {
   local target=$1 head=${EAGLE3_HEAD:-}
   if [ -z "$head" ] && [ "$DRY" = 1 ] && [ -n "$target" ]; then
     head=$R/eagle3-random
-    $PY -c "import torch; from specdemo.loading import load_model; from specdemo.eagle3 import build_head, save_eagle3; \
+    $PY -c "import torch; from specdemo.models.loading import load_model; from specdemo.models.eagle3 import build_head, save_eagle3; \
 t = load_model('$target', device='cpu'); torch.manual_seed(0); save_eagle3(build_head(t.model, torch.arange(8192)), '$head')"
   fi
   if [ -z "$head" ] || [ -z "$target" ] || [ ! -f "$head/config.json" ]; then
@@ -156,7 +156,7 @@ if [ -n "${GGUF_SHA256:-}" ] && ! echo "$GGUF_SHA256  $GGUF" | sha256sum -c --qu
 fi
 export PYTHONPATH=$KEEP/pkg${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}${PYTHONPATH:+:$PYTHONPATH}
 export SPECDEMO_CACHE=$KEEP/cache
-stage convert 120 $PY -c "from specdemo.loading import load_model; m = load_model('smollm2-135m', device='cpu'); \
+stage convert 120 $PY -c "from specdemo.models.loading import load_model; m = load_model('smollm2-135m', device='cpu'); \
 print(m.source, round(m.load_seconds, 1), 's')" || exit 1
 
 # the evaluation prompts, categories interleaved, so that --limit N keeps every category in proportion

@@ -18,10 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file from a clone
 
-from specdemo.compare import load_pair, warmup  # noqa: E402
 from specdemo.config import GenerationConfig  # noqa: E402
 from specdemo.engine import encode_prompt, speculative  # noqa: E402
 from specdemo.engine.verify import inspect_verify  # noqa: E402
+from specdemo.measure.compare import load_pair, warmup  # noqa: E402
 from specdemo.prompts import DEFAULT_PROMPTS, read_prompts  # noqa: E402
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specdemo.loading import load_model  # noqa: E402
+from specdemo.models.loading import load_model  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,13 +18,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specdemo.compare import Pair, make_drafter, warmup
-from specdemo.config import BUNDLED_ID, GenerationConfig, placement_from, runtime_from_env
+from specdemo.config import (
+    BUNDLED_ID,
+    GenerationConfig,
+    placement_from,
+    runtime_from_env,
+)
 from specdemo.engine import encode_prompt
-from specdemo.loading import load_model
-from specdemo.prompts import DEFAULT_PROMPTS, read_prompts
-from specdemo.sweep import run_ar, run_sd
 from specdemo.engine.timing import forward_seconds
+from specdemo.measure.compare import Pair, make_drafter, warmup
+from specdemo.measure.tune_k import run_ar, run_sd
+from specdemo.models.loading import load_model
+from specdemo.prompts import DEFAULT_PROMPTS, read_prompts
 
 WIDTHS = (1, 2, 4, 8)
 

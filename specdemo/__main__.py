@@ -11,7 +11,15 @@ import sys
 from dataclasses import replace
 
 from .cliargs import add_placement_args, placement_args
-from .config import BUNDLED_ID, DEFAULT_DRAFTER, MAX_K_ENGINE, MIN_K, GenerationConfig, SamplingConfig, runtime_from_env
+from .config import (
+    BUNDLED_ID,
+    DEFAULT_DRAFTER,
+    MAX_K_ENGINE,
+    MIN_K,
+    GenerationConfig,
+    SamplingConfig,
+    runtime_from_env,
+)
 from .drafters.registry import check_draft, cli_help, kinds, names
 
 G, S = GenerationConfig(), SamplingConfig()
@@ -42,8 +50,8 @@ def _generate_parser(sub) -> None:
 
 
 def run_generate(args) -> int:
-    from .compare import compare, drafter_k, load_pair
-    from .placement import placement_line
+    from .measure.compare import compare, drafter_k, load_pair
+    from .models.placement import placement_line
 
     kind = args.drafter
     check_draft(kind, args.draft)
@@ -101,7 +109,12 @@ def _serve_config_parser(sub) -> None:
 
 
 def run_serve_config(args) -> int:
-    from .serving import k_from_report, plan, sglang_command, vllm_serve_command
+    from .serve.serve_config import (
+        k_from_report,
+        plan,
+        sglang_command,
+        vllm_serve_command,
+    )
 
     k, source = args.k, "--k" if args.k is not None else f"the default ({G.num_draft_tokens})"
     if k is None and args.sweep:
@@ -154,8 +167,8 @@ def _export_parser(sub) -> None:
 
 
 def run_export(args) -> int:
-    from .export import export_eagle3
-    from .serving import k_from_report
+    from .serve.export import export_eagle3
+    from .serve.serve_config import k_from_report
 
     k = args.k if args.k is not None else (k_from_report(args.sweep)[0] if args.sweep else None)
     if k is not None and not MIN_K <= k <= MAX_K_ENGINE:
@@ -181,7 +194,7 @@ def _space_parser(sub) -> None:
 
 
 def run_space(args) -> int:
-    from .space import deploy, dry_run_lines, space_files, space_variables
+    from .serve.space import deploy, dry_run_lines, space_files, space_variables
 
     if args.dry_run:
         print("\n".join(dry_run_lines(space_files(), args.space_id, args.hardware, space_variables())))
@@ -193,11 +206,11 @@ def run_space(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "distill":
-        from .distill import main as distill_main
+        from .train import main as distill_main
 
         return distill_main(argv[1:], runtime_from_env(os.environ))
     if argv and argv[0] == "bench":
-        from .bench import main as bench_main
+        from .measure.bench import main as bench_main
 
         return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m specdemo", description=__doc__)
@@ -212,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from .engine import GenerationError
-    from .loading import ModelLoadError, TokenizerMismatchError
+    from .models.loading import ModelLoadError, TokenizerMismatchError
 
     try:
         runner = {"serve-config": run_serve_config, "export": run_export, "space": run_space}.get(args.command, run_generate)

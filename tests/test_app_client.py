@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from specdemo.app.handlers import Handlers
+from specdemo.app.race import AppLimits, preset_ids
+from specdemo.app.ui import EXAMPLES
 from specdemo.config import Runtime
-from specdemo.handlers import Handlers
-from specdemo.race import AppLimits, preset_ids
-from specdemo.ui import EXAMPLES
 
 ROOT = Path(__file__).resolve().parent.parent
 REWRITE = next(p for c, p in EXAMPLES if c == "rewrite")

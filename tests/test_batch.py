@@ -3,18 +3,23 @@ that finish early, auto k, and the sampled distribution with several rows."""
 
 import pytest
 import torch
+from conftest import tiny_llama
 
-from specdemo.batch_sweep import AutoK
 from specdemo.config import GenerationConfig, SamplingConfig
 from specdemo.drafters import Eagle3Drafter, HybridDrafter, ModelDrafter, NgramDrafter
-from specdemo.engine import GenerationError, autoregressive, decode, generated_ids, row_outputs
+from specdemo.engine import (
+    GenerationError,
+    autoregressive,
+    decode,
+    generated_ids,
+    row_outputs,
+    timing,
+)
 from specdemo.engine import kv as batch_kv
-from specdemo.engine import timing
 from specdemo.engine.kv import BatchKV, left_padded, with_cache
 from specdemo.engine.verify import greedy_accept, greedy_accept_batch
-from specdemo.metrics import batch_stats, best_k, expected_speedup
-
-from conftest import tiny_llama
+from specdemo.measure.batch_sizes import AutoK
+from specdemo.measure.metrics import batch_stats, best_k, expected_speedup
 
 PROMPTS = [[3, 5, 7, 3, 5, 9, 2], [4, 4, 1], [9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 8], [2]]  # mixed lengths
 NEAR_TIE = 1e-3  # top-2 logit gap below which a tiny fp32 model's batched numerics may pick the other token

@@ -4,13 +4,18 @@ the crossover in the plots, the hardware lock released on success and on error."
 import pytest
 import torch
 
-from specdemo import compare
-from specdemo.compare import Pair
+from specdemo.app.batch_tab import (
+    BATCH_SIZES,
+    BatchHandlers,
+    BatchOutputs,
+    make_batch_request,
+)
+from specdemo.app.handlers import Handlers
+from specdemo.app.race import AppLimits, UserError
 from specdemo.drafters import NgramDrafter
-from specdemo.handlers import Handlers
-from specdemo.batch_handlers import BATCH_SIZES, BatchHandlers, BatchOutputs, make_batch_request
-from specdemo.race import AppLimits, UserError
-from specdemo.loading import LoadedModel
+from specdemo.measure import compare
+from specdemo.measure.compare import Pair
+from specdemo.models.loading import LoadedModel
 
 OUTPUTS = BatchOutputs("throughput_plot", "speedup_plot", "table")  # names stand in for components
 KEYS = {"throughput_plot", "speedup_plot", "table"}

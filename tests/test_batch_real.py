@@ -4,10 +4,16 @@ single-sequence greedy output, with prompt lookup, the shipped trained draft and
 import pytest
 import torch
 
-from specdemo.compare import first_mismatch, make_drafter
 from specdemo.config import GenerationConfig
-from specdemo.engine import autoregressive, decode, encode_prompt, generated_ids, row_outputs
-from specdemo.metrics import batch_stats
+from specdemo.engine import (
+    autoregressive,
+    decode,
+    encode_prompt,
+    generated_ids,
+    row_outputs,
+)
+from specdemo.measure.compare import first_mismatch, make_drafter
+from specdemo.measure.metrics import batch_stats
 
 pytestmark = pytest.mark.slow
 

@@ -6,17 +6,31 @@ import json
 import pytest
 import torch
 
-from specdemo.batch_sweep import (BatchPoint, BatchSweep, batches, crossover, crossover_interpolated,
-                                  hf_generate_batch, iter_batch_sweep, run_batch_ar, shared_rows)
-from specdemo.bench.anchors import hf_kwargs
-from specdemo.bench.cli import batch_summary_lines
-from specdemo.bench.batch_report import batch_baseline_warning, batch_markdown, build_batch_report, write_batch_outputs
-from specdemo.bench.run import batch_k, parse_batch_sizes
-from specdemo.compare import Pair
 from specdemo.config import GenerationConfig
 from specdemo.drafters import ModelDrafter, NgramDrafter
 from specdemo.engine import eos_ids
-from specdemo.loading import LoadedModel
+from specdemo.measure.batch_sizes import (
+    BatchPoint,
+    BatchSweep,
+    batches,
+    crossover,
+    crossover_interpolated,
+    hf_generate_batch,
+    iter_batch_sweep,
+    run_batch_ar,
+    shared_rows,
+)
+from specdemo.measure.bench.anchors import hf_kwargs
+from specdemo.measure.bench.batch_report import (
+    batch_baseline_warning,
+    batch_markdown,
+    build_batch_report,
+    write_batch_outputs,
+)
+from specdemo.measure.bench.cli import batch_summary_lines
+from specdemo.measure.bench.run import batch_k, parse_batch_sizes
+from specdemo.measure.compare import Pair
+from specdemo.models.loading import LoadedModel
 
 PROMPTS = [[3, 5, 7, 3, 5, 9, 2], [4, 4, 1], [9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 8], [2], [6, 6, 6, 1, 2]]
 KEYS = {"ar_tokens_per_s", "sd_tokens_per_s", "speedup", "mean_accepted", "identical_fraction", "verify_cost"}
@@ -124,7 +138,7 @@ def test_batch_flags_are_checked():
 
 
 def test_the_batch_sweep_refuses_vllm_anchors(capsys):
-    from specdemo.bench import main
+    from specdemo.measure.bench import main
 
     assert main(["--batch-size", "1,2", "--anchors", "vllm", "--limit", "1", "--out", "/nonexistent/never"]) == 2
     assert "not part of the batch sweep" in capsys.readouterr().err

@@ -2,7 +2,7 @@
 
 import torch
 
-from specdemo.bench.anchors import assistant_k
+from specdemo.measure.bench.anchors import assistant_k
 
 
 def test_assistant_config_gives_constant_k(tiny_draft):

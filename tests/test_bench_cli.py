@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from specdemo.bench import main
-from specdemo.bench.cli import bench_config, parser
-from specdemo.prompts import DEFAULT_PROMPTS
 from specdemo.drafters.registry import names
+from specdemo.measure.bench import main
+from specdemo.measure.bench.cli import bench_config, parser
+from specdemo.prompts import DEFAULT_PROMPTS
 
 
 def test_defaults_come_from_the_config_and_need_nothing_outside_the_repository():

@@ -5,15 +5,15 @@ import json
 import pytest
 import torch
 
-from specdemo.bench.report import build_report, markdown, write_outputs
-from specdemo.bench.run import bench_prompt, parse_ks
-from specdemo.bench.timing import target_modules
-from specdemo.compare import Pair
 from specdemo.config import GenerationConfig
 from specdemo.drafters import ModelDrafter, NgramDrafter
-from specdemo.loading import LoadedModel
-from specdemo.prompts import PromptItem
 from specdemo.engine.timing import ForwardTimer
+from specdemo.measure.bench.report import build_report, markdown, write_outputs
+from specdemo.measure.bench.run import bench_prompt, parse_ks
+from specdemo.measure.bench.timing import target_modules
+from specdemo.measure.compare import Pair
+from specdemo.models.loading import LoadedModel
+from specdemo.prompts import PromptItem
 
 REQUIRED_ROW = {"id", "category", "k", "ar_tokens_per_s", "sd_tokens_per_s", "speedup", "mean_accepted",
                 "acceptance_rate", "identical"}

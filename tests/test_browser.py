@@ -16,10 +16,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from specdemo.ui import EXAMPLES
-
 from test_app_client import ROOT, SERVER_CPU, pinned, running_app, server  # noqa: F401  (server: the shared app.py)
+
+from specdemo.app.ui import EXAMPLES
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -1,4 +1,4 @@
-"""The plotly figures (specdemo.charts) from plain numbers: what each trace holds and what each title says."""
+"""The plotly figures (specdemo.measure.charts) from plain numbers: what each trace holds and what each title says."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from dataclasses import asdict
 
 import pytest
 
-from specdemo import charts
-from specdemo.sweep import SweepPoint, summarize
+from specdemo.app import charts
+from specdemo.measure.tune_k import SweepPoint, summarize
 
 
 def test_running_speedup_ends_at_the_tokens_per_second_ratio():
@@ -48,7 +48,7 @@ def test_position_acceptance_shows_each_position_beside_alpha_to_the_i():
 
 
 def test_k_sweep_shows_measured_points_beside_theory():
-    """A Sweep from specdemo.sweep becomes a figure with measured speedup, the theory curve and acceptance."""
+    """A Sweep from specdemo.measure.tune_k becomes a figure with measured speedup, the theory curve and acceptance."""
     points = [SweepPoint(k=k, ar_seconds=1.0, sd_seconds=1.0 / (1 + k / 10), ar_tokens=20, sd_tokens=20,
                          speedup=1 + k / 10, acceptance_rate=0.5, mean_accepted=1.5, mean_drafted=k, alpha=0.5,
                          c=0.01, verify_cost=1.0, expected_speedup=1.2, identical=True) for k in (1, 2, 3)]

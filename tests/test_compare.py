@@ -2,11 +2,11 @@
 
 import torch
 
-from specdemo.compare import Pair, compare, iter_compare, result_dict
 from specdemo.config import GenerationConfig
 from specdemo.drafters import HybridDrafter, ModelDrafter, NgramDrafter
 from specdemo.drafters.hybrid import HybridCalibration
-from specdemo.loading import LoadedModel
+from specdemo.measure.compare import Pair, compare, iter_compare, result_dict
+from specdemo.models.loading import LoadedModel
 
 PROMPT = [3, 5, 7, 3, 5, 9, 2]
 

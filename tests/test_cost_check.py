@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
+from specdemo.app.handlers import compute
+from specdemo.app.race import AppLimits, drift_warning, make_request
+from specdemo.app.ui import EXAMPLES
 from specdemo.config import Runtime
-from specdemo.handlers import compute
-from specdemo.metrics import BUSY_RATIO, PassCosts, cost_drift
-from specdemo.race import AppLimits, drift_warning, make_request
-from specdemo.ui import EXAMPLES
+from specdemo.measure.metrics import BUSY_RATIO, PassCosts, cost_drift
 
 REWRITE = next(p for c, p in EXAMPLES if c == "rewrite")
 HOG = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"

@@ -2,10 +2,9 @@
 separate pass would, and a stage resumes its cache by prompt."""
 
 import torch
-
-from specdemo.distill import answers, features, instructions
-
 from conftest import tiny_llama, tiny_tokenizer
+
+from specdemo.train import answers, features, instructions
 
 VOCAB = 40
 

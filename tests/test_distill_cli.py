@@ -6,13 +6,12 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_llama, tiny_tokenizer
 
 from specdemo.config import GenerationConfig
-from specdemo.distill import TrainConfig, agreement, cli, heads, main, training
 from specdemo.engine import autoregressive, encode_prompt, generated_ids, speculative
-from specdemo.loading import load_model
-
-from conftest import tiny_llama, tiny_tokenizer
+from specdemo.models.loading import load_model
+from specdemo.train import TrainConfig, agreement, cli, heads, main, training
 
 VOCAB = 40
 cells = lambda line: [c.strip() for c in line.strip().strip("|").split("|")]  # noqa: E731  (a markdown table row)

@@ -1,21 +1,20 @@
 """distill on a tiny random llama: the EAGLE-3 head learns the target's answers from its aux layers' states, its
-checkpoint loads through specdemo.eagle3's loader and drafts losslessly, the per-channel scale it trains under is
+checkpoint loads through specdemo.models.eagle3's loader and drafts losslessly, the per-channel scale it trains under is
 folded into fc exactly, and a whole `distill` run writes a vLLM-format head."""
 
 import json
 
 import pytest
 import torch
-
-from specdemo.config import GenerationConfig
-from specdemo.distill import cli, features, heads, main, training
-from specdemo.eagle3 import default_aux_layer_ids, is_eagle3, load_eagle3
-from specdemo.engine import autoregressive, generated_ids, speculative
-from specdemo.loading import LoadedModel, load_model
-
 from conftest import tiny_llama, tiny_tokenizer
 from test_distill_cli import TEMPLATE
 from test_distill_features import VOCAB, greedy_samples
+
+from specdemo.config import GenerationConfig
+from specdemo.engine import autoregressive, generated_ids, speculative
+from specdemo.models.eagle3 import default_aux_layer_ids, is_eagle3, load_eagle3
+from specdemo.models.loading import LoadedModel, load_model
+from specdemo.train import cli, features, heads, main, training
 
 LAYERS = 8  # vLLM's default aux ids (2, L // 2, L - 3) are three distinct layers from 6 on: (2, 4, 5)
 # In a random 8-layer target the token is far harder to read from layers 2-5 than from the last ones (a head on the

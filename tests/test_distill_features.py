@@ -2,10 +2,9 @@
 layers' states are sliced or rebuilt as their layers require, and an EAGLE-3 head trains on them."""
 
 import torch
-
-from specdemo.distill import cli, features, heads, training
-
 from conftest import tiny_llama
+
+from specdemo.train import cli, features, heads, training
 
 VOCAB = 40
 AUX = (1,)  # the tiny 2-layer target's inner state an EAGLE-3 head reads here (the default ids need 6+ layers)

@@ -1,9 +1,9 @@
 """distill.instructions: self-written instructions (Magpie-style, steered) are unique, cached and resumable, the
 project's instruction files are read in order, and no training instruction comes close to an evaluation prompt."""
 
-from specdemo.distill import cli, instructions
-
 from conftest import tiny_llama, tiny_tokenizer
+
+from specdemo.train import cli, instructions
 
 VOCAB = 40
 

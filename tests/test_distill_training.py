@@ -4,15 +4,14 @@ held-out agreement rises, the checkpoint drafts losslessly), the split, the loss
 import json
 
 import torch
-
-from specdemo.config import GenerationConfig
-from specdemo.distill import cli, features, heads, training
-from specdemo.eagle3 import load_eagle3
-from specdemo.engine import autoregressive, generated_ids, speculative
-from specdemo.loading import LoadedModel
-
 from conftest import tiny_llama, tiny_tokenizer
 from test_distill_features import AUX, VOCAB, eagle3_trainee, greedy_samples
+
+from specdemo.config import GenerationConfig
+from specdemo.engine import autoregressive, generated_ids, speculative
+from specdemo.models.eagle3 import load_eagle3
+from specdemo.models.loading import LoadedModel
+from specdemo.train import cli, features, heads, training
 
 
 def test_distill_learns_the_target_and_writes_a_lossless_draft(tmp_path):

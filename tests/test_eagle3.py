@@ -1,4 +1,4 @@
-"""EAGLE-3 heads (specdemo.eagle3) on a tiny random llama: the checkpoint format, save/load, losslessness, exactness,
+"""EAGLE-3 heads (specdemo.models.eagle3) on a tiny random llama: the checkpoint format, save/load, losslessness, exactness,
 the drafter's KV rollback, the training-time unroll against drafting, q of its drafts and the confidence gate; and the
 shipped head on the bundled target."""
 
@@ -12,7 +12,9 @@ from conftest import tiny_llama, tiny_tokenizer, until_second_token
 
 from specdemo.config import GenerationConfig, Runtime, SamplingConfig
 from specdemo.drafters import DraftRequest
-from specdemo.eagle3 import (
+from specdemo.engine import autoregressive, encode_prompt, generated_ids, speculative
+from specdemo.engine.kv import target_features
+from specdemo.models.eagle3 import (
     Eagle3Config,
     Eagle3Drafter,
     Eagle3FormatError,
@@ -21,8 +23,6 @@ from specdemo.eagle3 import (
     load_head,
     save_eagle3,
 )
-from specdemo.engine import autoregressive, encode_prompt, generated_ids, speculative
-from specdemo.engine.kv import target_features
 
 VOCAB = 100
 LAYERS = 8  # the default aux ids (2, L // 2, L - 3) = (2, 4, 5) are distinct
@@ -257,7 +257,7 @@ def test_unsupported_variants_are_refused():
 
 
 def loaded_target(model, tok):
-    from specdemo.loading import LoadedModel
+    from specdemo.models.loading import LoadedModel
 
     return LoadedModel("tiny-target", model, tok, model.device, model.dtype, "folder")
 
@@ -265,8 +265,8 @@ def loaded_target(model, tok):
 def test_make_drafter_detects_an_eagle3_folder_from_its_config(target8, tok100, tmp_path):
     """compare.make_drafter (the CLI's --draft, the bench, the app) turns a folder whose config.json is an EAGLE-3
     head into an Eagle3Drafter, alone or inside the hybrid, with the head's recorded k; the folder's name is not read."""
-    from specdemo.compare import drafter_k, make_drafter
     from specdemo.drafters import HybridDrafter
+    from specdemo.measure.compare import drafter_k, make_drafter
 
     folder = tmp_path / "any-name"
     save_eagle3(random_head(target8), folder, meta={"num_speculative_tokens": 3})
@@ -284,8 +284,8 @@ def test_make_drafter_detects_an_eagle3_folder_from_its_config(target8, tok100, 
 def test_make_drafter_says_a_folder_without_a_config_is_no_draft(target8, tok100, tmp_path):
     """A folder that is neither an EAGLE-3 head nor a causal LM (no config.json) is refused by name, before any
     loader guesses at it."""
-    from specdemo.compare import make_drafter
-    from specdemo.loading import ModelLoadError
+    from specdemo.measure.compare import make_drafter
+    from specdemo.models.loading import ModelLoadError
 
     (tmp_path / "weights.safetensors").write_bytes(b"")
     with pytest.raises(ModelLoadError, match="is not an EAGLE-3 head .*LlamaForCausalLMEagle3.* nor a causal LM"):
@@ -297,8 +297,8 @@ def test_hub_ids_detected_from_the_cached_config_and_offline_fails_clearly(targe
     offline fails with the loader's usual clear message."""
     from huggingface_hub import constants
 
-    from specdemo.compare import make_drafter
-    from specdemo.loading import ModelLoadError
+    from specdemo.measure.compare import make_drafter
+    from specdemo.models.loading import ModelLoadError
 
     snapshot = tmp_path / "hub" / "models--someone--tiny-eagle3" / "snapshots" / ("0" * 40)
     save_eagle3(random_head(target8), snapshot)
@@ -337,7 +337,7 @@ def test_export_cli_writes_checkpoint_and_flags_and_round_trips(target8, tmp_pat
         a = proposals(Eagle3Drafter(original), target8, PROMPT + [12], k=5, sampling=sampling, seed=3)
         b = proposals(Eagle3Drafter(back), target8, PROMPT + [12], k=5, sampling=sampling, seed=3)
         assert a.tokens == b.tokens
-    from specdemo.compare import drafter_k, make_drafter
+    from specdemo.measure.compare import drafter_k, make_drafter
 
     drafter, _, _ = make_drafter(loaded_target(target8, None), "model", str(out))
     assert drafter_k(drafter) == 3  # export's k is the exported head's recorded k
@@ -346,7 +346,7 @@ def test_export_cli_writes_checkpoint_and_flags_and_round_trips(target8, tmp_pat
 def test_export_refuses_what_is_not_an_eagle3_head(target8, tmp_path):
     """A folder without a config.json is no draft at all, and export says so; a plain draft LM is pointed to
     serve-config."""
-    from specdemo.export import export_eagle3
+    from specdemo.serve.export import export_eagle3
 
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "weights.safetensors").write_bytes(b"")
@@ -406,7 +406,7 @@ def test_sampled_distribution_is_exact_through_d2t(target8, tok100):
 def test_bundled_target_with_an_eagle3_head_is_lossless_end_to_end(bundled, tmp_path):
     """The real bundled target with a random EAGLE-3 head (saved, then loaded by the CLI's path): greedy speculative
     output equals the target's greedy output, for several k."""
-    from specdemo.compare import make_drafter
+    from specdemo.measure.compare import make_drafter
 
     torch.manual_seed(0)
     head = build_head(bundled.model, torch.arange(8192))  # the 8192 first ids, as a draft vocabulary
@@ -426,7 +426,7 @@ def test_bundled_target_with_an_eagle3_head_is_lossless_end_to_end(bundled, tmp_
 def test_serve_hint_after_tune_k_names_k_and_the_commands(target8, tmp_path):
     """After Tune k the app shows how to serve an EAGLE-3 draft at the tuned k (export, vllm serve, SGLang) and
     nothing for other drafts."""
-    from specdemo.export import serve_hint
+    from specdemo.serve.export import serve_hint
 
     save_eagle3(random_head(target8), tmp_path / "head")
     hint = serve_hint("smollm2-135m", str(tmp_path / "head"), 3)
@@ -440,7 +440,7 @@ def test_serve_hint_after_tune_k_names_k_and_the_commands(target8, tmp_path):
 def test_shipped_draft_is_lossless_and_accepts(bundled):
     """The shipped head (an EAGLE-3 head since 2026-12-02, loaded through the path every drafter takes) with the
     bundled target: greedy speculative == autoregressive, with real acceptance."""
-    from specdemo.compare import make_drafter
+    from specdemo.measure.compare import make_drafter
 
     drafter, name, _ = make_drafter(bundled, "model", None)
     assert name == "smollm2-135m-draft" and isinstance(drafter, Eagle3Drafter) and drafter.min_confidence == 0.8

@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from specdemo.bench import main as bench_main
-from specdemo.bench.vllm import VLLM_PYTHON_ENV
-from specdemo.distill.heads import build_eagle3_head
-from specdemo.eagle3 import default_aux_layer_ids, save_eagle3
-
 from test_vllm import NEEDS_VLLM, vllm_python
+
+from specdemo.measure.bench import main as bench_main
+from specdemo.measure.bench.vllm import VLLM_PYTHON_ENV
+from specdemo.models.eagle3 import default_aux_layer_ids, save_eagle3
+from specdemo.train.heads import build_eagle3_head
 
 HEAD_ENV = "SPECDEMO_EAGLE3_HEAD"  # another head folder to check instead of the shipped one; "logit-lens": the untrained
 #                                    deterministic head below
@@ -56,7 +55,7 @@ def test_vllm_eagle3_is_greedy_identical_and_accepts_what_ours_accepts(tmp_path,
     folder as distill wrote it: vLLM reads it unchanged; 98 drafts accepted by ours, 93 by vLLM, acceptance 0.511
     and 0.516 on 2026-12-02), or SPECDEMO_EAGLE3_HEAD (the logit-lens head: 9 drafts
     accepted on each side here, per prompt 4 / 2 / 2 / 1 in both engines, acceptance 0.026 ours, 0.025 vLLM's)."""
-    from specdemo.loading import load_model
+    from specdemo.models.loading import load_model
 
     monkeypatch.setenv(VLLM_PYTHON_ENV, str(vllm_python()))
     folder = os.environ.get(HEAD_ENV) or str(SHIPPED)

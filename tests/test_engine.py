@@ -6,7 +6,13 @@ from conftest import until_second_token
 
 from specdemo.config import GenerationConfig, SamplingConfig
 from specdemo.drafters import HybridDrafter, ModelDrafter, NgramDrafter
-from specdemo.engine import GenerationError, autoregressive, encode_prompt, generated_ids, speculative
+from specdemo.engine import (
+    GenerationError,
+    autoregressive,
+    encode_prompt,
+    generated_ids,
+    speculative,
+)
 from specdemo.engine.kv import with_cache
 
 PROMPT = [3, 5, 7, 3, 5, 9, 2]

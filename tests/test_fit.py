@@ -1,4 +1,4 @@
-"""The memory estimate before loading (specdemo.fit, race.check_fit), the app's device-map settings and presets, and
+"""The memory estimate before loading (specdemo.models.fit, race.check_fit), the app's device-map settings and presets, and
 the app refusing a pair that cannot fit, then serving the next request (issue 31). Tiny real models in folders."""
 
 from __future__ import annotations
@@ -9,11 +9,17 @@ from conftest import WORDS, tiny_llama, tiny_tokenizer
 from test_handlers import OUTPUTS
 
 from app import limits_from_env
+from specdemo.app.handlers import Handlers
+from specdemo.app.race import (
+    AppLimits,
+    UserError,
+    check_fit,
+    make_request,
+    placement_for,
+)
 from specdemo.config import PRESETS, Placement, placement_from
-from specdemo.fit import GIB, estimate_fit, folder_params, size_bytes
-from specdemo.handlers import Handlers
-from specdemo.loading import cache_root
-from specdemo.race import AppLimits, UserError, check_fit, make_request, placement_for
+from specdemo.models.fit import GIB, estimate_fit, folder_params, size_bytes
+from specdemo.models.loading import cache_root
 
 CPU = torch.device("cpu")
 

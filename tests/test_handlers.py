@@ -11,15 +11,22 @@ from dataclasses import fields
 import pytest
 import torch
 
-from specdemo import handlers as handlers_module, race
-from specdemo.compare import Pair
+from specdemo.app import handlers as handlers_module
+from specdemo.app import race
+from specdemo.app.handlers import (
+    Handlers,
+    Outputs,
+    RaceOutputs,
+    SettingsOutputs,
+    SweepOutputs,
+)
+from specdemo.app.race import AppLimits, Runs, drift_warning
+from specdemo.app.render import COMMITTED, KINDS
+from specdemo.app.ui import EXAMPLES
 from specdemo.config import Placement, Runtime
 from specdemo.drafters import NgramDrafter
-from specdemo.handlers import Handlers, Outputs, RaceOutputs, SettingsOutputs, SweepOutputs
-from specdemo.loading import LoadedModel
-from specdemo.race import AppLimits, Runs, drift_warning
-from specdemo.render import COMMITTED, KINDS
-from specdemo.ui import EXAMPLES
+from specdemo.measure.compare import Pair
+from specdemo.models.loading import LoadedModel
 
 REWRITE = next(p for c, p in EXAMPLES if c == "rewrite")
 COMMITTED_CLASSES = tuple(KINDS[k][0] for k in COMMITTED)

@@ -7,9 +7,9 @@ import torch
 
 from specdemo.config import GenerationConfig
 from specdemo.drafters import ModelDrafter
-from specdemo.engine import autoregressive, encode_prompt, generated_ids, speculative
 from specdemo.drafters.hybrid import calibrate, calibrated_hybrid, hybrid_model_k
-from specdemo.loading import LoadedModel
+from specdemo.engine import autoregressive, encode_prompt, generated_ids, speculative
+from specdemo.models.loading import LoadedModel
 
 PROMPT = [3, 5, 7, 3, 5, 9, 2]
 
@@ -49,8 +49,8 @@ def test_calibration_records_the_costs_it_chose_from(tiny_target, tiny_draft, ti
 @pytest.mark.slow
 def test_shipped_draft_with_prompt_lookup_is_lossless(bundled):
     """The hybrid (lookup where the text repeats, the trained draft elsewhere) on the real pair: the target's output."""
-    from specdemo.compare import make_drafter
     from specdemo.drafters.resolve import DRAFTS
+    from specdemo.measure.compare import make_drafter
 
     hybrid, _, cal = make_drafter(bundled, "hybrid", None)  # the shipped draft, capped as this machine's costs say
     chain = json.loads((DRAFTS / "smollm2-135m-draft" / "specdemo.json").read_text())["metrics"]["chain"]

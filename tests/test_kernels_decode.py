@@ -1,12 +1,11 @@
-"""specdemo.kernels.decode: left padding, the preallocated KV cache and grouped one-query attention give what a stock
+"""specdemo.models.kernels.decode: left padding, the preallocated KV cache and grouped one-query attention give what a stock
 cache and sdpa give, up to float rounding, and the attention switch is undone after its block."""
 
 import torch
-
-from specdemo import kernels
-from specdemo.engine.kv import with_cache
-
 from conftest import tiny_llama
+
+from specdemo.engine.kv import with_cache
+from specdemo.models import kernels
 
 VOCAB = 40
 

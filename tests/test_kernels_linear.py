@@ -1,4 +1,4 @@
-"""The few-row CPU product equals F.linear up to rounding, and leaves training untouched (specdemo.kernels.linear)."""
+"""The few-row CPU product equals F.linear up to rounding, and leaves training untouched (specdemo.models.kernels.linear)."""
 
 import importlib
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from specdemo import kernels
+from specdemo.models import kernels
 
-linear_module = importlib.import_module("specdemo.kernels.linear")  # `kernels.linear` is the function
+linear_module = importlib.import_module("specdemo.models.kernels.linear")  # `kernels.linear` is the function
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -96,6 +96,7 @@ def test_enabled_only_for_cpu_float32(monkeypatch):
 def test_patched_models_decode_losslessly(tiny_tok, k):
     """With the few-row product in both models, greedy speculative output is still the target's greedy output."""
     from conftest import tiny_llama
+
     from specdemo.config import GenerationConfig
     from specdemo.drafters import ModelDrafter
     from specdemo.engine import autoregressive, generated_ids, speculative

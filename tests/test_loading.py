@@ -3,11 +3,17 @@
 import pytest
 import torch
 
-from specdemo.compare import make_drafter
 from specdemo.config import Runtime
-from specdemo.loading import (
-    ModelLoadError, TokenizerMismatchError, bundled_gguf_path, cache_root, check_tokenizers, load_model,
-    parse_dtype, resolve_device,
+from specdemo.measure.compare import make_drafter
+from specdemo.models.loading import (
+    ModelLoadError,
+    TokenizerMismatchError,
+    bundled_gguf_path,
+    cache_root,
+    check_tokenizers,
+    load_model,
+    parse_dtype,
+    resolve_device,
 )
 
 
@@ -74,7 +80,7 @@ def test_runtime_switches_reach_the_loaded_model(tiny_target, tiny_tok, tmp_path
 
 def test_load_tokenizer_reads_the_tokenizer_and_context_without_weights(tiny_target, tiny_tok, tmp_path):
     """A saved folder's tokenizer and max_position_embeddings, with no model loaded (for the app's prompt check)."""
-    from specdemo import loading
+    from specdemo.models import loading
 
     tiny_target.save_pretrained(tmp_path)
     tiny_tok.save_pretrained(tmp_path)

@@ -3,8 +3,14 @@
 import pytest
 
 from specdemo.engine import StepEvent
-from specdemo.metrics import (alpha_from_mean_accepted, best_k, expected_speedup, expected_tokens, run_stats,
-                              speedup)
+from specdemo.measure.metrics import (
+    alpha_from_mean_accepted,
+    best_k,
+    expected_speedup,
+    expected_tokens,
+    run_stats,
+    speedup,
+)
 
 
 def spec(drafted, accepted, elapsed, generated, k):

@@ -3,9 +3,9 @@ identical to the fully loaded target for prompt lookup and the trained draft, th
 
 import pytest
 
-from specdemo.compare import load_pair
 from specdemo.config import GenerationConfig, placement_from
 from specdemo.engine import autoregressive, encode_prompt, generated_ids, speculative
+from specdemo.measure.compare import load_pair
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 from conftest import WORDS, tiny_llama, tiny_tokenizer
 
-from specdemo.compare import compare, load_pair, pair_placement
 from specdemo.config import (
     GenerationConfig,
     Placement,
@@ -19,10 +18,11 @@ from specdemo.config import (
     placement_from,
 )
 from specdemo.drafters import ModelDrafter, NgramDrafter
-from specdemo.eagle3 import build_head
 from specdemo.engine import autoregressive, generated_ids, speculative
-from specdemo.loading import ModelLoadError, load_model
-from specdemo.placement import (
+from specdemo.measure.compare import compare, load_pair, pair_placement
+from specdemo.models.eagle3 import build_head
+from specdemo.models.loading import ModelLoadError, load_model
+from specdemo.models.placement import (
     execution_device,
     is_offloaded,
     module_ranges,

@@ -1,18 +1,33 @@
-"""The app's plain parts (specdemo.race, no gradio): request checks against the limits, the Space rules for model ids,
+"""The app's plain parts (specdemo.app.race, no gradio): request checks against the limits, the Space rules for model ids,
 the prompt-length guard, the summary text and the pacing of live frames and of the race."""
 
 from __future__ import annotations
 
 import time
+
 import pytest
 
-from specdemo import race
+from specdemo.app import race
+from specdemo.app.race import (
+    LIVE_TEXT_EVERY,
+    AppLimits,
+    Runs,
+    Throttle,
+    UserError,
+    check_prompt_tokens,
+    final_stats_markdown,
+    is_local_path,
+    make_request,
+    preset_fields,
+    preset_ids,
+    prompt_token_limit,
+    replay_frames,
+    run_point,
+    sweep_table,
+)
 from specdemo.config import BUNDLED_ID, PRESETS, TRAINED_DRAFT_ID
 from specdemo.engine import StepEvent
-from specdemo.race import (LIVE_TEXT_EVERY, AppLimits, Runs, Throttle, UserError, check_prompt_tokens, final_stats_markdown,
-                           is_local_path, make_request, preset_fields, preset_ids, prompt_token_limit,
-                           replay_frames, run_point, sweep_table)
-from specdemo.sweep import SweepPoint, summarize
+from specdemo.measure.tune_k import SweepPoint, summarize
 
 OK = dict(prompt="hi", target="smollm2-135m", drafter="ngram", draft="", k=4, dynamic_k=False, temperature=0.0,
           top_p=1.0, max_new_tokens=16)
@@ -76,7 +91,7 @@ def test_summary_says_how_the_hybrid_drafted_and_why():
 
 
 def test_sweep_table_has_a_line_per_k_and_the_fit():
-    """A Sweep from specdemo.sweep becomes a table line per k, then the fitted alpha, c and the theory's best k."""
+    """A Sweep from specdemo.measure.tune_k becomes a table line per k, then the fitted alpha, c and the theory's best k."""
     points = [SweepPoint(k=k, ar_seconds=1.0, sd_seconds=1.0 / (1 + k / 10), ar_tokens=20, sd_tokens=20,
                          speedup=1 + k / 10, acceptance_rate=0.5, mean_accepted=1.5, mean_drafted=k, alpha=0.5,
                          c=0.01, verify_cost=1.0, expected_speedup=1.2, identical=True) for k in (1, 2, 3)]

@@ -10,17 +10,22 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_llama
-from specdemo.drafters import registry
-from specdemo.config import TRAINED_DRAFT_ID
-from specdemo.config import GenerationConfig
-from specdemo.drafters import Drafter, DraftRequest, Proposal
-from specdemo.engine import autoregressive, generated_ids, speculative
-from specdemo.drafters.resolve import DRAFTS, EAGLE3, LM, TRAINED, DraftError, resolve_draft
-from specdemo.eagle3 import save_eagle3
-from specdemo.drafters.registry import DrafterKind
 from test_eagle3 import LAYERS, VOCAB, random_head
+
+from specdemo.config import TRAINED_DRAFT_ID, GenerationConfig
+from specdemo.drafters import Drafter, DraftRequest, Proposal, registry
+from specdemo.drafters.registry import DrafterKind
+from specdemo.drafters.resolve import (
+    DRAFTS,
+    EAGLE3,
+    LM,
+    TRAINED,
+    DraftError,
+    resolve_draft,
+)
+from specdemo.engine import autoregressive, generated_ids, speculative
+from specdemo.models.eagle3 import save_eagle3
 
 TOY = "repeat-last"
 
@@ -70,7 +75,7 @@ def test_registry_imports_nothing_heavy():
 def test_a_registered_kind_reaches_the_cli_and_the_bench(toy_kind, capsys):
     """generate's and serve-config's --drafter list it with its help; the bench's parser accepts it."""
     from specdemo.__main__ import main
-    from specdemo.bench.cli import parser
+    from specdemo.measure.bench.cli import parser
 
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
@@ -84,8 +89,8 @@ def test_a_registered_kind_reaches_the_app(toy_kind):
     """The app's Drafter radio offers it under its label; make_request accepts it and drops a draft it takes none of."""
     import gradio as gr
 
-    from specdemo.race import AppLimits, make_request
-    from specdemo.ui import build_demo
+    from specdemo.app.race import AppLimits, make_request
+    from specdemo.app.ui import build_demo
 
     demo = build_demo()
     radios = [b for b in demo.blocks.values() if isinstance(b, gr.Radio) and b.label == "Drafter"]
@@ -99,7 +104,7 @@ def test_a_registered_kind_reaches_compare_and_serve_config(toy_kind, tiny_targe
     """compare.make_drafter builds it through its factory, and greedy speculative decoding with it equals the
     target's own output; serve-config maps it to its vLLM and SGLang methods and refuses a --draft for it."""
     from specdemo.__main__ import main
-    from specdemo.compare import make_drafter
+    from specdemo.measure.compare import make_drafter
 
     drafter, name, calibration = make_drafter(None, TOY, None)
     assert isinstance(drafter, RepeatLast) and name is None and calibration is None

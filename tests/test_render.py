@@ -1,4 +1,4 @@
-"""The token panels' HTML (specdemo.render): spans per token, rejected drafts in place, escaping, and the step
+"""The token panels' HTML (specdemo.app.render): spans per token, rejected drafts in place, escaping, and the step
 inspector's data on the speculative spans."""
 
 from __future__ import annotations
@@ -7,8 +7,15 @@ import html
 import json
 import re
 
+from specdemo.app.render import (
+    INSPECTOR_JS,
+    Segment,
+    event_segments,
+    segments_html,
+    split_text,
+    step_info,
+)
 from specdemo.engine import StepEvent
-from specdemo.render import INSPECTOR_JS, Segment, event_segments, segments_html, split_text, step_info
 
 
 class WordTokenizer:

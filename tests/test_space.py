@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_app_client import free_port, wait_ready
 
-from specdemo import space
 from specdemo.__main__ import main
 from specdemo.config import BUNDLED_ID
-from test_app_client import free_port, wait_ready
+from specdemo.serve import space
 
 ROOT = Path(__file__).resolve().parent.parent
 HUB_COLORS = {"red", "yellow", "green", "blue", "indigo", "purple", "pink", "gray"}

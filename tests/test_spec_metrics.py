@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from specdemo.batch import BatchEvent
-from specdemo.engine import StepEvent
-from specdemo.bench.vllm import VLLM_PYTHON_ENV
-from specdemo.spec_metrics import pool, rows_of, speculative_decoding, steps_of
-
 from test_vllm import NEEDS_VLLM
+
+from specdemo.engine import StepEvent
+from specdemo.measure.bench.vllm import VLLM_PYTHON_ENV
+from specdemo.measure.spec_metrics import pool, rows_of, speculative_decoding, steps_of
 
 
 def spec(drafted: int, accepted: int, k: int = 4) -> StepEvent:
@@ -72,14 +71,20 @@ def test_ours_equal_vllms_own_per_request_metrics_on_the_same_drafts(tmp_path):
     - the outputs are identical, and both engines draft and accept the same per step, up to where our engine caps k
       to leave the last token to the target; past it vLLM still drafts k and counts drafts the length limit drops
       (on 2026-12-03: 3 of 3 prompts, 21/19/14 of our steps against vLLM's 22/20/14, equal before the cap)."""
-    from specdemo.bench.vllm import (VllmOptions, build_request, driver_env, model_source, require_python,
-                                     run_driver)
     from specdemo.config import GenerationConfig
     from specdemo.drafters import NgramDrafter
     from specdemo.engine import encode_prompt, eos_ids, speculative
-    from specdemo.loading import load_model
+    from specdemo.measure.bench.vllm import (
+        VllmOptions,
+        build_request,
+        driver_env,
+        model_source,
+        require_python,
+        run_driver,
+    )
+    from specdemo.models.loading import load_model
     from specdemo.prompts import DEFAULT_PROMPTS, read_prompts
-    from specdemo.serving import Lookup, vllm_speculative_config
+    from specdemo.serve.serve_config import Lookup, vllm_speculative_config
 
     k, max_new = 4, 48
     target = load_model("smollm2-135m", device="cpu", dtype="fp32")

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from specdemo import speculators
-from specdemo.__main__ import main
-from specdemo.bench.vllm import VLLM_PYTHON_ENV
-from specdemo.eagle3 import Eagle3Config, read_config, recorded_k
-
 from test_vllm import NEEDS_VLLM
+
+from specdemo.__main__ import main
+from specdemo.measure.bench.vllm import VLLM_PYTHON_ENV
+from specdemo.models.eagle3 import Eagle3Config, read_config, recorded_k
+from specdemo.serve import speculators
 
 SHIPPED = Path(__file__).resolve().parent.parent / "specdemo" / "data" / "smollm2-135m-draft"
 
@@ -48,9 +47,9 @@ def test_export_speculators_then_draft_loads_it_losslessly(tmp_path, capsys):
     k = 2, every tensor equal to the shipped head's, and greedy decoding proposes and outputs the same tokens."""
     from specdemo.config import GenerationConfig
     from specdemo.drafters.resolve import resolve_draft
-    from specdemo.eagle3 import load_eagle3
     from specdemo.engine import encode_prompt, speculative
-    from specdemo.loading import load_model
+    from specdemo.models.eagle3 import load_eagle3
+    from specdemo.models.loading import load_model
 
     out = tmp_path / "head"
     assert main(["export", "--draft", "smollm2-135m-draft", "--out", str(out), "--k", "2",
@@ -74,10 +73,16 @@ def test_export_speculators_then_draft_loads_it_losslessly(tmp_path, capsys):
 def test_vllm_serves_the_speculators_export_alone_with_our_greedy_output(tmp_path):
     """LLM(model=HEAD) with no target and no speculative_config: vLLM reads the verifier and k from the folder,
     drafts (its spec-decode counters move) and its greedy tokens equal our autoregressive tokens on three prompts."""
-    from specdemo.bench.vllm import VllmOptions, build_request, driver_env, require_python, run_driver
     from specdemo.config import GenerationConfig
     from specdemo.engine import autoregressive, encode_prompt, eos_ids
-    from specdemo.loading import load_model
+    from specdemo.measure.bench.vllm import (
+        VllmOptions,
+        build_request,
+        driver_env,
+        require_python,
+        run_driver,
+    )
+    from specdemo.models.loading import load_model
     from specdemo.prompts import DEFAULT_PROMPTS, read_prompts
 
     head = tmp_path / "head"

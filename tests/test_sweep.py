@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from specdemo.compare import Pair
 from specdemo.config import GenerationConfig
 from specdemo.drafters import ModelDrafter, NgramDrafter
-from specdemo.loading import LoadedModel
-from specdemo.metrics import best_k, expected_speedup
-from specdemo.sweep import SweepPoint, point, summarize, sweep
+from specdemo.measure.compare import Pair
+from specdemo.measure.metrics import best_k, expected_speedup
+from specdemo.measure.tune_k import SweepPoint, point, summarize, sweep
+from specdemo.models.loading import LoadedModel
 
 PROMPTS = ["w3 w5 w7 w3 w5 w9 w2", "w1 w2 w3 w4 w1 w2 w3"]
 
@@ -61,7 +61,7 @@ def test_summarize_pools_alpha_by_verify_steps():
 
 def test_point_speedup_is_total_time_ratio(tiny_target, tiny_tok):
     """A point's speedup is total autoregressive seconds over total speculative seconds."""
-    from specdemo.sweep import run_ar, run_sd
+    from specdemo.measure.tune_k import run_ar, run_sd
 
     pair = tiny_pair(tiny_target, tiny_tok, NgramDrafter(), "ngram")
     config = GenerationConfig(max_new_tokens=8, num_draft_tokens=2)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from specdemo.engine import timing
-from specdemo.bench.timing import target_modules
 from specdemo.engine.timing import Clock, ForwardTimer, forward_costs, verify_costs_for
+from specdemo.measure.bench.timing import target_modules
 
 
 def test_forward_costs_are_relative_to_one_token(tiny_target):

@@ -9,10 +9,10 @@ from pathlib import Path
 import gradio as gr
 import pytest
 
+from specdemo.app.handlers import Handlers
+from specdemo.app.race import AppLimits
+from specdemo.app.ui import CUSTOM, build_demo, preset_choices
 from specdemo.config import MAX_K, PRESETS, Runtime
-from specdemo.handlers import Handlers
-from specdemo.race import AppLimits
-from specdemo.ui import CUSTOM, build_demo, preset_choices
 
 PACKAGE = Path(__file__).resolve().parent.parent / "specdemo"
 COMPARE_INPUTS = ["Prompt", "Target model id", "Drafter", "Draft model id (same tokenizer)", "k (draft tokens per step)",
@@ -62,8 +62,8 @@ def test_replay_race_reuses_the_finished_runs_and_stop_only_marks_them(demo):
 
 def test_the_page_loads_the_inspector_script():
     """launch_options carries the inspector's script; the page has its panel under the speculative one."""
-    from specdemo.render import INSPECTOR_JS
-    from specdemo.ui import launch_options
+    from specdemo.app.render import INSPECTOR_JS
+    from specdemo.app.ui import launch_options
 
     assert launch_options()["js"] == INSPECTOR_JS
 
@@ -91,14 +91,27 @@ def test_sliders_take_their_ranges_from_config_and_limits(demo):
     assert only_bundled == [p.label for p in PRESETS if p.offline] + [CUSTOM]
 
 
-def test_only_the_ui_and_its_handlers_import_gradio():
-    """No module of the package but ui.py and the handlers (handlers.py, batch_handlers.py) imports gradio (charts,
-    render and race stay plain)."""
-    importers = set()
+def test_only_the_app_package_imports_gradio_and_imports_point_down():
+    """No module outside app/ imports gradio (charts, render and race stay plain), and imports point one way: the
+    top-level modules, then models/, then engine/ and drafters/, then measure/, serve/ and train/, then app/, then
+    the CLI. At most 8 modules sit at the package's top level."""
+    rank = {"config": 0, "prompts": 0, "cliargs": 0, "__init__": 0, "models": 1, "engine": 2, "drafters": 2,
+            "measure": 3, "serve": 3, "train": 3, "app": 4, "__main__": 5}
+    importers, upward = set(), []
     for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        layer = parts[1] if len(parts) > 1 else "__init__"
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             if any(n == "gradio" or n.startswith("gradio.") for n in names):
                 importers.add(path.relative_to(PACKAGE).as_posix())
-    assert importers == {"ui.py", "handlers.py", "batch_handlers.py"}
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = parts[:-1][: len(parts) - node.level]
+                target = base + (node.module.split(".") if node.module else [node.names[0].name])
+                other = target[1] if len(target) > 1 else "__init__"
+                if rank.get(other, 0) > rank[layer]:
+                    upward.append((".".join(parts), ".".join(target)))
+    assert importers and all(p.startswith("app/") for p in importers), importers
+    assert upward == []
+    assert len([p for p in PACKAGE.glob("*.py")]) <= 8

@@ -4,7 +4,12 @@ import pytest
 import torch
 
 from specdemo.config import SamplingConfig
-from specdemo.engine.verify import generator_on, greedy_accept, logits_to_probs, rejection_accept
+from specdemo.engine.verify import (
+    generator_on,
+    greedy_accept,
+    logits_to_probs,
+    rejection_accept,
+)
 
 NEG = float("-inf")
 

@@ -11,16 +11,32 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+from test_bench_run import tiny_pair, tiny_rows
 
 from specdemo.__main__ import main as cli_main
-from specdemo.bench import main as bench_main
-from specdemo.bench.cli import bench_config, parser
-from specdemo.bench.report import build_report, html, markdown
-from specdemo.bench.vllm import (DRIVER, PROTOCOL, VLLM_PYTHON_ENV, VllmOptions, VllmUnavailable, attach,
-                                 build_request, find_python, require_python, run_driver, vllm_methods)
 from specdemo.drafters import HybridDrafter, NgramDrafter
-from specdemo.serving import Lookup, sglang_flags, vllm_serve_command, vllm_speculative_config
-from test_bench_run import tiny_pair, tiny_rows
+from specdemo.measure.bench import main as bench_main
+from specdemo.measure.bench.cli import bench_config, parser
+from specdemo.measure.bench.report import build_report, html, markdown
+from specdemo.measure.bench.vllm import (
+    DRIVER,
+    PROTOCOL,
+    VLLM_PYTHON_ENV,
+    VllmOptions,
+    VllmUnavailable,
+    attach,
+    build_request,
+    find_python,
+    require_python,
+    run_driver,
+    vllm_methods,
+)
+from specdemo.serve.serve_config import (
+    Lookup,
+    sglang_flags,
+    vllm_serve_command,
+    vllm_speculative_config,
+)
 
 
 def load_driver():

@@ -1,4 +1,4 @@
-"""The compute process (specdemo.worker): a real spawned process running generator functions of this module."""
+"""The compute process (specdemo.app.worker): a real spawned process running generator functions of this module."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from specdemo.worker import Worker, WorkerError
+from specdemo.app.worker import Worker, WorkerError
 
 
 def count(n: int, pause: float = 0.0):

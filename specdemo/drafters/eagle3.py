@@ -7,16 +7,20 @@ ids by d2t, so q is zero outside it and rejection sampling stays exact.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from ..config import Runtime
 from ..engine.kv import PAD, Slots, gather_slots, left_padded
 from ..engine.verify import generator_on, logits_to_probs
+from ..models import kernels
+from ..models.eagle3 import load_head, locate_eagle3, recorded_k
 from .base import Drafter, DraftRequest, Proposal
 
 if TYPE_CHECKING:
-    from ..eagle3 import Eagle3Head
+    from ..models.eagle3 import Eagle3Head
 
 
 class Eagle3Drafter(Drafter):
@@ -192,3 +196,15 @@ class Eagle3Drafter(Drafter):
         index = self.slots.compaction()
         if index is not None and self.k is not None:
             self.k, self.v = gather_slots(self.k, index), gather_slots(self.v, index)
+
+
+def load_eagle3(spec: str | Path, target_loaded, runtime: Runtime = Runtime()) -> Eagle3Drafter:
+    """An Eagle3Drafter from a checkpoint folder or hub id, bound to the target in a loading.LoadedModel."""
+    folder = locate_eagle3(str(spec), runtime) or Path(spec)
+    head, meta = load_head(folder, target_loaded.model)
+    fast = getattr(target_loaded, "fast_linear", True)
+    if fast and kernels.enabled_for(head.norm.weight.device, head.norm.weight.dtype):
+        kernels.patch_linears(head)
+    chain = (meta.get("metrics") or {}).get("chain") or []
+    return Eagle3Drafter(head, recorded_k(folder), float(meta.get("min_confidence", 0.0)),
+                         tuple(chain[:2]) if len(chain) >= 2 else None)

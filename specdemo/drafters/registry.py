@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 from ..config import Runtime
 
 if TYPE_CHECKING:
+    from ..models.loading import LoadedModel
     from .base import Drafter
     from .hybrid import HybridCalibration
-    from ..loading import LoadedModel
 
     Built = tuple[Drafter, str | None, HybridCalibration | None]  # (drafter, draft name or None, calibration or None)
 
@@ -96,10 +96,11 @@ def cli_help(default: str | None = None) -> str:
 def draft_drafter(target: LoadedModel, draft: str | None, options: BuildOptions) -> Built:
     """The drafter of a draft (drafts.resolve_draft says which): an EAGLE-3 head, computing where the target's
     embeddings are, or a causal LM sharing the target's tokenizer, on options.device."""
+    from ..models.eagle3 import Eagle3FormatError
+    from ..models.loading import ModelLoadError, check_tokenizers, load_model
+    from .eagle3 import load_eagle3
     from .model import ModelDrafter
     from .resolve import DraftError, resolve_draft
-    from ..eagle3 import Eagle3FormatError, load_eagle3
-    from ..loading import ModelLoadError, check_tokenizers, load_model
 
     try:
         resolved = resolve_draft(draft, target.name, options.runtime)

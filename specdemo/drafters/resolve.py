@@ -47,8 +47,8 @@ class Draft:
 
 def trained_draft_path(target_name: str | None) -> Path | None:
     """The shipped distilled draft for a target, if there is one."""
-    from ..eagle3 import is_eagle3
-    from ..loading import BUNDLED_ALIASES
+    from ..models.eagle3 import is_eagle3
+    from ..models.loading import BUNDLED_ALIASES
 
     if target_name and target_name.lower() in BUNDLED_ALIASES | {BUNDLED_HUB_ID.lower()}:
         path = DRAFTS / TRAINED_DRAFT_ID
@@ -68,8 +68,13 @@ def resolve_draft(draft: str | None, target: str | None, runtime: Runtime = Runt
     speculative_config.json beside it; a hub id is one when its config.json says so (with `fetch`, the head is
     downloaded once and `path` is its snapshot; without, only the local hub cache is read). Anything else with a
     config.json is a causal LM; a folder without one is refused (DraftError)."""
-    from ..eagle3 import is_eagle3, locate_eagle3, not_a_draft, read_config
-    from ..serving import eagle3_export
+    from ..models.eagle3 import (
+        eagle3_export,
+        is_eagle3,
+        locate_eagle3,
+        not_a_draft,
+        read_config,
+    )
 
     name = draft or default_draft(target)
     if not name:
@@ -95,7 +100,7 @@ def resolve_draft(draft: str | None, target: str | None, runtime: Runtime = Runt
         if head is not None:
             return Draft(EAGLE3, name, head, False)
     else:
-        from ..loading import cached_hub_config
+        from ..models.loading import cached_hub_config
 
         if is_eagle3(cached_hub_config(name)):
             return Draft(EAGLE3, name, None, False)

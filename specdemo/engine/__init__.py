@@ -3,8 +3,15 @@ drafter), its KV cache and rollback, the acceptance rules, step events and clock
 drafters.base's seam; knows nothing of the UI.
 """
 
-from .events import (BatchEvent, GenerationError, StepEvent, encode_prompt, eos_ids, generated_ids,
-                     row_outputs)
+from .events import (
+                     BatchEvent,
+                     GenerationError,
+                     StepEvent,
+                     encode_prompt,
+                     eos_ids,
+                     generated_ids,
+                     row_outputs,
+)
 from .loop import autoregressive, decode, speculative
 
 __all__ = ["BatchEvent", "GenerationError", "StepEvent", "encode_prompt", "eos_ids", "generated_ids", "row_outputs",

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..kernels import left_pad
-from ..placement import execution_device
+from ..models.kernels import left_pad
+from ..models.placement import execution_device
 from .events import GenerationError
 
 PAD = 0  # the token id fed at padded positions; they are masked out, so any id would do

@@ -18,7 +18,12 @@ from ..drafters.base import Drafter, DraftRequest, Proposal, Verdict
 from .events import BatchEvent, Committer, StepEvent, check_request, eos_ids
 from .kv import BatchKV, check_cache, left_padded, right_padded
 from .timing import Clock
-from .verify import greedy_accept_batch, inspect_verify, logits_to_probs, rejection_accept
+from .verify import (
+    greedy_accept_batch,
+    inspect_verify,
+    logits_to_probs,
+    rejection_accept,
+)
 
 KPolicy = Callable[[int], int]  # the current batch size -> k (0: no speculation this step)
 

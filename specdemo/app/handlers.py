@@ -1,0 +1,459 @@
+"""The app's event handlers: widget values in, {component: value} dicts out. The runs are the CLI's
+(compare.iter_compare, sweep.iter_sweep_summaries). The two decoders take turns on the hardware by their own clocks,
+so both panels fill side by side as the tokens are computed; frames carry text only, and the plots are drawn when the
+timed work is over. "Replay race" plays both again from t = 0 at their measured pace. Request checks, text and
+pacing are in specdemo.app.race (no gradio); the layout is in specdemo.app.ui.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import closing, contextmanager
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import gradio as gr
+
+from ..config import MAX_K, MIN_K, Runtime
+from ..drafters.registry import get
+from ..engine import StepEvent, encode_prompt
+from ..measure import charts
+from ..measure.compare import calibrate, iter_compare, load_pair
+from ..measure.metrics import PassCosts, cost_drift, pass_costs, run_stats
+from ..measure.tune_k import Sweep, iter_sweep_summaries
+from ..serve.export import serve_hint
+from .race import (
+    KNOWN_ERRORS,
+    AppLimits,
+    RunRequest,
+    Runs,
+    Throttle,
+    UserError,
+    check_fit,
+    check_prompt_tokens,
+    drafted_at,
+    drift_warning,
+    final_stats_markdown,
+    flag,
+    free_memory,
+    friendly_error,
+    make_request,
+    number,
+    passes,
+    placement_for,
+    points,
+    preset_fields,
+    preset_k,
+    replay_frames,
+    run_point,
+    sweep_table,
+)
+from .render import Segment, event_segments, panel_stats, segments_html
+
+log = logging.getLogger(__name__)
+
+RACING = ("Racing, timed: the two runs take turns on the hardware, one step at a time, and each clock counts only its "
+          "own run's compute…")
+Component = Any  # a gradio component; the handlers use it only as a key of the dicts they return
+
+__all__ = ["AppLimits", "Handlers", "Outputs", "RaceOutputs", "SettingsOutputs", "SweepOutputs", "UserError",
+           "compute", "sweep_k"]
+
+
+# ---- the components the handlers update, built by ui.build_demo; field order is each event's outputs order ----
+
+class OrderedOutputs:
+    def order(self) -> list[Component]:
+        """The components in field order: the event's outputs list."""
+        return [getattr(self, f.name) for f in fields(self)]
+
+
+@dataclass(frozen=True)
+class RaceOutputs(OrderedOutputs):
+    """The Race tab, in the /compare event's outputs order (API clients read result_json as outputs[7])."""
+
+    ar_html: Component
+    sd_html: Component
+    tokens_plot: Component
+    speedup_plot: Component
+    hist_plot: Component
+    stats: Component
+    status: Component
+    result_json: Component
+    runs_state: Component  # the finished race.Runs, so "Replay race" and hiding rejected drafts need no new run
+    timeline_plot: Component
+    position_plot: Component
+
+
+@dataclass(frozen=True)
+class SweepOutputs(OrderedOutputs):
+    """The Tune-k tab, in the /sweep_k event's outputs order."""
+
+    plot: Component
+    table: Component  # status line, then the sweep table
+    best: Component  # state: the best measured k, for the apply button
+    apply: Component  # the "Use best k" button
+
+
+@dataclass(frozen=True)
+class SettingsOutputs:
+    """The settings a preset fills (target, drafter, draft) and "Use best k" sets (k)."""
+
+    target: Component
+    drafter: Component
+    draft: Component
+    k: Component
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """Everything the handlers update, by tab."""
+
+    race: RaceOutputs
+    sweep: SweepOutputs
+    settings: SettingsOutputs
+
+
+# ---- the compute steps: wrapped in spaces.GPU on ZeroGPU, so what goes in and comes out is picklable data ----
+
+Computed = str | tuple[str, StepEvent, list[Segment]] | dict
+
+
+def compute(request: RunRequest, limits: AppLimits, runtime: Runtime, recalibrate: bool = False) -> Iterator[Computed]:
+    """compare.iter_compare on the request (load, untimed warm-up, then AR and SD taking turns, never overlapping):
+    status lines, then ("ar" | "sd", event, its display segments) as each decoder yields, then the result dict with
+    `pass_costs`: the run's pass costs beside those calibrated when this pair and k first ran (or on `recalibrate`),
+    and how far they drifted (metrics.cost_drift; empty when the machine was as it was at calibration)."""
+    kind = get(request.drafter)
+    label = (request.draft or "the default draft") if kind.needs_draft else kind.label
+    label += " + prompt lookup" if request.drafter == "hybrid" else ""
+    pair = yield from _load(request, limits, runtime, f"Loading {request.target} with {label} (cached after the first "
+                                                      "load)…")
+    config = request.config()
+    prompt_ids = encode_prompt(pair.target.tokenizer, request.prompt, config.use_chat_template)
+    key = (request.target, request.drafter, request.draft, request.k, request.dynamic_k, config.sampling.greedy)
+    calibrating = recalibrate or key not in _CALIBRATED
+    if calibrating:  # calibrate warms up first, so the run needs no warm-up of its own
+        yield f"Measuring what each pass costs on {pair.target.device} while nothing else is drawn (untimed)…"
+        _CALIBRATED[key] = calibrate(pair, prompt_ids, config)
+    else:
+        yield f"Warming up on {pair.target.device} (untimed)…"
+    tok, step, events = pair.target.tokenizer, 0, {"ar": [], "sd": []}
+    with closing(iter_compare(pair, prompt_ids, config, do_warmup=not calibrating)) as steps:  # closing it stops the engine loop
+        for which, item in steps:  # the engine's clock is paused while we are here
+            if which == "result":
+                run = pass_costs(events["ar"], events["sd"])
+                yield item | {"pass_costs": {"calibrated": _CALIBRATED[key].as_dict(), "run": run.as_dict(),
+                                             "drift": cost_drift(_CALIBRATED[key], run,
+                                                                 judge_draft=kind.steady_draft_cost)}}
+                continue
+            events[which].append(item)
+            step += which == "sd" and item.kind == "spec"
+            yield which, item, event_segments(item, tok, which == "sd", step if which == "sd" else 0,
+                                              config.sampling.greedy)
+
+
+# the pass costs measured when a pair and k first ran in this process, by (target, drafter, draft, k, dynamic k,
+# greedy): what later runs are compared with
+_CALIBRATED: dict[tuple, PassCosts] = {}
+
+
+def _load(request: RunRequest, limits: AppLimits, runtime: Runtime, status: str) -> Iterator[str]:
+    """Check the pair's memory against the limits (race.check_fit), yield status lines while loading; returns the
+    Pair. A target that needs a device map gets one (race.placement_for)."""
+    placement = placement_for(request.target, limits)
+    estimate = check_fit(request, limits, runtime, placement)
+    yield status + (f" {estimate}" if estimate else "")
+    return load_pair(request.target, request.drafter, request.draft, device=limits.device,
+                     draft_device=limits.draft_device, runtime=runtime, placement=placement)
+
+
+def sweep_k(request: RunRequest, limits: AppLimits, runtime: Runtime, k_max: int) -> Iterator[str | Sweep]:
+    """sweep.iter_sweep_summaries on the current prompt, k = 1..k_max: status lines, then the Sweep after each k."""
+    pair = yield from _load(request, limits, runtime, f"Loading {request.target}…")
+    config = request.config()
+    prompt_ids = encode_prompt(pair.target.tokenizer, request.prompt, config.use_chat_template)
+    yield f"Timing the autoregressive baseline, then one speculative run per k up to {k_max}; the results are drawn " \
+          "when the timed runs are over…"
+    yield from iter_sweep_summaries(pair, [prompt_ids], range(MIN_K, k_max + 1), config, k_max)
+
+
+def blank_plots(out: RaceOutputs) -> dict:
+    """Blank figures for the race's plots, as on page load."""
+    names = {out.tokens_plot: "tokens", out.speedup_plot: "speedup", out.hist_plot: "histogram",
+             out.timeline_plot: "timeline", out.position_plot: "positions"}
+    return {component: charts.blank(name) for component, name in names.items()}
+
+
+def _panel(events: list[StepEvent], segments: list[list[Segment]], n: int, hide_rejected: bool,
+           waiting: str = "waiting for the first token…", inspect: bool = True) -> str:
+    stats = panel_stats(events[n - 1].num_generated, events[n - 1].elapsed) if n else waiting
+    return segments_html([s for step in segments[:n] for s in step], hide_rejected, stats, inspect)
+
+
+def hold_hardware(lock: threading.Lock, stopped: Callable[[], bool] = lambda: False) -> Iterator[str]:
+    """Wait for the hardware, yielding so a Stop can end the wait."""
+    while not lock.acquire(timeout=0.25):
+        if stopped():
+            raise Stopped
+        yield "Waiting for another run to finish: timed runs never share the hardware…"
+
+
+class Stopped(Exception):
+    """The visitor pressed Stop: the run ends at the next decoder step and says so itself."""
+
+
+def session_key(visitor: gr.Request | None, tab: str) -> tuple[str | None, str]:
+    """Whose run in which tab: what a Stop marks."""
+    return getattr(visitor, "session_hash", None), tab
+
+
+# ---- the handlers ----
+
+class Handlers:
+    """The app's event handlers; they share one hardware lock so timed runs never overlap.
+
+    Each returns or yields {component: value} for components of `outputs` that its event lists; the ones it leaves
+    out keep their value.
+    """
+
+    def __init__(self, outputs: Outputs, limits: AppLimits = AppLimits(), runtime: Runtime = Runtime(),
+                 gpu: Callable | None = None):
+        self.outputs = outputs
+        self.limits = limits
+        self.runtime = runtime
+        self.hardware = threading.Lock()
+        # Stop is cooperative: the button marks the session's run, which ends at its next decoder step and writes
+        # "Stopped." as its own last frame, so no frame of the old run can land after it (an API client's
+        # job.cancel() still closes the generator through gradio)
+        self.running: set[tuple] = set()
+        self.stopping: set[tuple] = set()
+        # spaces.GPU (ZeroGPU) wraps only the compute steps; the race replay runs without holding a GPU
+        self.compute_step = gpu(compute) if gpu else compute
+        self.sweep_step = gpu(sweep_k) if gpu else sweep_k
+
+    @contextmanager
+    def session(self, visitor: gr.Request | None, tab: str) -> Iterator[Callable[[], bool]]:
+        """A visitor's run in a tab, from its start to its end: yields `stopped()`, true once Stop was pressed for it
+        (stop() marks only sessions inside this block, so a Stop with nothing running never stops the next run)."""
+        key = session_key(visitor, tab)
+        self.running.add(key)
+        self.stopping.discard(key)
+        try:
+            yield lambda: key in self.stopping
+        finally:
+            self.running.discard(key)
+            self.stopping.discard(key)
+
+    def run_compare(self, prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max_new_tokens,
+                    hide_rejected, replay=False, visitor: gr.Request = None, recalibrate: bool = False
+                    ) -> Iterator[dict]:
+        """The main run (API: /compare): validate, wait for the hardware, race both runs live (then, with `replay`,
+        play them again at their measured pace). `recalibrate` measures the pass costs again first."""
+        runs = Runs()
+        with self.session(visitor, "race") as stopped:
+            yield from self._compare(runs, stopped, prompt, target, drafter, draft, k, dynamic_k, temperature, top_p,
+                                     max_new_tokens, hide_rejected, replay, recalibrate)
+
+    def _compare(self, runs: Runs, stopped: Callable[[], bool], prompt, target, drafter, draft, k, dynamic_k,
+                 temperature, top_p, max_new_tokens, hide_rejected, replay, recalibrate) -> Iterator[dict]:
+        try:
+            request = make_request(prompt, target, drafter, draft, k, dynamic_k, temperature, top_p,
+                                    max_new_tokens, self.limits)
+            hide, pace = flag(hide_rejected, "hide rejected drafts"), flag(replay, "replay")
+            yield from ({self.outputs.race.status: s} for s in hold_hardware(self.hardware, stopped))
+            try:
+                check_prompt_tokens(request, self.limits, self.runtime)  # the tokenizer only: no weights yet
+                yield self._reset()
+                yield from self._live(request, runs, hide, stopped, recalibrate)
+            finally:
+                self.hardware.release()
+            yield from self._race(runs, hide, pace, stopped)
+        except Stopped:
+            yield {self.outputs.race.status: "Stopped."}
+        except KNOWN_ERRORS as exc:
+            free_memory(exc)
+            yield self._error(friendly_error(exc))
+        except Exception as exc:  # the app keeps serving; the log has the traceback
+            log.exception("run failed")
+            yield self._error(f"Unexpected error: {exc}")
+
+    def replay_race(self, runs: Runs | None, hide_rejected, visitor: gr.Request = None) -> Iterator[dict]:
+        """Race the finished runs again from t = 0, without computing anything."""
+        if not isinstance(runs, Runs) or not runs.done:
+            yield {self.outputs.race.status: "Nothing to replay yet: press Run first."}
+            return
+        with self.session(visitor, "race") as stopped:
+            try:
+                yield from self._race(runs, bool(hide_rejected), True, stopped)
+            except Stopped:
+                yield {self.outputs.race.status: "Stopped."}
+
+    def _error(self, text: str) -> dict:
+        gr.Warning(text)
+        out = self.outputs.race
+        return {out.status: f"**Error:** {text}", out.result_json: {"error": text}}
+
+    def _reset(self) -> dict:
+        """A new run's first frame: empty panels and plots, no summary."""
+        out = self.outputs.race
+        return {out.ar_html: segments_html([], stats="starts after the untimed warm-up…"),
+                out.sd_html: segments_html([], stats="starts after the untimed warm-up…"),
+                out.stats: "", out.result_json: None, **blank_plots(out)}
+
+    def remeasure(self, prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max_new_tokens,
+                  hide_rejected, replay=False, visitor: gr.Request = None) -> Iterator[dict]:
+        """The Re-measure button: the pass costs measured again on the machine as it is now, then the same run."""
+        yield from self.run_compare(prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max_new_tokens,
+                                    hide_rejected, replay, visitor, recalibrate=True)
+
+    def _live(self, request: RunRequest, runs: Runs, hide: bool, stopped: Callable[[], bool],
+              recalibrate: bool = False) -> Iterator[dict]:
+        """Both runs' tokens as their decoders take turns producing them (throttled text frames; no plots while a run
+        is timed, since drawing them takes the CPU the runs are timed on; the last frame always comes)."""
+        out, throttle, shown = self.outputs.race, Throttle(), {"ar": 0, "sd": 0}
+        with closing(self.compute_step(request, self.limits, self.runtime, recalibrate)) as steps:
+            for item in steps:
+                if stopped():  # closing the steps stops the decoders
+                    raise Stopped
+                if isinstance(item, str):
+                    yield {out.status: item}
+                elif isinstance(item, dict):
+                    runs.result = item
+                else:
+                    which, event, segments = item
+                    runs.add(which, event, segments)
+                    if throttle.due(final=event.finish_reason is not None):
+                        yield self._live_frame(runs, shown, hide)
+
+    def _live_frame(self, runs: Runs, shown: dict[str, int], hide: bool) -> dict:
+        """The panels that have new tokens since the last frame (`shown` is updated); each panel's stats line counts
+        its tokens, so the status line is written once, when the race starts, rather than redrawn with every frame."""
+        out = self.outputs.race
+        counts = {"ar": len(runs.ar_events), "sd": len(runs.sd_events)}
+        frame = {} if any(shown.values()) else {out.status: RACING}
+        if counts["ar"] != shown["ar"]:
+            frame[out.ar_html] = _panel(runs.ar_events, runs.ar_segments, counts["ar"], False, inspect=False)
+        if counts["sd"] != shown["sd"]:
+            frame[out.sd_html] = _panel(runs.sd_events, runs.sd_segments, counts["sd"], hide, inspect=False)
+        shown.update(counts)
+        return frame
+
+    def _plots(self, runs: Runs, n_ar: int, n_sd: int) -> dict:
+        """Tokens vs time, running speedup and the histogram for the first n_ar / n_sd events."""
+        out = self.outputs.race
+        ar, sd = points(runs.ar_events, n_ar), points(runs.sd_events, n_sd)
+        return {out.tokens_plot: charts.tokens_vs_time(ar, sd), out.speedup_plot: charts.running_speedup(ar, sd),
+                out.hist_plot: charts.accepted_histogram(run_stats(runs.sd_events[:n_sd]).accepted_histogram)}
+
+    def _race(self, runs: Runs, hide: bool, pace: bool, stopped: Callable[[], bool]) -> Iterator[dict]:
+        """Both runs from t = 0 at their measured pace (or at once without pace), then the summary."""
+        if not runs.done:  # failed before the end
+            return
+        out = self.outputs.race
+        ar_times, sd_times = [e.elapsed for e in runs.ar_events], [e.elapsed for e in runs.sd_events]
+        for n_ar, n_sd, plots in replay_frames(ar_times, sd_times, pace=pace):
+            if stopped():
+                raise Stopped
+            if n_ar == len(ar_times) and n_sd == len(sd_times):
+                break
+            frame = {out.ar_html: _panel(runs.ar_events, runs.ar_segments, n_ar, False),
+                     out.sd_html: _panel(runs.sd_events, runs.sd_segments, n_sd, hide),
+                     out.status: "Race: both runs from t = 0 at their measured pace…"}
+            yield frame | (self._plots(runs, n_ar, n_sd) if plots else {})
+        yield self._final(runs, hide)
+
+    def _final(self, runs: Runs, hide: bool) -> dict:
+        """Everything at the end: both panels, all plots, where the time went, the summary and the JSON."""
+        out, result = self.outputs.race, runs.result
+        p = run_point(runs)
+        c, verify_cost = (p.c, p.verify_cost) if p else (0.0, 1.0)
+        rates = result["sd"]["per_position_acceptance"]
+        return {out.ar_html: _panel(runs.ar_events, runs.ar_segments, len(runs.ar_events), False),
+                out.sd_html: _panel(runs.sd_events, runs.sd_segments, len(runs.sd_events), hide),
+                **self._plots(runs, len(runs.ar_events), len(runs.sd_events)),
+                out.timeline_plot: charts.timeline(passes(runs.ar_events), passes(runs.sd_events), c, verify_cost),
+                out.position_plot: charts.position_acceptance(rates, drafted_at(runs.sd_events, len(rates)),
+                                                              p.alpha if p else None, c, verify_cost),
+                out.stats: final_stats_markdown(result, c, verify_cost), out.result_json: result, out.runs_state: runs,
+                out.status: f"Done: {result['speedup']:.2f}× the autoregressive speed"
+                            f" ({'identical outputs' if result['identical'] else 'outputs differ'}). "
+                            "Press Replay race to watch it again." + drift_warning(result)}
+
+    def rerender(self, runs: Runs | None, hide_rejected, current) -> dict:
+        """Show or hide rejected drafts in the finished speculative panel without running again."""
+        out = self.outputs.race
+        if not isinstance(runs, Runs) or not runs.sd_segments:
+            return {out.sd_html: gr.skip()}
+        head = current.split('<div class="tok-panel', 1)[0] if current else ""
+        return {out.sd_html: head + segments_html([s for step in runs.sd_segments for s in step], hide_rejected)}
+
+    def stop_race(self, visitor: gr.Request = None) -> None:
+        """Ask this visitor's run or replay to stop; it ends at its next step and says "Stopped." itself."""
+        self.stop(session_key(visitor, "race"))
+
+    def stop(self, session: tuple) -> None:
+        """Mark a running session's run to stop at its next step (no gradio cancel: the run writes "Stopped.")."""
+        if session in self.running:
+            self.stopping.add(session)
+
+    def run_sweep(self, prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens,
+                  visitor: gr.Request = None) -> Iterator[dict]:
+        """The Tune-k tab (API: /sweep_k): sweep k = 1..k_max on the current prompt; measured and expected speedup."""
+        out = self.outputs.sweep
+        with self.session(visitor, "sweep") as stopped:
+            try:
+                yield from self._sweep(prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens,
+                                       stopped)
+            except Stopped:
+                yield {out.table: "Stopped."}
+            except KNOWN_ERRORS as exc:
+                gr.Warning(friendly_error(exc))
+                yield {out.table: f"**Error:** {friendly_error(exc)}"}
+
+    def _sweep(self, prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens,
+               stopped: Callable[[], bool]) -> Iterator[dict]:
+        out = self.outputs.sweep
+        request = make_request(prompt, target, drafter, draft, MIN_K, False, temperature, top_p, max_new_tokens,
+                               self.limits)
+        k_max = number(k_max, "the largest k", whole=True)
+        if not MIN_K <= k_max <= MAX_K:
+            raise UserError(f"the largest k must be between {MIN_K} and {MAX_K}, got {k_max}")
+        yield from ({out.table: s} for s in hold_hardware(self.hardware, stopped))
+        try:
+            check_prompt_tokens(request, self.limits, self.runtime)
+            result = None
+            with closing(self.sweep_step(request, self.limits, self.runtime, k_max)) as steps:
+                for item in steps:  # the sweep so far after each k: drawn only when every k is timed
+                    if stopped():
+                        raise Stopped
+                    if isinstance(item, str):
+                        yield {out.table: item}
+                    else:
+                        result = item
+        finally:
+            self.hardware.release()
+        best = result.best_measured_k
+        fig = charts.k_sweep([asdict(p) for p in result.points], sorted(result.theory.items()), best, result.best_k)
+        hint = serve_hint(request.target, request.draft, best, self.runtime)  # EAGLE-3 drafts only
+        yield {out.plot: fig, out.table: f"Done: best measured k = {best}.\n\n" + sweep_table(result)
+               + (f"\n\n{hint}" if hint else ""), out.best: best,
+               out.apply: gr.update(value=f"Use k = {best}", interactive=True)}
+
+    def stop_sweep(self, visitor: gr.Request = None) -> None:
+        """Ask this visitor's sweep to stop at its next step."""
+        self.stop(session_key(visitor, "sweep"))
+
+    def apply_preset(self, label: str) -> dict:
+        """Fill target, drafter, draft and k from a preset; Custom leaves them alone."""
+        out = self.outputs.settings
+        values = preset_fields(label)
+        if values is None:
+            return {out.target: gr.skip()}
+        return dict(zip((out.target, out.drafter, out.draft), values)) | {out.k: preset_k(label)}
+
+    def apply_best_k(self, best) -> dict:
+        """Set k to the sweep's best measured k."""
+        return {self.outputs.settings.k: best if best else gr.skip()}

@@ -1,0 +1,455 @@
+"""The app's plain parts, with no gradio: the limits of a deployment and the checks of a request against them (numbers,
+model ids, local paths, prompt length), the finished runs and their costs, the summary text, and the race's pacing
+(live throttling, the replay at the measured pace). The handlers call these; nothing here loads a model's weights.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from bisect import bisect_right
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import (
+    BUNDLED_ID,
+    MAX_K,
+    MIN_K,
+    PRESETS,
+    TRAINED_DRAFT_ID,
+    GenerationConfig,
+    Placement,
+    Runtime,
+    SamplingConfig,
+)
+from ..drafters.hybrid import describe_hybrid_cap
+from ..drafters.registry import get, names
+from ..engine import GenerationError, StepEvent, encode_prompt
+from ..measure.tune_k import Run, Sweep, SweepPoint, point
+from ..models.fit import estimate_fit, parameter_count
+from ..models.loading import (
+    BUNDLED_ALIASES,
+    ModelLoadError,
+    TokenizerMismatchError,
+    default_dtype,
+    is_loaded,
+    load_device,
+    load_tokenizer,
+    locate,
+)
+from ..models.placement import placement_line
+from .render import Segment
+from .worker import WorkerError
+
+TEXT_EVERY = 0.1  # seconds between text updates of a replay
+LIVE_TEXT_EVERY = 0.5  # seconds between text updates while runs are timed (the page's drawing takes their CPU)
+PLOTS_EVERY = 0.5  # seconds between plot updates of a replay
+PROMPT_TOKENS_CEILING = 4096  # the default prompt cap never exceeds this
+CHARS_PER_TOKEN = 16  # a prompt with more characters than this per allowed token is refused before tokenizing
+OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
+class UserError(ValueError):
+    """A request the app refuses; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class AppLimits:
+    """Guards for a public deployment, read from the environment by app.py (its docstring names the variables)."""
+
+    max_new_tokens: int = 256  # cap on max new tokens
+    allowlist: tuple[str, ...] = ()  # model ids users may load (the bundled ones always); empty: any id
+    device: str | None = None  # None: CUDA when present, else CPU
+    max_prompt_tokens: int | None = None  # None: the target's context minus max new tokens, at most 4096
+    allow_local_paths: bool = False  # whether model ids may be folders on the server's disk
+    placement: Placement = Placement()  # a device map for every target (SPECDEMO_DEVICE_MAP, SPECDEMO_MAX_MEMORY,
+    # SPECDEMO_OFFLOAD_FOLDER); without one, only the presets that need a map get it (with these memory limits)
+    draft_device: str | None = None  # the draft's device (SPECDEMO_DRAFT_DEVICE); None: the target's
+
+
+# ---- requests ----
+
+@dataclass(frozen=True)
+class RunRequest:
+    """Widget values for one comparison, as plain data."""
+
+    prompt: str
+    target: str
+    drafter: str  # a registry kind's name
+    draft: str | None
+    k: int
+    dynamic_k: bool
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+
+    def config(self) -> GenerationConfig:
+        return GenerationConfig(max_new_tokens=self.max_new_tokens, num_draft_tokens=self.k, dynamic_k=self.dynamic_k,
+                                sampling=SamplingConfig(temperature=self.temperature, top_p=self.top_p))
+
+
+def number(value, name: str, whole: bool = False) -> float | int:
+    """A finite number from a widget or an API client (which may send anything); UserError names the field."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise UserError(f"{name} must be a number, got {value!r}.") from None
+    if not math.isfinite(x) or (whole and not x.is_integer()):
+        raise UserError(f"{name} must be a {'whole' if whole else 'finite'} number, got {value!r}.")
+    return int(x) if whole else x
+
+
+def flag(value, name: str) -> bool:
+    """A checkbox value: a bool, or its usual spellings from an API client."""
+    if isinstance(value, bool) or value in (0, 1):
+        return bool(value)
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on", "false", "0", "no", "off", ""):
+        return text in ("true", "1", "yes", "on")
+    raise UserError(f"{name} must be true or false, got {value!r}.")
+
+
+def make_request(prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max_new_tokens,
+                 limits: AppLimits) -> RunRequest:
+    """Validate widget (or API) values against the limits; raise UserError with a readable message. Cheap: the
+    prompt is checked by its characters here, by its tokens later (check_prompt_tokens)."""
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise UserError("The prompt is empty: type something, or pick an example.")
+    if not isinstance(drafter, str) or drafter not in names():
+        raise UserError(f"Unknown drafter {drafter!r}: choose one of {', '.join(names())}.")
+    k, max_new_tokens = number(k, "k", whole=True), number(max_new_tokens, "max new tokens", whole=True)
+    temperature, top_p = number(temperature, "temperature"), number(top_p, "top-p")
+    if not MIN_K <= k <= MAX_K:
+        raise UserError(f"k must be between {MIN_K} and {MAX_K}, got {k}.")
+    if not 1 <= max_new_tokens <= limits.max_new_tokens:
+        raise UserError(f"max new tokens must be between 1 and {limits.max_new_tokens} here, got {max_new_tokens}.")
+    check_prompt_chars(prompt, limits)
+    target = str(target or "").strip() or BUNDLED_ID
+    draft = (str(draft or "").strip() or None) if get(drafter).needs_draft else None
+    for name in (target, draft):
+        if name:
+            check_model_id(name, limits)
+    request = RunRequest(prompt, target, drafter, draft, k, flag(dynamic_k, "dynamic k"), temperature, top_p,
+                         max_new_tokens)
+    try:
+        request.config().validate()
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    return request
+
+
+# ---- model ids: the allowlist and local paths ----
+
+def preset_ids() -> tuple[str, ...]:
+    """Every target and draft id of config.PRESETS: what a Space may load when no allowlist is given."""
+    ids = [name for p in PRESETS for name in (p.target, p.draft) if name]
+    return tuple(dict.fromkeys(ids))
+
+
+def is_local_path(name: str) -> bool:
+    """Whether a model id names the server's filesystem rather than a hub repository or one of the app's own ids."""
+    if name.lower() in BUNDLED_ALIASES | {TRAINED_DRAFT_ID}:
+        return False
+    return (name.startswith(("/", "~", ".")) or "\\" in name or ":" in name or name.count("/") > 1
+            or os.path.exists(name))
+
+
+def allowed(name: str, limits: AppLimits) -> bool:
+    """Whether the allowlist lets a model id load: always the bundled model and its trained draft."""
+    return not limits.allowlist or name in limits.allowlist or name.lower() in BUNDLED_ALIASES | {TRAINED_DRAFT_ID}
+
+
+def check_model_id(name: str, limits: AppLimits) -> None:
+    """Refuse a local path (unless the server allows them) or an id off the allowlist."""
+    if not limits.allow_local_paths and is_local_path(name):
+        raise UserError(f"{name!r} looks like a path on the server; this server loads models by hub id only "
+                        "(its operator can allow folders with SPECDEMO_ALLOW_LOCAL_PATHS=1).")
+    if not allowed(name, limits):
+        raise UserError(f"{name!r} is not allowed on this server; allowed: {', '.join(limits.allowlist)} "
+                        f"and the bundled {BUNDLED_ID}.")
+
+
+def preset_fields(label: str) -> tuple[str, str, str] | None:
+    """(target, drafter kind, draft id) of a preset; None for Custom."""
+    preset = next((p for p in PRESETS if p.label == label), None)
+    if preset is None:
+        return None
+    return preset.target, preset.drafter or ("ngram" if preset.draft is None else "model"), preset.draft or ""
+
+
+def preset_k(label: str) -> int:
+    """The k a preset starts at: its own, else GenerationConfig's default (also for Custom)."""
+    preset = next((p for p in PRESETS if p.label == label), None)
+    return (preset.k if preset else 0) or GenerationConfig.num_draft_tokens
+
+
+def placement_for(target: str, limits: AppLimits) -> Placement:
+    """The server's device map for every target, else a preset's for its target (with the server's memory limits and
+    offload folder), else none: the whole target on one device."""
+    if limits.placement.active:
+        return limits.placement
+    strategy = next((p.device_map for p in PRESETS if p.target == target and p.device_map), None)
+    if strategy is None:
+        return Placement()
+    return Placement(strategy, limits.placement.max_memory, limits.placement.offload_folder)
+
+
+# ---- memory, before loading any weights ----
+
+def check_fit(request: RunRequest, limits: AppLimits, runtime: Runtime, placement: Placement) -> str | None:
+    """About how much memory the pair needs against what this server allows (fit.estimate_fit), from parameter counts
+    alone; UserError when it cannot fit. Returns the estimate in words, or None when a model is already loaded or no
+    count can be had (then loading itself says what goes wrong)."""
+    if is_loaded(request.target):
+        return None
+    model_ids = [request.target] + ([request.draft] if request.draft and get(request.drafter).needs_draft else [])
+    counts = []
+    for name in model_ids:
+        if name == TRAINED_DRAFT_ID:
+            continue  # a draft head of a few million parameters, borrowing the target's embeddings
+        try:
+            count = parameter_count(*locate(name, runtime), runtime)
+        except ModelLoadError:  # not found: loading says so in full
+            return None
+        if count is None:
+            return None
+        counts.append(count)
+    device = load_device(placement, limits.device)
+    fit = estimate_fit(counts, default_dtype(device).itemsize, placement, device)
+    message = fit.message(" + ".join(model_ids))
+    if not fit.fits:
+        raise UserError(f"This pair does not fit here: {message}")
+    return message
+
+
+# ---- the prompt's length, before any model work ----
+
+def check_prompt_chars(prompt: str, limits: AppLimits) -> None:
+    """Refuse a prompt far too long to tokenize, by its length alone (no tokenizer)."""
+    most = (limits.max_prompt_tokens or PROMPT_TOKENS_CEILING) * CHARS_PER_TOKEN
+    if len(prompt) > most:
+        raise UserError(f"The prompt is too long: {len(prompt):,} characters, at most {most:,} here (and at most "
+                        f"{limits.max_prompt_tokens or PROMPT_TOKENS_CEILING:,} tokens). Shorten it.")
+
+
+def prompt_token_limit(limits: AppLimits, context: int | None, max_new_tokens: int) -> int:
+    """The most prompt tokens a run may take: SPECDEMO_MAX_PROMPT_TOKENS, else 4096, and never more than the
+    target's context minus max new tokens."""
+    most = limits.max_prompt_tokens or PROMPT_TOKENS_CEILING
+    return min(most, context - max_new_tokens) if context else most
+
+
+def check_prompt_tokens(request: RunRequest, limits: AppLimits, runtime: Runtime) -> int:
+    """Count the prompt's tokens (chat template included) with the target's tokenizer only, no weights; refuse it
+    over the limit. Returns the count."""
+    tokenizer, context = load_tokenizer(request.target, runtime=runtime)
+    n = len(encode_prompt(tokenizer, request.prompt, request.config().use_chat_template))
+    most = prompt_token_limit(limits, context, request.max_new_tokens)
+    if most < 1:
+        raise UserError(f"max new tokens ({request.max_new_tokens}) leaves no room for a prompt in "
+                        f"{request.target}'s context of {context} tokens.")
+    if n > most:
+        raise UserError(f"The prompt is too long: {n:,} tokens, at most {most:,} here"
+                        + (f" ({request.target}'s context is {context:,} tokens, {request.max_new_tokens} of them for "
+                           "new tokens)." if context else "."))
+    return n
+
+
+# ---- the finished runs ----
+
+@dataclass
+class Runs:
+    """Both runs as far as they got: events, display segments per event, and the CLI's JSON result at the end."""
+
+    ar_events: list[StepEvent] = field(default_factory=list)
+    sd_events: list[StepEvent] = field(default_factory=list)
+    ar_segments: list[list[Segment]] = field(default_factory=list)
+    sd_segments: list[list[Segment]] = field(default_factory=list)
+    result: dict = field(default_factory=dict)
+
+    def add(self, which: str, event: StepEvent, segments: list[Segment]) -> None:
+        events, segs = (self.ar_events, self.ar_segments) if which == "ar" else (self.sd_events, self.sd_segments)
+        events.append(event)
+        segs.append(segments)
+
+    @property
+    def done(self) -> bool:
+        return bool(self.result)
+
+
+def points(events: list[StepEvent], n: int | None = None) -> list[tuple[float, int]]:
+    """(seconds, tokens) after each of the first n events, from (0, 0)."""
+    return [(0.0, 0)] + [(e.elapsed, e.num_generated) for e in events[:n]]
+
+
+def run_point(runs: Runs) -> SweepPoint | None:
+    """Both runs as one point of the Tune-k sweep (sweep.point), so alpha, c (draft seconds per drafted token over
+    the autoregressive seconds per 1-token pass) and the verify cost (seconds per verify step over the same) mean
+    what they mean there. None before both runs have events."""
+    if not runs.ar_events or not runs.sd_events:
+        return None
+    return point(max(1, runs.result.get("k", 1)), [Run(runs.ar_events, runs.ar_events[-1].elapsed)],
+                 [Run(runs.sd_events, runs.sd_events[-1].elapsed)])
+
+
+def drafted_at(events: list[StepEvent], width: int) -> list[int]:
+    """How many speculative steps drafted a token at each position 1..width (the per-position rates' denominators)."""
+    return [sum(1 for e in events if e.kind == "spec" and len(e.drafted) > i) for i in range(width)]
+
+
+def passes(events: list[StepEvent]) -> list[tuple[float, float, float]]:
+    """(start, draft seconds, verify seconds) of each step on its run's own clock (a step starts where the one
+    before it ended, since the clock counts only compute)."""
+    starts = [0.0] + [e.elapsed for e in events[:-1]]
+    return [(s, e.draft_seconds, e.verify_seconds) for s, e in zip(starts, events)]
+
+
+# ---- the text around the runs ----
+
+def final_stats_markdown(result: dict, c: float | None = None, verify_cost: float | None = None) -> str:
+    """The summary under the panels: speedup, acceptance, mean accepted length, where the speculative time went."""
+    sd, ar = result["sd"], result["ar"]
+    spent = max(sd["seconds"], 1e-9)
+    prefill = max(sd["seconds"] - sd["draft_seconds"] - sd["verify_seconds"], 0.0)
+    same = "identical" if result["identical"] else "different (expected when sampling; see the JSON when greedy)"
+    lines = [
+        f"**Speedup {result['speedup']:.2f}×** — speculative {sd['tokens_per_s']:.1f} tokens/s vs "
+        f"autoregressive {ar['tokens_per_s']:.1f} tokens/s",
+        f"- acceptance rate: **{sd['acceptance_rate']:.0%}** ({sd['accepted']} of {sd['drafted']} drafted tokens)",
+        f"- mean accepted length: **{sd['mean_accepted']:.2f}** tokens per target pass (bonus/correction included), "
+        f"{sd['steps']} target passes",
+        f"- speculative time: drafting {sd['draft_seconds']:.2f} s ({sd['draft_seconds'] / spent:.0%}), "
+        f"verifying {sd['verify_seconds']:.2f} s ({sd['verify_seconds'] / spent:.0%}), "
+        f"prefill {prefill:.2f} s ({prefill / spent:.0%})",
+    ]
+    if c is not None and verify_cost is not None:
+        lines.append(f"- {cost_line(c, verify_cost)}")
+    lines.append(f"- outputs: {same}; {result['target']} on {result['device']} ({result['dtype']}), "
+                 f"drafter {result['drafter']} ({result['draft'] or 'prompt lookup'}), k={result['k']}"
+                 + (" (dynamic)" if result["dynamic_k"] else ""))
+    if result.get("placement"):
+        lines.append(f"- placement: {placement_line(result['placement'])}")
+    if result.get("pass_costs"):
+        lines.append(f"- {pass_costs_line(result['pass_costs'])}")
+    return "\n".join(lines + _hybrid_lines(result))
+
+
+def cost_line(c: float, verify_cost: float) -> str:
+    """c and the verify cost in words, as the timeline and the per-position chart title them."""
+    return (f"cost ratio c = {c:.3f} (a drafted token / a 1-token target pass); a verify pass costs "
+            f"{verify_cost:.2f}× a 1-token pass")
+
+
+PASS_NAMES = {"target_pass": "the target's 1-token passes", "verify_pass": "the verify passes",
+              "draft_token": "the drafted tokens"}
+
+
+def pass_costs_line(costs: dict) -> str:
+    """The run's median passes beside the calibrated ones, in milliseconds (result["pass_costs"])."""
+    parts = []
+    for name, label in (("target_pass", "1-token target pass"), ("verify_pass", "verify pass"),
+                        ("draft_token", "drafted token")):
+        now, was = costs["run"].get(name), costs["calibrated"].get(name)
+        if now and was:
+            parts.append(f"{label} {now * 1000:.1f} ms (calibrated {was * 1000:.1f})")
+    verdict = "as calibrated" if not costs.get("drift") else "**not as calibrated**"
+    return f"machine check, {verdict}: " + ", ".join(parts)
+
+
+def drift_warning(result: dict) -> str:
+    """"" when the run's passes cost what they cost at calibration; else a warning that names the passes and their
+    ratios and offers Re-measure (result["pass_costs"]["drift"], metrics.cost_drift)."""
+    drift = (result.get("pass_costs") or {}).get("drift") or {}
+    if not drift:
+        return ""
+    parts = ", ".join(f"{PASS_NAMES[name]} took {ratio:.2f}×" for name, ratio in drift.items())
+    return (f"\n\n**⚠ The machine was not as it was when this pair was calibrated:** {parts} their calibrated time. "
+            "Something else was using the hardware (or had been when it was calibrated), so this ratio may not be "
+            "what the engine achieves here. Press **Re-measure** to calibrate again and rerun.")
+
+
+def _hybrid_lines(result: dict) -> list[str]:
+    if "hybrid_model_k" not in result:
+        return []
+    cap = describe_hybrid_cap(result["hybrid_model_k"], result.get("hybrid_verify_costs") or {},
+                              result.get("hybrid_draft_cost"))
+    return [f"- hybrid: {cap}; prompt lookup up to k where the text repeats"]
+
+
+def sweep_table(result: Sweep) -> str:
+    """Markdown: one line per measured k, then the fitted alpha and c and the theory's best k."""
+    lines = ["| k | speedup | acceptance | mean accepted | theory |", "|---|---|---|---|---|"]
+    lines += [f"| {p.k} | {p.speedup:.2f}× | {p.acceptance_rate:.0%} | {p.mean_accepted:.2f} | "
+              f"{result.theory.get(p.k, 0.0):.2f}× |" for p in result.points]
+    lines.append(f"\nFitted α = {result.alpha:.2f} (from mean accepted length), c = {result.c:.3f} (draft cost per "
+                 f"token / target cost per token), verify cost per k as measured; theory's best k = {result.best_k}.")
+    return "\n".join(lines)
+
+
+def friendly_error(exc: Exception) -> str:
+    """A one-paragraph message for the status line."""
+    if isinstance(exc, (OOM, MemoryError)) or (isinstance(exc, ModelLoadError) and "out of memory" in str(exc)):
+        return f"Out of memory: {exc}. Try a smaller model pair or fewer new tokens."
+    if isinstance(exc, TokenizerMismatchError):
+        return f"Tokenizer mismatch: {exc}"
+    if isinstance(exc, ModelLoadError):
+        return f"Could not load the model: {exc}"
+    return str(exc)
+
+
+def free_memory(exc: Exception) -> None:
+    """After running out of memory, hand CUDA's cached blocks back, so that the next (smaller) request can load."""
+    if "out of memory" in friendly_error(exc).lower()[:20] and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+KNOWN_ERRORS = (UserError, ModelLoadError, TokenizerMismatchError, GenerationError, ValueError, OOM, MemoryError,
+                WorkerError)
+
+
+# ---- pacing ----
+
+class Throttle:
+    """Whether a live frame is due: at most every `every` seconds (wall time); a final frame is always due. Live
+    frames carry text only: the plots are drawn when the timed work is over."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, every: float = LIVE_TEXT_EVERY):
+        self.clock = clock
+        self.every = every
+        self.last = float("-inf")
+
+    def due(self, final: bool = False) -> bool:
+        now = self.clock()
+        if final or now - self.last >= self.every:
+            self.last = now
+            return True
+        return False
+
+
+def replay_frames(ar_times: list[float], sd_times: list[float], pace: bool = True,
+                  clock: Callable[[], float] = time.monotonic,
+                  sleep: Callable[[float], None] = time.sleep) -> Iterator[tuple[int, int, bool]]:
+    """(events of AR shown, events of SD shown, plots due) as each run's events come due at their measured times.
+
+    Text frames come at most every TEXT_EVERY seconds, plot refreshes every PLOTS_EVERY; the last frame shows all.
+    """
+    end = max(ar_times[-1:] + sd_times[-1:] + [0.0])
+    if not pace:
+        yield len(ar_times), len(sd_times), True
+        return
+    start, last_plot, shown = clock(), float("-inf"), None
+    while True:
+        t = clock() - start
+        final = t >= end
+        n = (len(ar_times), len(sd_times)) if final else (bisect_right(ar_times, t), bisect_right(sd_times, t))
+        if n != shown or final:
+            plots = final or t - last_plot >= PLOTS_EVERY
+            last_plot = t if plots else last_plot
+            shown = n
+            yield n[0], n[1], plots
+        if final:
+            return
+        sleep(min(TEXT_EVERY, end - t))

@@ -1,0 +1,458 @@
+"""The benchmark's report: pooled figures over result rows (overall, by category, by k, the anchors, overheads),
+and bench.json, bench.md and bench.html. Pure functions of the rows; nothing here runs a model."""
+
+from __future__ import annotations
+
+import json
+import logging
+from itertools import zip_longest
+from pathlib import Path
+
+from ...drafters.hybrid import describe_hybrid_cap
+from ...models.placement import placement_line
+from ..spec_metrics import pool
+from .timing import ratio
+
+log = logging.getLogger(__name__)
+
+HONEST_BASELINE = 0.95  # our AR loop's speed over generate's below which a report's speedups are not figures
+
+
+def aggregate(rows: list[dict]) -> dict:
+    """Pooled figures over result rows: speedup = total AR seconds / total SD seconds; acceptance over all drafts."""
+    ar_s = sum(r["ar_seconds"] for r in rows)
+    sd_s = sum(r["sd_seconds"] for r in rows)
+    steps = sum(r["steps"] for r in rows)
+    drafted = sum(r["drafted"] for r in rows)
+    out = {
+        "speedup": ratio(ar_s, sd_s),
+        "mean_accepted": ratio(sum(r["spec_tokens"] for r in rows), steps),
+        "acceptance_rate": ratio(sum(r["accepted"] for r in rows), drafted),
+        "identical_fraction": ratio(sum(bool(r["identical"]) for r in rows), len(rows)),
+        "ar_seconds": ar_s, "sd_seconds": sd_s,
+        "ar_tokens_per_s": ratio(sum(r["ar_tokens"] for r in rows), ar_s),
+        "sd_tokens_per_s": ratio(sum(r["sd_tokens"] for r in rows), sd_s),
+        "prompts": len(rows),
+    }
+    if rows and all("speculative_decoding" in r for r in rows):  # vLLM's names, pooled as its counters pool
+        out["speculative_decoding"] = pool([r["speculative_decoding"] for r in rows])
+    for name in ("hf_generate", "hf_assisted", "hf_prompt_lookup"):
+        have = [r for r in rows if f"{name}_seconds" in r]
+        if have and name != "hf_generate":
+            base = sum(r["hf_generate_seconds"] for r in have)
+            out[f"{name}_speedup"] = ratio(base, sum(r[f"{name}_seconds"] for r in have))
+            out[f"{name}_tokens_per_s"] = ratio(sum(r[f"{name}_tokens"] for r in have),
+                                                 sum(r[f"{name}_seconds"] for r in have))
+    return out
+
+
+def anchors_summary(rows: list[dict]) -> dict:
+    """The transformers comparisons, pooled over rows that have them."""
+    have = [r for r in rows if "hf_generate_seconds" in r]
+    if not have:
+        return {}
+    hf_s = sum(r["hf_generate_seconds"] for r in have)
+    hf_tok = sum(r["hf_generate_tokens"] for r in have)
+    ar_tps = ratio(sum(r["ar_tokens"] for r in have), sum(r["ar_seconds"] for r in have))
+    out = {
+        "hf_generate_tokens_per_s": ratio(hf_tok, hf_s),
+        "ar_tokens_per_s": ar_tps,
+        "ar_vs_hf_generate": ratio(ar_tps, ratio(hf_tok, hf_s)),
+        "hf_generate_identical_fraction": ratio(sum(bool(r["hf_generate_identical"]) for r in have), len(have)),
+        "hf_assisted_speedup": None,
+        "hf_prompt_lookup_speedup": None,
+    }
+    for name in ("hf_assisted", "hf_prompt_lookup"):
+        sub = [r for r in have if f"{name}_seconds" in r]
+        if sub:
+            base = sum(r["hf_generate_seconds"] for r in sub)
+            out[f"{name}_speedup"] = ratio(base, sum(r[f"{name}_seconds"] for r in sub))
+            out[f"{name}_tokens_per_s"] = ratio(sum(r[f"{name}_tokens"] for r in sub),
+                                                 sum(r[f"{name}_seconds"] for r in sub))
+            out[f"{name}_identical_fraction"] = ratio(sum(bool(r[f"{name}_identical"]) for r in sub), len(sub))
+            ours = aggregate(sub)
+            out[f"ours_vs_{name}_tokens_per_s"] = ratio(ours["sd_tokens_per_s"], out[f"{name}_tokens_per_s"])
+    return out
+
+
+VLLM_METHODS = ("ngram", "eagle3", "draft_model")  # vLLM's speculative methods the bench runs beside plain decoding
+
+
+def vllm_summary(rows: list[dict]) -> dict:
+    """vLLM's figures pooled over rows that have them, beside ours on the same rows (empty without vLLM runs).
+
+    {method}_speedup is vLLM's over vLLM's own plain decoding; {method}_mean_accepted is vLLM's own definition,
+    1 + accepted / drafting steps (bonus included, steps without a draft left out); {method}_tokens_per_pass counts
+    every verify pass, as our mean_accepted does; identical means the same token ids as our autoregressive run.
+    """
+    have = [r for r in rows if "vllm_plain_seconds" in r]
+    if not have:
+        return {}
+    plain_s, plain_tok = (sum(r[f"vllm_plain_{f}"] for r in have) for f in ("seconds", "tokens"))
+    ours = aggregate(have)
+    out = {
+        "plain_tokens_per_s": ratio(plain_tok, plain_s),
+        "ar_tokens_per_s": ours["ar_tokens_per_s"],
+        "ar_vs_vllm_plain": ratio(ours["ar_tokens_per_s"], ratio(plain_tok, plain_s)),
+        "plain_identical_fraction": ratio(sum(bool(r["vllm_plain_identical"]) for r in have), len(have)),
+        "ours_tokens_per_s": ours["sd_tokens_per_s"], "ours_speedup": ours["speedup"],
+        "ours_acceptance_rate": ours["acceptance_rate"], "ours_tokens_per_pass": ours["mean_accepted"],
+        "ours_identical_fraction": ours["identical_fraction"],
+        "prompts": len(have),
+    }
+    if "speculative_decoding" in ours:
+        out["ours_speculative_decoding"] = ours["speculative_decoding"]
+    drafting = sum(r.get("ours_drafting_steps", 0) for r in have)
+    out["ours_mean_accepted"] = 1 + ratio(sum(r["accepted"] for r in have), drafting) if drafting else None
+    out.update(_per_step("ar", have, "ar_target_forward_s", "ar_overhead_s", "ar_target_calls"))
+    out.update(_per_step("plain", have, "vllm_plain_forward_s", None, "vllm_plain_forward_calls", "vllm_plain_seconds"))
+    for m in VLLM_METHODS:
+        sub = [r for r in have if f"vllm_{m}_seconds" in r]
+        if not sub:
+            continue
+        s, tok = (sum(r[f"vllm_{m}_{f}"] for r in sub) for f in ("seconds", "tokens"))
+        drafts, drafted, accepted = (sum(r[f"vllm_{m}_{f}"] for r in sub) for f in ("drafts", "draft_tokens", "accepted"))
+        out[f"{m}_tokens_per_s"] = ratio(tok, s)
+        out[f"{m}_speedup"] = ratio(sum(r["vllm_plain_seconds"] for r in sub), s)
+        out[f"{m}_acceptance_rate"] = ratio(accepted, drafted)
+        out[f"{m}_mean_accepted"] = 1 + ratio(accepted, drafts) if drafts else None
+        # every pass after the first token's prefill yields 1 + its accepted drafts
+        passes = sum(max(1, r[f"vllm_{m}_tokens"] - 1 - r[f"vllm_{m}_accepted"]) for r in sub)
+        out[f"{m}_tokens_per_pass"] = ratio(sum(r[f"vllm_{m}_tokens"] - 1 for r in sub), passes)
+        out[f"{m}_identical_fraction"] = ratio(sum(bool(r[f"vllm_{m}_identical"]) for r in sub), len(sub))
+        per_pos = [sum(x) for x in zip_longest(*(r[f"vllm_{m}_accepted_per_pos"] for r in sub), fillvalue=0)]
+        out[f"{m}_per_position_acceptance"] = [ratio(a, drafts) for a in per_pos]  # vLLM's: over drafting steps
+        if all(f"vllm_{m}_speculative_decoding" in r for r in sub):  # vLLM's own per-request dicts, beside ours
+            out[f"{m}_speculative_decoding"] = pool([r[f"vllm_{m}_speculative_decoding"] for r in sub])
+        out[f"ours_vs_vllm_{m}_tokens_per_s"] = ratio(aggregate(sub)["sd_tokens_per_s"], out[f"{m}_tokens_per_s"])
+        out.update(_per_step(m, sub, f"vllm_{m}_forward_s", None, f"vllm_{m}_forward_calls", f"vllm_{m}_seconds"))
+    return out
+
+
+def _per_step(name: str, rows: list[dict], forward: str, outside: str | None, calls: str,
+              seconds: str | None = None) -> dict:
+    """Milliseconds per target pass inside the target's forward and outside it (wall minus forward)."""
+    have = [r for r in rows if forward in r and calls in r]
+    n = sum(r[calls] for r in have)
+    if not have or not n:
+        return {}
+    fwd = sum(r[forward] for r in have)
+    rest = sum(r[outside] for r in have) if outside else sum(r[seconds] for r in have) - fwd
+    return {f"{name}_forward_ms_per_pass": 1000 * fwd / n, f"{name}_outside_forward_ms_per_pass": 1000 * rest / n,
+            f"{name}_target_passes": n}
+
+
+def overhead_summary(rows: list[dict]) -> dict:
+    """Milliseconds per target pass spent outside every model forward, for each decoder measured."""
+    out = {}
+    for name in ("ar", "sd", "hf_generate", "hf_assisted", "hf_prompt_lookup"):
+        have = [r for r in rows if f"{name}_overhead_s" in r]
+        calls = sum(r[f"{name}_target_calls"] for r in have)
+        if have and calls:
+            out[f"{name}_ms_per_step"] = 1000 * sum(r[f"{name}_overhead_s"] for r in have) / calls
+            out[f"{name}_forward_fraction"] = ratio(
+                sum(r[f"{name}_target_forward_s"] + r.get(f"{name}_draft_forward_s", 0.0) for r in have),
+                sum(r[f"{name}_seconds"] for r in have))
+    sd = [r for r in rows if "sd_draft_logic_s" in r]
+    steps = sum(r["sd_target_calls"] for r in sd)
+    if steps:
+        out["sd_draft_logic_ms_per_step"] = 1000 * sum(r["sd_draft_logic_s"] for r in sd) / steps
+        out["sd_verify_logic_ms_per_step"] = 1000 * sum(r["sd_verify_logic_s"] for r in sd) / steps
+        out["sd_outside_engine_clock_ms_per_step"] = 1000 * sum(r["sd_outside_clock_s"] for r in sd) / steps
+    return out
+
+
+def build_report(config: dict, machine: dict, rows: list[dict], theory: dict | None = None) -> dict:
+    """The bench.json object from result rows."""
+    categories = sorted({r["category"] for r in rows}, key=[r["category"] for r in rows].index)
+    ks = sorted({r["k"] for r in rows})
+    report = {
+        "config": config,
+        "machine": machine,
+        "results": rows,
+        "by_category": {c: aggregate([r for r in rows if r["category"] == c]) for c in categories},
+        "by_k": {str(k): aggregate([r for r in rows if r["k"] == k]) for k in ks},
+        "overall": aggregate(rows),
+        "anchors": anchors_summary(rows),
+        "overhead": overhead_summary(rows),
+    }
+    vllm = vllm_summary(rows)
+    if vllm:
+        vllm["by_category"] = {c: vllm_summary([r for r in rows if r["category"] == c]) for c in categories}
+        vllm["by_k"] = {str(k): vllm_summary([r for r in rows if r["k"] == k]) for k in ks}
+        report["anchors"]["vllm"] = vllm
+    if "ar_vs_hf_generate" in report["anchors"]:
+        report["anchors"]["by_category"] = {c: anchors_summary([r for r in rows if r["category"] == c])
+                                            for c in categories}
+        report["anchors"]["by_k"] = {str(k): anchors_summary([r for r in rows if r["k"] == k]) for k in ks}
+    if theory:
+        report["theory"] = theory
+    mism = [r["mismatch"] for r in rows if r.get("mismatch")]
+    if mism:
+        report["mismatch_top2_logit_gaps"] = [m["top2_logit_gap"] for m in mism]
+    return report
+
+
+def write_outputs(report: dict, out: Path) -> None:
+    """bench.json, bench.md and bench.html in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    (out / "bench.md").write_text(markdown(report), encoding="utf-8")
+    try:
+        (out / "bench.html").write_text(html(report), encoding="utf-8")
+    except ImportError:
+        log.warning("plotly is not installed; skipped bench.html")
+
+
+def fmt(x, digits: int = 2) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def md_table(header: list[str], rows: list[list]) -> str:
+    """A markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(x) for x in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _hybrid_line(c: dict) -> str:
+    if "hybrid_model_k" not in c:
+        return ""
+    cap = describe_hybrid_cap(c["hybrid_model_k"], c.get("hybrid_verify_costs") or {}, c.get("hybrid_draft_cost"))
+    return f"; hybrid: {cap}"
+
+
+def baseline_warning(anchors: dict) -> str:
+    """A loud line when our autoregressive loop ran slower than transformers' generate on the same inputs."""
+    ratio = (anchors or {}).get("ar_vs_hf_generate")
+    if ratio is None or ratio >= HONEST_BASELINE:
+        return ""
+    return (f"**Baseline check failed:** our autoregressive loop ran at {ratio:.2f}× the speed of transformers' "
+            f"`generate` on the same inputs (at least {HONEST_BASELINE} is required), so this report's speedups are "
+            f"measured against a slow baseline and are not figures to report.\n")
+
+
+def markdown(report: dict) -> str:
+    """Markdown tables: overall, by category, by k, overhead, the transformers anchors, per prompt."""
+    cfg, mach, o = report["config"], report["machine"], report["overall"]
+    anchors = report.get("anchors") or {}
+    warning = baseline_warning(anchors)
+    c = {"target": "?", "drafter": "?", "draft": None, "k": "?", "temperature": "?", "max_new_tokens": "?",
+         "num_prompts": len(report["results"]), "prompts": "?", **cfg}
+    m = {"cpu": "?", "cores": "?", "torch_threads": "?", "device": "?", "dtype": "?", "torch": "?",
+         "transformers": "?", **mach}
+    parts = [
+        f"# Speculative decoding benchmark\n\n"
+        f"target `{c['target']}`, drafter `{c['drafter']}`{' (' + str(c['draft']) + ')' if c['draft'] else ''}, "
+        f"k = {c['k']}, temperature {c['temperature']}, {c['max_new_tokens']} new tokens, "
+        f"{c['num_prompts']} prompts from `{Path(str(c['prompts'])).name}`"
+        f"{_hybrid_line(c)}\n\n"
+        + (f"placement: {placement_line(c['placement'])}\n\n" if c.get("placement") else "") +
+        f"machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), "
+        f"{m['device']} {m['dtype']}, torch {m['torch']}, transformers {m['transformers']}; "
+        f"load average {fmt((m.get('load_average_start') or [None])[0])} at start, "
+        f"{fmt((m.get('load_average_end') or [None])[0])} at end\n\n"
+        f"Speedup = total autoregressive seconds / total speculative seconds (wall clock, perf_counter); "
+        f"mean accepted = tokens per verify pass, bonus included.\n",
+        *([warning] if warning else []),
+        "## Overall\n\n" + md_table(
+            ["speedup", "AR tok/s", "SD tok/s", "mean accepted", "acceptance", "identical"],
+            [[o["speedup"], o["ar_tokens_per_s"], o["sd_tokens_per_s"], o["mean_accepted"], o["acceptance_rate"],
+              o["identical_fraction"]]]),
+    ]
+    anchor_cols = [n for n in ("hf_prompt_lookup", "hf_assisted") if anchors.get(f"{n}_speedup") is not None]
+    cat_rows = []
+    for c, a in report["by_category"].items():
+        cat_rows.append([c, a["prompts"], a["speedup"], *[a.get(f"{n}_speedup") for n in anchor_cols],
+                         a["mean_accepted"], a["acceptance_rate"], a["identical_fraction"]])
+    parts.append("## By category\n\n" + md_table(
+        ["category", "rows", "speedup (ours)", *[f"speedup ({n})" for n in anchor_cols], "mean accepted",
+         "acceptance", "identical"], cat_rows))
+    theory = report.get("theory")
+    by_point = {p["k"]: p for p in theory["points"]} if theory else {}
+    k_rows = []
+    for k, a in report["by_k"].items():
+        p = by_point.get(int(k), {})
+        k_rows.append([k, a["speedup"], *[a.get(f"{n}_speedup") for n in anchor_cols], a["mean_accepted"],
+                       a["acceptance_rate"], p.get("alpha"), p.get("c"), p.get("verify_cost"),
+                       p.get("expected_speedup")])
+    parts.append("## By k\n\n" + md_table(
+        ["k", "speedup (ours)", *[f"speedup ({n})" for n in anchor_cols], "mean accepted", "acceptance", "alpha",
+         "c", "verify cost", "theory speedup"], k_rows))
+    if theory:
+        parts.append(
+            f"Theory (Leviathan et al.): pooled alpha {theory['alpha']:.3f}, c {theory['c']:.3f}; best k "
+            f"{theory['best_k']} (measured best {theory['best_measured_k']}). Verify cost = seconds per verify step "
+            f"over seconds per autoregressive step, as measured in the runs; the curve uses a forward-pass "
+            f"micro-benchmark: " + ", ".join(f"k={k}: {v:.2f}" for k, v in list(theory["verify_costs"].items())[:8])
+            + ".\n")
+    if "ar_vs_hf_generate" in anchors:
+        rows = [["our AR tok/s / HF generate tok/s", anchors["ar_vs_hf_generate"]],
+                ["HF generate tok/s", anchors["hf_generate_tokens_per_s"]],
+                ["our AR tok/s", anchors["ar_tokens_per_s"]],
+                ["HF generate tokens identical to ours", anchors["hf_generate_identical_fraction"]]]
+        for n in anchor_cols:
+            rows += [[f"{n} speedup (over HF generate)", anchors[f"{n}_speedup"]],
+                     [f"{n} tok/s", anchors[f"{n}_tokens_per_s"]],
+                     [f"our SD tok/s / {n} tok/s", anchors[f"ours_vs_{n}_tokens_per_s"]],
+                     [f"{n} tokens identical to our AR", anchors[f"{n}_identical_fraction"]]]
+        parts.append("## transformers anchors (same ids, k, max_new_tokens, clock)\n\n" + md_table(["", "value"], rows))
+    if anchors.get("vllm") or cfg.get("vllm"):
+        parts.append(vllm_markdown(report))
+    ov = report.get("overhead") or {}
+    if ov:
+        parts.append("## Per-step time outside model forwards\n\n" + md_table(
+            ["measure", "ms per target pass"], [[k.replace("_ms_per_step", ""), v] for k, v in ov.items()
+                                                if k.endswith("_ms_per_step")])
+            + "\nForward fraction (time inside forwards / wall): " + ", ".join(
+                f"{k.replace('_forward_fraction', '')} {v:.3f}" for k, v in ov.items() if k.endswith("_forward_fraction"))
+            + "\n")
+    prompt_rows = [[r["id"], r["category"], r["k"], r["ar_tokens_per_s"], r["sd_tokens_per_s"], r["speedup"],
+                    r.get("hf_prompt_lookup_tokens_per_s", r.get("hf_assisted_tokens_per_s")),
+                    r["mean_accepted"], r["acceptance_rate"], r["identical"]] for r in report["results"]]
+    parts.append("## Per prompt\n\n" + md_table(
+        ["id", "category", "k", "AR tok/s", "SD tok/s", "speedup", "HF assisted/PLD tok/s", "mean accepted",
+         "acceptance", "identical"], prompt_rows))
+    gaps = report.get("mismatch_top2_logit_gaps")
+    if gaps:
+        parts.append(f"Greedy mismatches: {len(gaps)}; target top-2 logit gaps at the first difference: "
+                     + ", ".join(f"{g:.4f}" for g in gaps) + "\n")
+    return "\n".join(parts)
+
+
+def vllm_markdown(report: dict) -> str:
+    """The vLLM section: each engine's speedup over its own plain decoding beside the absolute tokens/s, which engine
+    is faster at batch 1 and where each spends a target pass (its model forward vs the rest), by category."""
+    v, c = report["anchors"].get("vllm") or {}, report["config"]
+    meta = c.get("vllm") or {}
+    text = ("## vLLM (same prompt ids, k, max_new_tokens and EOS ids; its own engine, venv and process, run after "
+            "ours)\n\n")
+    for f in meta.get("failed") or []:
+        text += f"**vLLM {f['name']} (k = {f['k']}) failed:** {f['error']}\n\n"
+    if not v:
+        return text
+    methods = [m for m in VLLM_METHODS if v.get(f"{m}_tokens_per_s") is not None]
+    drafter = f"{c.get('drafter', '?')}" + (f" ({c['draft']})" if c.get("draft") else "")
+    ks = ", ".join(map(str, c["k"])) if isinstance(c.get("k"), list) else c.get("k", "?")
+    rows = [["ours", "autoregressive", v["ar_tokens_per_s"], 1.0, None, None, None, 1.0],
+            ["ours", f"{drafter}, k = {ks}", v["ours_tokens_per_s"], v["ours_speedup"],
+             v["ours_acceptance_rate"], v["ours_mean_accepted"], v["ours_tokens_per_pass"], v["ours_identical_fraction"]],
+            ["vLLM", "plain", v["plain_tokens_per_s"], 1.0, None, None, None, v["plain_identical_fraction"]]]
+    rows += [["vLLM", m, v[f"{m}_tokens_per_s"], v[f"{m}_speedup"], v[f"{m}_acceptance_rate"],
+              v[f"{m}_mean_accepted"], v[f"{m}_tokens_per_pass"], v[f"{m}_identical_fraction"]] for m in methods]
+    text += md_table(["engine", "decoding", "tok/s", "speedup over its own plain", "acceptance",
+                    "mean accepted (per drafting step)", "tokens per verify pass", "identical to our AR"], rows)
+    faster = "our loop" if v["ar_vs_vllm_plain"] >= 1 else "vLLM"
+    text += (f"\nAt batch 1 on this machine {faster} decodes faster: our autoregressive run makes "
+             f"{v['ar_tokens_per_s']:.1f} tok/s, vLLM's plain decoding {v['plain_tokens_per_s']:.1f} tok/s "
+             f"(ours / vLLM = {v['ar_vs_vllm_plain']:.2f}).")
+    if v.get("plain_forward_ms_per_pass") is not None and v.get("ar_forward_ms_per_pass") is not None:
+        fa, oa = v["ar_forward_ms_per_pass"], v["ar_outside_forward_ms_per_pass"]
+        fv, ov = v["plain_forward_ms_per_pass"], v["plain_outside_forward_ms_per_pass"]
+        where = "the model forward" if abs(fv - fa) >= abs(ov - oa) else "the work outside the forward"
+        text += (f" A target pass costs us {fa + oa:.2f} ms ({fa:.2f} in the model forward, {oa:.2f} outside it) "
+                 f"and vLLM {fv + ov:.2f} ms ({fv:.2f} in the forward, {ov:.2f} outside it: scheduler, "
+                 f"inter-process queues, input preparation, sampling, detokenization), so most of the difference "
+                 f"is {where}.")
+    passes = [["our AR", v.get("ar_forward_ms_per_pass"), v.get("ar_outside_forward_ms_per_pass"),
+               v.get("ar_target_passes")],
+              ["vLLM plain", v.get("plain_forward_ms_per_pass"), v.get("plain_outside_forward_ms_per_pass"),
+               v.get("plain_target_passes")]]
+    passes += [[f"vLLM {m}", v.get(f"{m}_forward_ms_per_pass"), v.get(f"{m}_outside_forward_ms_per_pass"),
+                v.get(f"{m}_target_passes")] for m in methods]
+    text += "\n\n" + md_table(["run", "forward ms per target pass", "outside-forward ms per target pass",
+                               "target passes"], passes)
+    text += ("\nForward = the target model's forward and logits, timed by hooks inside each engine's worker (a "
+             "draft model or the lookup is outside it). vLLM's mean accepted is its own metric, 1 + accepted / "
+             "steps that drafted; tokens per verify pass counts every pass after the prefill, like ours.\n")
+    text += _per_position_markdown(v, methods)
+    cats = v.get("by_category") or {}
+    if cats and methods:
+        text += "\n" + md_table(["category", "rows", "ours speedup", *[f"vLLM {m} speedup" for m in methods],
+                                "ours tok/s", "vLLM plain tok/s", *[f"vLLM {m} tok/s" for m in methods]],
+                               [[cat, a["prompts"], a["ours_speedup"], *[a.get(f"{m}_speedup") for m in methods],
+                                 a["ours_tokens_per_s"], a["plain_tokens_per_s"],
+                                 *[a.get(f"{m}_tokens_per_s") for m in methods]] for cat, a in cats.items()])
+    if meta:
+        versions = sorted({str(m["vllm"]) for m in meta.get("methods", []) if m.get("vllm")})
+        text += (f"\nvLLM {', '.join(versions)} from `{meta.get('python')}`, model `{meta.get('model')}`, CPU "
+                 f"threads bind {meta.get('threads_bind')}, enforce_eager {meta.get('enforce_eager')}, lookup "
+                 f"window {meta.get('lookup')}; load average {fmt((meta.get('load_average_start') or [None])[0])} "
+                 f"before vLLM's runs, {fmt((meta.get('load_average_end') or [None])[0])} after.\n")
+    gaps = [r[f"vllm_{m}_mismatch"]["top2_logit_gap"] for r in report["results"] for m in ("plain", *methods)
+            if r.get(f"vllm_{m}_mismatch")]
+    if gaps:
+        text += (f"\nvLLM greedy outputs that differ from our AR: {len(gaps)}; our target's top-2 logit gaps at the "
+                 f"first difference: " + ", ".join(f"{g:.4f}" for g in gaps) + "\n")
+    return text
+
+
+def _per_position_markdown(v: dict, methods: list[str]) -> str:
+    """Ours and vLLM's own per-request metrics (speculative_decoding, vLLM's names) pooled, position by position."""
+    ours, theirs = v.get("ours_speculative_decoding"), {m: v.get(f"{m}_speculative_decoding") for m in methods}
+    theirs = {m: d for m, d in theirs.items() if d}
+    if not ours or not theirs:
+        return ""
+    runs = [("ours", ours), *((f"vLLM {m}", d) for m, d in theirs.items())]
+    per_pos = {name: d.get("num_accepted_tokens_per_pos") or [] for name, d in runs}
+    width = max(map(len, per_pos.values()))
+    rows = [[name, d["num_spec_steps"], d["num_draft_tokens"], d["num_accepted_draft_tokens"],
+             d["mean_acceptance_length"], d["draft_acceptance_rate"], *(per_pos[name] + [None] * width)[:width]]
+            for name, d in runs]
+    return ("\n\n`speculative_decoding` (vLLM's names; vLLM's own per-request metrics and its per-position counter):"
+            "\n\n" + md_table(["run", "num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens",
+                                "mean_acceptance_length", "draft_acceptance_rate",
+                                *[f"accepted at position {i + 1}" for i in range(width)]], rows))
+
+
+def html(report: dict) -> str:
+    """Plotly figures: speedup by category; speedup and acceptance against k beside the theoretical curve."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    anchors = report.get("anchors") or {}
+    cats = list(report["by_category"])
+    fig1 = go.Figure(go.Bar(name="ours", x=cats, y=[report["by_category"][c]["speedup"] for c in cats]))
+    for n in ("hf_prompt_lookup", "hf_assisted"):
+        if anchors.get(f"{n}_speedup") is not None:
+            fig1.add_bar(name=n, x=cats, y=[report["by_category"][c].get(f"{n}_speedup") for c in cats])
+    vllm = anchors.get("vllm") or {}
+    for m in VLLM_METHODS:
+        if vllm.get(f"{m}_speedup") is not None:
+            fig1.add_bar(name=f"vLLM {m} (over vLLM plain)", x=cats,
+                         y=[(vllm["by_category"].get(c) or {}).get(f"{m}_speedup") for c in cats])
+    fig1.add_hline(y=1.0, line_dash="dot")
+    fig1.update_layout(title="Speedup by category (total AR time / total SD time)", barmode="group",
+                       yaxis_title="speedup")
+
+    fig2 = make_subplots(rows=1, cols=2, subplot_titles=("speedup vs k", "acceptance vs k"))
+    ks = [int(k) for k in report["by_k"]]
+    by_k = list(report["by_k"].values())
+    fig2.add_scatter(x=ks, y=[a["speedup"] for a in by_k], mode="markers+lines", name="measured", row=1, col=1)
+    theory = report.get("theory")
+    if theory:
+        tk = [int(k) for k in theory["theory"]]
+        fig2.add_scatter(x=tk, y=list(theory["theory"].values()), mode="lines", line_dash="dash",
+                         name=f"theory (alpha {theory['alpha']:.2f}, c {theory['c']:.2f})", row=1, col=1)
+    fig2.add_scatter(x=ks, y=[a["acceptance_rate"] for a in by_k], mode="markers+lines", name="acceptance rate",
+                     row=1, col=2)
+    fig2.add_scatter(x=ks, y=[a["mean_accepted"] for a in by_k], mode="markers+lines",
+                     name="mean accepted (tokens/pass)", row=1, col=2)
+    fig2.update_xaxes(title_text="k (draft tokens per step)")
+    body = fig1.to_html(full_html=False, include_plotlyjs=True) + fig2.to_html(full_html=False, include_plotlyjs=False)
+    if vllm:
+        names = ["ours AR", "ours SD", "vLLM plain", *[f"vLLM {m}" for m in VLLM_METHODS if f"{m}_tokens_per_s" in vllm]]
+        values = [vllm["ar_tokens_per_s"], vllm["ours_tokens_per_s"], vllm["plain_tokens_per_s"],
+                  *[vllm[f"{m}_tokens_per_s"] for m in VLLM_METHODS if f"{m}_tokens_per_s" in vllm]]
+        fig3 = go.Figure(go.Bar(x=names, y=values))
+        fig3.update_layout(title="tokens/s at batch 1: ours and vLLM on the same prompt ids", yaxis_title="tokens/s")
+        body += fig3.to_html(full_html=False, include_plotlyjs=False)
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>specdemo bench</title></head><body>"
+            f"<h1>Speculative decoding benchmark</h1><pre>{json.dumps(report['overall'], indent=1)}</pre>{body}"
+            f"</body></html>\n")

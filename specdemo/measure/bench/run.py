@@ -1,0 +1,374 @@
+"""The benchmark run: load the pair once, warm every code path, then per prompt our autoregressive run, our
+speculative run at each k and the transformers anchors, one after the other (never sharing the hardware)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from ...config import (
+    BUNDLED_ID,
+    MAX_K,
+    MAX_K_ENGINE,
+    GenerationConfig,
+    Placement,
+    Runtime,
+    SamplingConfig,
+)
+from ...drafters.registry import check_draft
+from ...engine import encode_prompt, eos_ids
+from ...engine.timing import ForwardTimer, verify_costs_for
+from ...models.eagle3 import eagle3_export
+from ...prompts import DEFAULT_PROMPTS, PromptItem, read_prompts
+from ...serve.serve_config import Lookup, serve_target
+from ..compare import Pair, first_mismatch, load_pair, pair_placement, warmup
+from ..spec_metrics import speculative_decoding, steps_of
+from ..tune_k import point, run_ar, run_sd, summarize, sweep
+from .anchors import assistant_k, hf_assistant, hf_generate, hf_kwargs, measure_hf
+from .report import build_report, write_outputs
+from .timing import drafter_modules, measure_ours, put, ratio, target_modules
+from .vllm import VllmOptions, require_python, run_vllm
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_KS = (1, 2, 3, 4, 6, 8)
+DEFAULT_OUT = "out/bench"  # git-ignored; reports cited by the docs are copied to bench/
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark run's settings (the CLI's flags, converted once)."""
+
+    prompts: str = str(DEFAULT_PROMPTS)
+    limit: int | None = None
+    target: str = BUNDLED_ID
+    draft: str | None = None
+    drafter: str | None = None  # None: "model" with a draft, else "ngram"
+    k: str = "4"  # N, a list like 1,2,4,8, or "auto"
+    temperature: float = 0.0
+    max_new_tokens: int = 128
+    seed: int = 0
+    anchors: bool = False  # transformers' generate, assisted generation and prompt lookup
+    vllm: bool = False  # vLLM's plain, ngram (and eagle3) decoding, in its own venv and process, after ours
+    vllm_options: VllmOptions = VllmOptions()
+    out: str = DEFAULT_OUT
+    device: str | None = None
+    dtype: str | None = None
+    chat_template: bool = True
+    theory: bool = True
+    quiet: bool = False
+    runtime: Runtime = Runtime()
+    batch_sizes: str | None = None  # "1,2,4,8,16": the batch-size sweep instead of per-prompt runs (run_batch_bench)
+    max_batches: int | None = None  # the batch sweep: at most this many batches per batch size
+    placement: Placement = Placement()  # the target's device map, memory limits and offload folder
+    draft_device: str | None = None  # None: the target's device (a draft head: where the target's head computes)
+
+    @property
+    def drafter_kind(self) -> str:
+        return self.drafter or ("model" if self.draft else "ngram")
+
+
+def parse_ks(text: str) -> list[int] | str:
+    """'4' -> [4]; '1,2,4,8' -> [1, 2, 4, 8]; 'auto' -> 'auto'."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    ks = [int(x) for x in text.replace(" ", "").split(",") if x]
+    if not ks or any(not 1 <= k <= MAX_K_ENGINE for k in ks):
+        raise ValueError(f"--k must be 'auto' or integers in 1..{MAX_K_ENGINE}, got '{text}'")
+    return ks
+
+
+def machine_info(device: torch.device, dtype: torch.dtype) -> dict:
+    """CPU model, cores, threads, library versions, device and dtype."""
+    import transformers
+
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(), "python": platform.python_version(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    if hasattr(os, "getloadavg"):
+        info["load_average_start"] = list(os.getloadavg())
+    return info
+
+
+def bench_prompt(pair, item: PromptItem, prompt_ids: list[int], ks: list[int], config: GenerationConfig,
+                 timers, anchors: bool, runs: dict, progress=None) -> list[dict]:
+    """All runs for one prompt: AR once, SD per k, and the anchors; one result row per k.
+
+    runs[k] gets (ar_run, sd_run) appended, for the sweep module's per-k figures.
+    """
+    ar = measure_ours(lambda: run_ar(pair, prompt_ids, config), timers)
+    model, tok = pair.target.model, pair.target.tokenizer
+    kwargs = hf_kwargs(config.sampling, config.max_new_tokens, sorted(eos_ids(model, tok)))
+    hf = measure_hf(model, prompt_ids, kwargs, timers, config.seed) if anchors else None
+    rows = []
+    for k in ks:
+        k_config = replace(config, num_draft_tokens=k)
+        sd = measure_ours(lambda: run_sd(pair, prompt_ids, k_config), timers)
+        runs.setdefault(k, []).append((ar.run, sd.run))
+        s, a = sd.run.stats, ar.run.stats
+        spec = [e for e in sd.run.events if e.kind == "spec"]
+        row = {
+            "id": item.id, "category": item.category, "k": k,
+            "prompt_tokens": len(prompt_ids),
+            "ar_tokens_per_s": ratio(ar.tokens, ar.seconds), "sd_tokens_per_s": ratio(sd.tokens, sd.seconds),
+            "speedup": ratio(ar.seconds, sd.seconds),
+            "mean_accepted": s.mean_accepted, "acceptance_rate": s.acceptance_rate,
+            "identical": ar.ids == sd.ids,
+            "steps": s.steps, "drafted": s.drafted, "accepted": s.accepted,
+            "spec_tokens": sum(len(e.tokens) for e in spec),
+            "accepted_histogram": s.accepted_histogram,
+            "draft_seconds": s.draft_seconds, "verify_seconds": s.verify_seconds,
+            "ar_engine_seconds": a.seconds, "sd_engine_seconds": s.seconds,
+            "speculative_decoding": speculative_decoding(steps_of(sd.run.events), k),  # vLLM's names
+        }
+        put(row, "ar", ar)
+        put(row, "sd", sd)
+        # where the non-forward time of a speculative run goes
+        row["sd_draft_logic_s"] = max(0.0, s.draft_seconds - sd.draft_forward_s)
+        row["sd_outside_clock_s"] = max(0.0, sd.seconds - s.seconds)  # generator setup, outside the engine clock
+        # acceptance, cache rollback, drafter.update, detokenization (the rest of the non-forward time)
+        row["sd_verify_logic_s"] = max(0.0, sd.overhead_s - row["sd_draft_logic_s"] - row["sd_outside_clock_s"])
+        if config.sampling.greedy and not row["identical"]:
+            row["mismatch"] = first_mismatch(pair.target, prompt_ids, ar.ids, sd.ids)
+        if hf is not None:
+            put(row, "hf_generate", hf, ar.ids)
+            run_anchors(row, pair, prompt_ids, kwargs, k, timers, config.seed, ar.ids)
+        rows.append(row)
+        if progress is not None:
+            progress.update(1)
+    return rows
+
+
+def run_anchors(row: dict, pair: Pair, prompt_ids: list[int], kwargs: dict, k: int, timers, seed: int,
+                reference: list[int]) -> None:
+    """transformers' own speculative decoding at the same k: prompt lookup for our lookup, assisted generation with
+    the same draft model for ours (none for a drafter generate() cannot use, such as the EAGLE head)."""
+    model = pair.target.model
+    if pair.drafter_kind == "ngram":
+        put(row, "hf_prompt_lookup", measure_hf(model, prompt_ids, {**kwargs, "prompt_lookup_num_tokens": k}, timers,
+                                                seed), reference)
+    elif (assistant := hf_assistant(pair)) is not None:
+        with assistant_k(assistant, k):
+            m = measure_hf(model, prompt_ids, {**kwargs, "assistant_model": assistant}, timers, seed)
+        put(row, "hf_assisted", m, reference)
+
+
+def calibrate_k(pair: Pair, prompts: list[list[int]], config: GenerationConfig, k_max: int = MAX_K) -> tuple[int, dict]:
+    """--k auto: a short sweep on a few prompts, then metrics.best_k with measured verify costs."""
+    short = replace(config, max_new_tokens=min(config.max_new_tokens, 48))
+    result = sweep(pair, prompts[:3], CALIBRATION_KS, short, k_max=k_max, do_warmup=False)
+    return result.best_k, result.as_dict()
+
+
+def warm(pair: Pair, prompt_ids: list[int], config: GenerationConfig, ks: list[int], anchors: bool) -> None:
+    """Untimed runs of every code path before the clock starts."""
+    for k in sorted(set(ks)):
+        warmup(pair, prompt_ids, replace(config, num_draft_tokens=k))
+    if anchors:
+        model, tok = pair.target.model, pair.target.tokenizer
+        kwargs = hf_kwargs(config.sampling, 4, sorted(eos_ids(model, tok)))
+        hf_generate(model, prompt_ids, kwargs)
+        if pair.drafter_kind == "ngram":
+            hf_generate(model, prompt_ids, {**kwargs, "prompt_lookup_num_tokens": ks[0]})
+        elif (assistant := hf_assistant(pair)) is not None:
+            with assistant_k(assistant, ks[0]):
+                hf_generate(model, prompt_ids, {**kwargs, "assistant_model": assistant})
+
+
+def check_vllm(bc: BenchConfig) -> None:
+    """Before any model loads: vLLM's venv exists, the comparison is greedy, an EAGLE-3 folder is one."""
+    require_python(bc.vllm_options.python)
+    if bc.temperature > 0:
+        raise ValueError("--anchors vllm compares greedy outputs token for token; use --temperature 0")
+    if bc.vllm_options.eagle3 and not eagle3_export(bc.vllm_options.eagle3):
+        raise ValueError(f"--vllm-eagle3 {bc.vllm_options.eagle3} is not an EAGLE-3 checkpoint folder (make one with "
+                         f"`python -m specdemo export`)")
+
+
+def vllm_anchor(bc: BenchConfig, pair: Pair, items: list[PromptItem], prompt_ids: list[list[int]], ks: list[int],
+                config: GenerationConfig, rows: list[dict], runs: dict) -> dict:
+    """vLLM on the same prompt ids, k, max_new_tokens and EOS ids; its fields go into the rows (see bench.vllm)."""
+    if any(len(runs[k]) != len(items) for k in ks):
+        raise ValueError("--anchors vllm needs each k once in --k")
+    ours = {(it.id, k): runs[k][i] for k in ks for i, it in enumerate(items)}  # (AR run, SD run), in prompt order
+    by_id = dict(zip((it.id for it in items), prompt_ids))
+    reference = {it.id: runs[ks[0]][i][0].ids for i, it in enumerate(items)}
+    eagle3 = bc.vllm_options.eagle3 or (bc.draft if eagle3_export(bc.draft) else None)
+    draft_model = None  # a draft LLM (not an EAGLE head) for vLLM's draft_model method
+    if hf_assistant(pair) is not None and pair.draft_name:
+        draft_model = serve_target(pair.draft_name, bc.runtime)[0]  # the bundled draft: its converted folder
+    options = replace(bc.vllm_options, eagle3=eagle3, draft_model=draft_model)
+
+    def mismatch(pid: str, ids: list[int]) -> dict | None:
+        return first_mismatch(pair.target, by_id[pid], reference[pid], ids)
+
+    return run_vllm(rows, pair.target, list(by_id.items()), sorted(eos_ids(pair.target.model, pair.target.tokenizer)),
+                    config.max_new_tokens, ks, Lookup.of(pair.drafter), ours, options, Path(bc.out), os.environ,
+                    bc.runtime, bc.seed, mismatch)
+
+
+def run_bench(bc: BenchConfig) -> dict:
+    """Load once, warm up, run every prompt, return the report (also written to bc.out)."""
+    from tqdm.auto import tqdm
+
+    items = read_prompts(bc.prompts, bc.limit)
+    if not items:
+        raise ValueError(f"no prompts in {bc.prompts}")
+    ks = parse_ks(bc.k)
+    kind = bc.drafter_kind
+    check_draft(kind, bc.draft)
+    config = GenerationConfig(max_new_tokens=bc.max_new_tokens, sampling=SamplingConfig(bc.temperature),
+                              seed=bc.seed, use_chat_template=bc.chat_template)
+    config.validate()
+    if bc.vllm:
+        check_vllm(bc)
+    pair = load_pair(bc.target, kind, bc.draft, bc.device, bc.dtype, bc.draft_device, runtime=bc.runtime,
+                     placement=bc.placement)
+    tok = pair.target.tokenizer
+    prompt_ids = [encode_prompt(tok, it.prompt, config.use_chat_template) for it in items]
+    calibration = None
+    if ks == "auto":
+        warm(pair, prompt_ids[0], config, list(CALIBRATION_KS), False)
+        best, calibration = calibrate_k(pair, prompt_ids, config)
+        ks = [best]
+        log.info("calibrated k = %d", best)
+    warm(pair, prompt_ids[0], config, ks, bc.anchors)
+
+    device = pair.target.device
+    draft_mods = list({id(m): m for m in drafter_modules(pair.drafter)}.values())  # an assistant is one of these
+    timers = (ForwardTimer(target_modules(pair.target.model), device),
+              ForwardTimer(draft_mods, device) if draft_mods else None)
+    machine = machine_info(device, pair.target.dtype)
+    rows: list[dict] = []
+    runs: dict[int, list] = {}
+    try:
+        with tqdm(total=len(items) * len(ks), desc="bench", file=sys.stderr, disable=bc.quiet) as bar:
+            for item, ids in zip(items, prompt_ids):
+                rows += bench_prompt(pair, item, ids, ks, config, timers, bc.anchors, runs, bar)
+    finally:
+        for t in timers:
+            if t:
+                t.remove()
+    if hasattr(os, "getloadavg"):
+        machine["load_average_end"] = list(os.getloadavg())
+
+    theory = None
+    if bc.theory:
+        # the sweep module's view of the same runs: per-k alpha, c, verify cost, and the expected-speedup curve
+        k_max = max([MAX_K] + ks)
+        points = [point(k, [a for a, _ in runs[k]], [s for _, s in runs[k]]) for k in ks]
+        theory = summarize(points, verify_costs_for(pair.target.model, prompt_ids[0], k_max), k_max).as_dict()
+    vllm_meta = None
+    if bc.vllm:  # after all our timing: vLLM's processes never share the CPU with our decoders
+        vllm_meta = vllm_anchor(bc, pair, items, prompt_ids, ks, config, rows, runs)
+    cfg = {
+        "prompts": str(bc.prompts), "limit": bc.limit, "num_prompts": len(items), "target": pair.target.name,
+        "drafter": kind, "draft": pair.draft_name, "k": ks, "k_arg": bc.k, "temperature": bc.temperature,
+        "max_new_tokens": bc.max_new_tokens, "seed": bc.seed, "anchors": bc.anchors,
+        "chat_template": config.use_chat_template, "placement": pair_placement(pair),
+        "speedup": "total autoregressive seconds / total speculative seconds, wall clock around each run",
+        "mean_accepted": "tokens per verify pass, bonus/correction included",
+        "overhead": "wall seconds outside every target/draft forward call, per target forward call",
+    }
+    if calibration:
+        cfg["calibration"] = calibration
+    if vllm_meta:
+        cfg["vllm"] = vllm_meta
+    if pair.calibration is not None:  # what the hybrid model's cap was chosen from (hybrid.calibrate)
+        cfg.update(pair.calibration.as_dict())
+    report = build_report(cfg, machine, rows, theory)
+    write_outputs(report, Path(bc.out))
+    return report
+
+
+# ---- the batch-size sweep (--batch-size): batched AR and SD, and generate on the same padded batches ----
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """'1,2,4,8,16' -> [1, 2, 4, 8, 16] (sorted, distinct, each at least 1)."""
+    try:
+        sizes = sorted({int(x) for x in text.replace(" ", "").split(",") if x})
+    except ValueError:
+        sizes = []
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"--batch-size must be positive integers like 1,2,4,8,16, got '{text}'")
+    return sizes
+
+
+def batch_k(text: str) -> int | None:
+    """--k for the batch sweep: one k for every batch size, or 'auto' (None: chosen per batch size)."""
+    ks = parse_ks(text)
+    if ks == "auto":
+        return None
+    if len(ks) != 1:
+        raise ValueError(f"with --batch-size, --k takes one value or 'auto', got '{text}'")
+    return ks[0]
+
+
+def run_batch_bench(bc: BenchConfig) -> dict:
+    """The batch-size sweep (specdemo.measure.batch_sizes) on the prompt set; returns the report, also written to bc.out."""
+    from tqdm.auto import tqdm
+
+    from ..batch_sizes import iter_batch_sweep, shared_rows
+    from .batch_report import build_batch_report, write_batch_outputs
+
+    items = read_prompts(bc.prompts, bc.limit)
+    if not items:
+        raise ValueError(f"no prompts in {bc.prompts}")
+    sizes, k = parse_batch_sizes(bc.batch_sizes or ""), batch_k(bc.k)
+    if bc.vllm:
+        raise ValueError("--anchors vllm compares at batch 1 and is not part of the batch sweep; use --anchors "
+                         "(transformers' generate on the same padded batches) with --batch-size")
+    kind = bc.drafter_kind
+    check_draft(kind, bc.draft)
+    config = GenerationConfig(max_new_tokens=bc.max_new_tokens, sampling=SamplingConfig(bc.temperature),
+                              num_draft_tokens=k or 1, seed=bc.seed, use_chat_template=bc.chat_template)
+    config.validate()
+    pair = load_pair(bc.target, kind, bc.draft, bc.device, bc.dtype, bc.draft_device, runtime=bc.runtime,
+                     placement=bc.placement)
+    prompt_ids = [encode_prompt(pair.target.tokenizer, it.prompt, config.use_chat_template) for it in items]
+    rows = len(shared_rows(prompt_ids, sizes))
+    machine = machine_info(pair.target.device, pair.target.dtype)
+    total = len(sizes) + sum(min(rows // b, bc.max_batches or rows) for b in sizes)
+    sweep = None
+    with tqdm(total=total, desc="bench", file=sys.stderr, disable=bc.quiet) as bar:
+        for sweep in iter_batch_sweep(pair, prompt_ids, sizes, config, k, bc.anchors,
+                                      on_run=lambda *_: bar.update(1), max_batches=bc.max_batches):
+            pass
+    if hasattr(os, "getloadavg"):
+        machine["load_average_end"] = list(os.getloadavg())
+    cfg = {
+        "prompts": str(bc.prompts), "limit": bc.limit, "num_prompts": len(items), "rows": rows,
+        "target": pair.target.name, "drafter": kind, "draft": pair.draft_name, "k_arg": bc.k,
+        "batch_sizes": sizes, "max_batches": bc.max_batches, "temperature": bc.temperature, "max_new_tokens": bc.max_new_tokens, "seed": bc.seed,
+        "anchors": bc.anchors, "chat_template": config.use_chat_template, "placement": pair_placement(pair),
+        "batching": "the prompt set in order, cut to a multiple of the largest batch size (cycled when smaller), "
+                    "B at a time: every batch size runs the same rows and no batch is partial",
+        "throughput": "all rows' new tokens / the wall seconds of every batch's run, per decoder",
+        "speedup": "speculative tokens/s / autoregressive tokens/s at the same batch size",
+        "mean_accepted": "tokens per row per verify pass, bonus/correction included",
+        "verify_cost": "seconds of a B x (k+1) target pass / a B x 1 pass (micro-benchmark at that batch size)",
+    }
+    if pair.calibration is not None:
+        cfg.update(pair.calibration.as_dict())
+    report = build_batch_report(cfg, machine, sweep.as_dict())
+    write_batch_outputs(report, Path(bc.out))
+    return report

@@ -1,0 +1,193 @@
+"""Plotly figures for the app: tokens over time, running speedup, accepted-length histogram, where the time goes
+(a timeline of passes, acceptance by draft position), k sweep. No gradio.
+
+Inputs are plain numbers (points, histograms, sweep rows) computed by specdemo.measure.metrics; nothing here times anything.
+"""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+AR_COLOR, SD_COLOR, THEORY_COLOR, DRAFT_COLOR, PREFILL_COLOR = "#64748b", "#16a34a", "#2563eb", "#f59e0b", "#a78bfa"
+Points = list[tuple[float, int]]  # (seconds of the run's own compute, tokens generated so far)
+Passes = list[tuple[float, float, float]]  # per step: (start, draft seconds, verify seconds) on the run's own clock
+
+
+def _layout(fig: go.Figure, title: str, x: str, y: str) -> go.Figure:
+    fig.update_layout(title=title, xaxis_title=x, yaxis_title=y, height=300, margin=dict(l=50, r=20, t=50, b=40),
+                      legend=dict(orientation="h", y=-0.25), template="plotly_white")
+    return fig
+
+
+def tokens_vs_time(ar: Points, sd: Points) -> go.Figure:
+    """Tokens generated against each run's own compute time."""
+    fig = go.Figure()
+    for name, points, color in (("autoregressive", ar, AR_COLOR), ("speculative", sd, SD_COLOR)):
+        fig.add_trace(go.Scatter(x=[t for t, _ in points], y=[n for _, n in points], name=name,
+                                 mode="lines+markers", line=dict(color=color, shape="hv"), marker=dict(size=4)))
+    return _layout(fig, "Tokens vs time", "seconds", "tokens generated")
+
+
+def running_speedup_points(ar: Points, sd: Points) -> list[tuple[float, float]]:
+    """At each event time, speculative tokens/s so far over autoregressive tokens/s so far (both cumulative).
+
+    A finished run keeps its final rate, so the last value equals metrics.speedup for the whole runs.
+    """
+    times = sorted({t for t, _ in ar + sd if t > 0})
+    out = []
+    for t in times:
+        rates = []
+        for points in (ar, sd):
+            done = [(s, n) for s, n in points if 0 < s <= t]
+            rates.append(done[-1][1] / done[-1][0] if done else None)
+        if rates[0] and rates[1] is not None:
+            out.append((t, rates[1] / rates[0]))
+    return out
+
+
+def running_speedup(ar: Points, sd: Points) -> go.Figure:
+    """Speedup so far (tokens/s ratio) against time."""
+    points = running_speedup_points(ar, sd)
+    fig = go.Figure(go.Scatter(x=[t for t, _ in points], y=[s for _, s in points], name="speedup",
+                               mode="lines", line=dict(color=SD_COLOR, shape="hv")))
+    fig.add_hline(y=1.0, line=dict(color=AR_COLOR, dash="dot"))
+    return _layout(fig, "Running speedup (tokens/s ratio)", "seconds", "speedup ×")
+
+
+def accepted_histogram(histogram: list[int]) -> go.Figure:
+    """How many speculative steps accepted 0, 1, ..., k draft tokens."""
+    fig = go.Figure(go.Bar(x=list(range(len(histogram))), y=histogram, marker_color=SD_COLOR, name="steps"))
+    fig.update_xaxes(dtick=1)
+    return _layout(fig, "Accepted draft tokens per step", "accepted drafts in the step", "steps")
+
+
+def cost_title(c: float, verify_cost: float) -> str:
+    """The cost ratio c and the verify cost, as both 'where the time goes' charts show them."""
+    return f"c = {c:.3f} (draft token / target pass) · verify pass = {verify_cost:.2f}× a 1-token pass"
+
+
+def timeline(ar: Passes, sd: Passes, c: float, verify_cost: float) -> go.Figure:
+    """Every pass on its run's own clock, one row per run: the autoregressive run's 1-token target passes, and each
+    speculative step's draft, then its verify pass. The first step of each run is the prefill."""
+    fig = go.Figure()
+    rows = [("autoregressive", ar[1:], 2, "target pass (1 token)", AR_COLOR),
+            ("speculative", sd[1:], 1, "draft", DRAFT_COLOR),
+            ("speculative", sd[1:], 2, "verify (k + 1 tokens)", SD_COLOR)]
+    for row, steps, part, name, color in rows:
+        base = [s + (d if part == 2 else 0.0) for s, d, _ in steps]
+        width = [v if part == 2 else d for _, d, v in steps]
+        fig.add_trace(go.Bar(y=[row] * len(steps), x=width, base=base, orientation="h", name=name,
+                             marker=dict(color=color, line=dict(color="white", width=0.5)),
+                             hovertemplate="%{base:.3f} s + %{x:.4f} s<extra>" + name + "</extra>"))
+    prefill = [(row, steps[0]) for row, steps in (("autoregressive", ar), ("speculative", sd)) if steps]
+    fig.add_trace(go.Bar(y=[r for r, _ in prefill], x=[s[1] + s[2] for _, s in prefill],
+                         base=[s[0] for _, s in prefill], orientation="h", name="prefill",
+                         marker=dict(color=PREFILL_COLOR), hovertemplate="prefill %{x:.4f} s<extra></extra>"))
+    fig.update_layout(barmode="overlay", bargap=0.35)
+    fig.update_yaxes(categoryorder="array", categoryarray=["speculative", "autoregressive"])
+    return _layout(fig, "Where the time goes<br><sup>" + cost_title(c, verify_cost) + "</sup>", "seconds", "")
+
+
+def position_acceptance(rates: list[float], drafted: list[int], alpha: float | None, c: float,
+                        verify_cost: float) -> go.Figure:
+    """Acceptance by draft position i = 1..k: the share of the steps that drafted a token at i (drafted[i - 1] of
+    them, written on each bar) whose drafts 1..i were all accepted (vLLM's spec_decode_num_accepted_tokens_per_pos
+    over its drafts), beside alpha^i."""
+    positions = list(range(1, len(rates) + 1))
+    fig = go.Figure(go.Bar(x=positions, y=rates, name="measured", marker_color=SD_COLOR,
+                           text=[f"of {n}" for n in drafted], textposition="outside",
+                           hovertemplate="position %{x}: %{y:.0%} %{text} steps<extra></extra>"))
+    if alpha is not None and rates:
+        fig.add_trace(go.Scatter(x=positions, y=[alpha**i for i in positions], name=f"α^i (α = {alpha:.2f})",
+                                 mode="lines+markers", line=dict(color=THEORY_COLOR, dash="dash")))
+    fig.update_xaxes(dtick=1)
+    fig.update_yaxes(range=[0, 1.05], tickformat=".0%")
+    return _layout(fig, "Acceptance by draft position<br><sup>" + cost_title(c, verify_cost) + "</sup>",
+                   "draft position i", "drafts 1..i accepted")
+
+
+BLANK_TITLES = {"tokens": "Tokens vs time", "speedup": "Running speedup (tokens/s ratio)",
+                "histogram": "Accepted draft tokens per step", "timeline": "Where the time goes",
+                "positions": "Acceptance by draft position"}
+
+
+def blank(name: str) -> go.Figure:
+    """A blank figure for one of the race's plots (a key of BLANK_TITLES) before it has data. The page draws these
+    on load, so the browser loads plotly before a timed run rather than during one."""
+    return _layout(go.Figure(), BLANK_TITLES[name], "", "")
+
+
+def k_sweep(rows: list[dict], theory: list[tuple[int, float]], best_measured: int | None,
+            best_theory: int | None) -> go.Figure:
+    """Measured speedup and acceptance rate per k, with the theoretical speedup curve and the best k marked.
+
+    rows: dicts with k, speedup, acceptance_rate; theory: (k, expected speedup) pairs.
+    """
+    fig = go.Figure()
+    ks = [r["k"] for r in rows]
+    fig.add_trace(go.Scatter(x=ks, y=[r["speedup"] for r in rows], name="measured speedup", mode="lines+markers",
+                             line=dict(color=SD_COLOR)))
+    if theory:
+        fig.add_trace(go.Scatter(x=[k for k, _ in theory], y=[s for _, s in theory], name="theory (α, c)",
+                                 mode="lines", line=dict(color=THEORY_COLOR, dash="dash")))
+    fig.add_trace(go.Scatter(x=ks, y=[r["acceptance_rate"] for r in rows], name="acceptance rate",
+                             mode="lines+markers", line=dict(color="#f97316"), yaxis="y2"))
+    if best_measured is not None:
+        fig.add_vline(x=best_measured, line=dict(color=SD_COLOR, dash="dot"),
+                      annotation_text=f"best measured k={best_measured}", annotation_position="top left")
+    if best_theory is not None and best_theory != best_measured:
+        fig.add_vline(x=best_theory, line=dict(color=THEORY_COLOR, dash="dot"),
+                      annotation_text=f"theory k={best_theory}", annotation_position="top right")
+    fig.add_hline(y=1.0, line=dict(color=AR_COLOR, dash="dot"))
+    fig.update_layout(yaxis2=dict(title="acceptance rate", overlaying="y", side="right", range=[0, 1.05]))
+    fig.update_xaxes(dtick=1)
+    return _layout(fig, "Speedup and acceptance vs k", "k (draft tokens per step)", "speedup ×")
+
+
+# ---- the batch-size sweep (specdemo.measure.batch_sizes): throughput and speedup against batch size ----
+
+def _batch_axis(fig: go.Figure, sizes: list[int]) -> None:
+    fig.update_xaxes(type="log", tickvals=sizes, ticktext=[str(b) for b in sizes])
+
+
+def _mark_crossover(fig: go.Figure, crossover: int | None) -> None:
+    if crossover is not None:
+        fig.add_vline(x=crossover, line=dict(color="#dc2626", dash="dot"),
+                      annotation_text=f"SD stops paying at B={crossover}", annotation_position="top left")
+
+
+def batch_throughput(points: list[dict], crossover: int | None = None) -> go.Figure:
+    """Total tokens/s of batched autoregressive and speculative decoding (and generate, where measured) against
+    batch size. points: dicts with batch_size, ar_tokens_per_s, sd_tokens_per_s, hf_generate_tokens_per_s."""
+    sizes = [p["batch_size"] for p in points]
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=sizes, y=[p["ar_tokens_per_s"] for p in points], name="autoregressive",
+                             mode="lines+markers", line=dict(color=AR_COLOR)))
+    fig.add_trace(go.Scatter(x=sizes, y=[p["sd_tokens_per_s"] for p in points], name="speculative",
+                             mode="lines+markers", line=dict(color=SD_COLOR)))
+    if any(p.get("hf_generate_tokens_per_s") for p in points):
+        fig.add_trace(go.Scatter(x=sizes, y=[p.get("hf_generate_tokens_per_s") for p in points],
+                                 name="transformers generate", mode="lines+markers",
+                                 line=dict(color=AR_COLOR, dash="dash")))
+    _batch_axis(fig, sizes)
+    _mark_crossover(fig, crossover)
+    return _layout(fig, "Throughput vs batch size", "batch size (prompts decoded together)", "tokens/s, all rows")
+
+
+def batch_speedup(points: list[dict], crossover: int | None = None) -> go.Figure:
+    """Speculative over autoregressive throughput against batch size, each point labelled with its k, the theory's
+    expected speedup at the auto k beside it, and the crossover marked."""
+    sizes = [p["batch_size"] for p in points]
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=sizes, y=[p["speedup"] for p in points], name="measured speedup",
+                             mode="lines+markers+text", text=[f"k={p['k']}" for p in points],
+                             textposition="top center", line=dict(color=SD_COLOR)))
+    if any("expected_speedup" in p for p in points):
+        fig.add_trace(go.Scatter(x=sizes, y=[p.get("expected_speedup") for p in points],
+                                 name="theory at auto k", mode="lines+markers+text",
+                                 text=[f"auto k={p.get('auto_k')}" for p in points], textposition="bottom center",
+                                 line=dict(color=THEORY_COLOR, dash="dash")))
+    fig.add_hline(y=1.0, line=dict(color=AR_COLOR, dash="dot"))
+    _batch_axis(fig, sizes)
+    _mark_crossover(fig, crossover)
+    return _layout(fig, "Speedup vs batch size", "batch size (prompts decoded together)", "speedup ×")

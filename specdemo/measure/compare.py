@@ -1,0 +1,201 @@
+"""A target and its drafter (a Pair), built from user-facing names; both decoders on one prompt; the JSON result.
+
+The two runs take turns and never overlap: each one's clock counts only its own compute (see engine.StepEvent.elapsed).
+make_drafter builds drafters from names, through the registry; the CLI, the app, the sweep and the benchmark use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..config import BUNDLED_ID, GenerationConfig, Placement, Runtime
+from ..drafters import Drafter
+from ..drafters.hybrid import HybridCalibration
+from ..drafters.registry import BuildOptions, get
+from ..engine import (
+    StepEvent,
+    autoregressive,
+    encode_prompt,
+    generated_ids,
+    speculative,
+)
+from ..models.loading import LoadedModel, load_model
+from ..models.placement import drafter_device
+from .metrics import PassCosts, RunStats, pass_costs, run_stats, speedup
+from .spec_metrics import speculative_decoding, steps_of
+
+
+@dataclass
+class Pair:
+    """A loaded target and a drafter for it."""
+
+    target: LoadedModel
+    drafter: Drafter
+    drafter_kind: str  # a registry kind's name
+    draft_name: str | None  # None for prompt lookup
+    calibration: HybridCalibration | None = None  # the hybrid's cap and the costs it came from
+
+
+def drafter_k(drafter: Drafter) -> int | None:
+    """The drafter's own k (an EAGLE-3 head's recorded num_speculative_tokens; a hybrid's model's), or None."""
+    return getattr(drafter, "num_speculative_tokens", None) or getattr(getattr(drafter, "model", None),
+                                                                        "num_speculative_tokens", None)
+
+
+def make_drafter(target: LoadedModel, kind: str, draft: str | None, device=None, dtype=None,
+                 trust_remote_code: bool = False, runtime: Runtime = Runtime()
+                 ) -> tuple[Drafter, str | None, HybridCalibration | None]:
+    """Build a drafter of a registered kind (registry.get(kind).factory): prompt lookup, a draft (the shipped trained
+    draft, an EAGLE-3 head, any causal LM sharing the tokenizer: drafts.resolve_draft says which), the hybrid of the
+    two, or any kind registered since. `device` is a draft LM's (None: the default device); an EAGLE-3 head computes
+    where the target's embeddings are. Returns (drafter, draft name or None, the hybrid's calibration or None)."""
+    return get(kind).factory(target, draft, BuildOptions(device, dtype, trust_remote_code, runtime))
+
+
+def load_pair(target: str, kind: str = "model", draft: str | None = None, device=None, dtype=None,
+              draft_device=None, trust_remote_code: bool = False, runtime: Runtime = Runtime(),
+              placement: Placement = Placement()) -> Pair:
+    """Load a target (with accelerate's device map when `placement` names one) and its drafter, on draft_device when
+    given (else `device`; an EAGLE-3 head: where the target's embeddings are). Models are cached between calls."""
+    loaded = load_model(target or BUNDLED_ID, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
+                        runtime=runtime, placement=placement)
+    draft_device = draft_device or (None if placement.active else device)  # `device` names no device under a map
+    drafter, draft_name, calibration = make_drafter(loaded, kind, draft, draft_device, dtype,
+                                                    trust_remote_code, runtime)
+    return Pair(loaded, drafter, kind, draft_name, calibration)
+
+
+def pair_placement(pair: Pair) -> dict:
+    """Where the target's parts and the drafter live: the result JSON's `placement`."""
+    return {"target": pair.target.where(),
+            "draft": {"name": pair.draft_name, "kind": type(pair.drafter).__name__,
+                      "device": drafter_device(pair.drafter)}}
+
+
+def warmup(pair: Pair, prompt_ids: list[int], config: GenerationConfig) -> None:
+    """A few untimed steps of both decoders, so one-off allocation costs do not land on either clock."""
+    short = GenerationConfig(max_new_tokens=4, num_draft_tokens=config.num_draft_tokens, sampling=config.sampling)
+    for _ in autoregressive(pair.target.model, pair.target.tokenizer, prompt_ids, short):
+        pass
+    for _ in speculative(pair.target.model, pair.target.tokenizer, pair.drafter, prompt_ids, short):
+        pass
+
+
+def stream_pair(pair: Pair, prompt_ids: list[int], config: GenerationConfig) -> Iterator[tuple[str, StepEvent]]:
+    """("ar" | "sd", event)s of both decoders taking turns: the next step is always the one of the run whose own clock
+    is behind (the autoregressive run first on a tie), so both advance side by side from the first token.
+
+    The steps never overlap, and each clock counts only its own steps; taking turns spreads whatever else the machine
+    does (a browser drawing the race, another process) over both runs alike, where one run after the other would let
+    a busy spell land on one of them only."""
+    tok = pair.target.tokenizer
+    runs = {"ar": autoregressive(pair.target.model, tok, prompt_ids, config),
+            "sd": speculative(pair.target.model, tok, pair.drafter, prompt_ids, config)}
+    clocks = dict.fromkeys(runs, 0.0)
+    try:
+        while runs:
+            which = min(runs, key=clocks.__getitem__)
+            event = next(runs[which], None)
+            if event is None:
+                del runs[which]
+                continue
+            clocks[which] = event.elapsed
+            yield which, event
+    finally:
+        for run in runs.values():
+            run.close()
+
+
+def first_mismatch(target: LoadedModel, prompt_ids: list[int], a: list[int], b: list[int]) -> dict | None:
+    """Where two greedy outputs first differ, the target's top-2 logit gap there (a near-tie means numerics)."""
+    i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if i is None:
+        return None
+    with torch.inference_mode():
+        x = torch.tensor([prompt_ids + a[:i]], device=target.device)
+        logits = target.model(input_ids=x, logits_to_keep=1).logits[0, -1].float()
+    top = torch.topk(logits, 2)
+    return {"index": i, "ar_token": a[i], "sd_token": b[i], "top2_logit_gap": float(top.values[0] - top.values[1]),
+            "top2_tokens": [int(t) for t in top.indices]}
+
+
+def result_dict(pair: Pair, config: GenerationConfig, ar_events: list[StepEvent], sd_events: list[StepEvent],
+                prompt_ids: list[int] | None = None) -> dict:
+    """The CLI's `generate --json` object (the app's API returns the same keys)."""
+    ar, sd = run_stats(ar_events), run_stats(sd_events)
+    ar_ids, sd_ids = generated_ids(ar_events), generated_ids(sd_events)
+    out = {
+        "target": pair.target.name,
+        "draft": pair.draft_name,
+        "drafter": pair.drafter_kind,
+        "k": config.num_draft_tokens,
+        "dynamic_k": config.dynamic_k,
+        "temperature": config.sampling.temperature,
+        "top_p": config.sampling.top_p,
+        "max_new_tokens": config.max_new_tokens,
+        "device": str(pair.target.device),
+        "dtype": str(pair.target.dtype).replace("torch.", ""),
+        "placement": pair_placement(pair),
+        "ar": _run_json(ar_events, ar),
+        "sd": {**_run_json(sd_events, sd), "acceptance_rate": sd.acceptance_rate, "mean_accepted": sd.mean_accepted,
+               "steps": sd.steps, "drafted": sd.drafted, "accepted": sd.accepted,
+               "per_position_acceptance": sd.per_position_acceptance, "accepted_histogram": sd.accepted_histogram,
+               "draft_seconds": sd.draft_seconds, "verify_seconds": sd.verify_seconds},
+        "speedup": speedup(ar, sd),
+        "identical": ar_ids == sd_ids,
+        "speculative_decoding": speculative_decoding(steps_of(sd_events), config.num_draft_tokens),  # vLLM's names
+    }
+    if pair.calibration is not None:  # the hybrid model's cap, and the measured pass costs it came from
+        out.update(pair.calibration.as_dict())
+    if config.sampling.greedy and ar_ids != sd_ids and prompt_ids is not None:
+        out["mismatch"] = first_mismatch(pair.target, prompt_ids, ar_ids, sd_ids)
+    return out
+
+
+def _run_json(events: list[StepEvent], stats: RunStats) -> dict:
+    return {"text": "".join(e.text for e in events), "tokens": stats.tokens, "seconds": stats.seconds,
+            "tokens_per_s": stats.tokens_per_s}
+
+
+def calibrate(pair: Pair, prompt_ids: list[int], config: GenerationConfig, tokens: int = 16) -> PassCosts:
+    """Untimed: a warm-up, then both decoders on `tokens` new tokens taking turns; the medians of their passes (what a
+    run's passes are compared with, metrics.cost_drift)."""
+    warmup(pair, prompt_ids, config)
+    runs: dict[str, list[StepEvent]] = {"ar": [], "sd": []}
+    for which, event in stream_pair(pair, prompt_ids, replace(config, max_new_tokens=tokens)):
+        runs[which].append(event)
+    return pass_costs(runs["ar"], runs["sd"])
+
+
+def iter_compare(pair: Pair, prompt_ids: list[int], config: GenerationConfig,
+                 do_warmup: bool = True) -> Iterator[tuple[str, StepEvent | dict]]:
+    """Warm up, then the ("ar" | "sd", event)s of both runs taking turns (stream_pair), then ("result", result_dict).
+    Closing the generator stops the run in progress."""
+    config.validate()
+    if do_warmup:
+        warmup(pair, prompt_ids, config)
+    runs: dict[str, list[StepEvent]] = {"ar": [], "sd": []}
+    stream = stream_pair(pair, prompt_ids, config)
+    try:
+        for which, event in stream:
+            runs[which].append(event)
+            yield which, event
+    finally:
+        stream.close()
+    yield "result", result_dict(pair, config, runs["ar"], runs["sd"], prompt_ids)
+
+
+def compare(pair: Pair, prompt: str, config: GenerationConfig, do_warmup: bool = True,
+            on_event: Callable[[str, StepEvent], None] | None = None) -> dict:
+    """Both runs on one prompt, taking turns on the hardware (stream_pair); returns result_dict."""
+    prompt_ids = encode_prompt(pair.target.tokenizer, prompt, config.use_chat_template)
+    result: dict = {}
+    for which, item in iter_compare(pair, prompt_ids, config, do_warmup):
+        if which == "result":
+            result = item
+        elif on_event:
+            on_event(which, item)
+    return result

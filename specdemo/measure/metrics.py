@@ -1,0 +1,199 @@
+"""Numbers from step events, and the theory of Leviathan et al. 2023 (expected tokens per pass, speedup, best k).
+
+"Mean accepted length" here is tokens committed per speculative target pass, bonus/correction token included;
+the first token (from the prefill pass) is counted in tokens/s but not in per-step figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from statistics import median
+
+from ..config import MAX_K
+from ..engine import BatchEvent, StepEvent
+
+
+@dataclass
+class RunStats:
+    """What one decoder run achieved."""
+
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    steps: int = 0  # speculative target passes (verify steps), prefill excluded
+    drafted: int = 0
+    accepted: int = 0
+    acceptance_rate: float = 0.0  # accepted drafts / drafted tokens
+    mean_accepted: float = 0.0  # tokens per verify pass, bonus/correction included
+    per_position_acceptance: list[float] = field(default_factory=list)  # P(draft i accepted), over steps that drafted i
+    accepted_histogram: list[int] = field(default_factory=list)  # steps with 0, 1, ..., k accepted drafts
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def run_stats(events: list[StepEvent]) -> RunStats:
+    """Summarize a finished (or stopped) run."""
+    if not events:
+        return RunStats(0, 0.0, 0.0)
+    tokens = events[-1].num_generated
+    seconds = events[-1].elapsed
+    spec = [e for e in events if e.kind == "spec"]
+    drafted = sum(len(e.drafted) for e in spec)
+    accepted = sum(e.num_accepted for e in spec)
+    width = max((len(e.drafted) for e in spec), default=0)
+    proposed_at = [sum(1 for e in spec if len(e.drafted) > i) for i in range(width)]
+    accepted_at = [sum(1 for e in spec if e.num_accepted > i) for i in range(width)]
+    histogram = [0] * (width + 1)
+    for e in spec:
+        histogram[e.num_accepted] += 1
+    return RunStats(
+        tokens=tokens,
+        seconds=seconds,
+        tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
+        steps=len(spec),
+        drafted=drafted,
+        accepted=accepted,
+        acceptance_rate=accepted / drafted if drafted else 0.0,
+        mean_accepted=sum(len(e.tokens) for e in spec) / len(spec) if spec else 0.0,
+        per_position_acceptance=[a / p if p else 0.0 for a, p in zip(accepted_at, proposed_at)],
+        accepted_histogram=histogram if spec else [],
+        draft_seconds=sum(e.draft_seconds for e in spec),
+        verify_seconds=sum(e.verify_seconds for e in spec),
+    )
+
+
+def speedup(ar: RunStats, sd: RunStats) -> float:
+    """Speculative tokens/s over autoregressive tokens/s."""
+    return sd.tokens_per_s / ar.tokens_per_s if ar.tokens_per_s > 0 else 0.0
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E[tokens per target pass] = (1 - alpha^(k+1)) / (1 - alpha)  (Leviathan et al., eq. 1)."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def expected_speedup(alpha: float, c: float, k: int, verify_cost: float = 1.0) -> float:
+    """Expected walltime improvement E[tokens] / (k*c + verify_cost)  (Leviathan et al., Thm 3.8).
+
+    c is the draft's cost per token relative to one target pass; verify_cost is the cost of a (k+1)-token
+    target pass relative to a 1-token pass (1 on a GPU per the paper; measurably more on a CPU).
+    """
+    return expected_tokens(alpha, k) / (k * c + verify_cost)
+
+
+def best_k(alpha: float, c: float, k_max: int = MAX_K, verify_costs: dict[int, float] | None = None,
+           min_k: int = 1) -> int:
+    """The k in min_k..k_max that maximizes expected_speedup (the smallest on a tie). With min_k = 0, k = 0 (no
+    speculation) is worth exactly 1: what auto k picks for a batch where speculation stops paying."""
+    costs = verify_costs or {}
+    return max(range(min_k, k_max + 1), key=lambda k: expected_speedup(alpha, c, k, costs.get(k, 1.0)) if k else 1.0)
+
+
+def alpha_from_mean_accepted(mean_accepted: float, k: int) -> float:
+    """Invert expected_tokens for alpha, given a measured mean accepted length (bonus included) at fixed k."""
+    target = min(max(mean_accepted, 1.0), k + 1.0)
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # bisection; expected_tokens is increasing in alpha
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens(mid, k) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
+
+# ---- whether a run's passes cost what they cost when the pair was calibrated ----
+
+BUSY_RATIO = 1.5  # a pass median this far from its calibrated value (either way) means the machine was not the same
+DRAFT_FLOOR = 0.02  # a draft cheaper than this share of a target pass (prompt lookup) is too small to judge
+
+
+@dataclass(frozen=True)
+class PassCosts:
+    """Median seconds of a run's passes: a 1-token target pass (the autoregressive steps), a verify pass (draft and
+    target's checking step, prefill excluded) and a drafted token. None where the run had no such step."""
+
+    target_pass: float | None
+    verify_pass: float | None
+    draft_token: float | None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def pass_costs(ar_events: list[StepEvent], sd_events: list[StepEvent]) -> PassCosts:
+    """The medians of PassCosts from two runs' events."""
+    spec = [e for e in sd_events if e.kind == "spec" and e.drafted]
+    return PassCosts(_median([e.verify_seconds for e in ar_events if e.kind == "ar"]),
+                     _median([e.verify_seconds for e in spec]),
+                     _median([e.draft_seconds / len(e.drafted) for e in spec]))
+
+
+def cost_drift(calibrated: PassCosts, run: PassCosts, limit: float = BUSY_RATIO,
+               judge_draft: bool = True) -> dict[str, float]:
+    """{which pass: run's median / calibrated median} for every pass whose ratio is beyond `limit` either way: empty
+    when the run's passes cost what they did at calibration. Drafts cheaper than DRAFT_FLOOR of a target pass are not
+    judged (their timer's own noise is larger than they are), nor any draft without `judge_draft` (a hybrid's cost per
+    drafted token depends on how much of the text prompt lookup drafted, so it changes with the prompt)."""
+    drift = {}
+    for name in ("target_pass", "verify_pass") + (("draft_token",) if judge_draft else ()):
+        was, now = getattr(calibrated, name), getattr(run, name)
+        if not was or not now:
+            continue
+        if name == "draft_token" and (not calibrated.target_pass or was < DRAFT_FLOOR * calibrated.target_pass):
+            continue
+        ratio = now / was
+        if ratio > limit or ratio < 1 / limit:
+            drift[name] = round(ratio, 2)
+    return drift
+
+
+def _median(xs: list[float]) -> float | None:
+    return median(xs) if xs else None
+
+
+@dataclass
+class BatchStats:
+    """What one batched run achieved, pooled over its rows."""
+
+    tokens: int
+    seconds: float
+    tokens_per_s: float  # all rows' tokens over the run's compute time
+    steps: int = 0  # speculative target passes (prefill excluded)
+    row_steps: int = 0  # (row, speculative pass) pairs: each row's own verify passes
+    drafted: int = 0
+    accepted: int = 0
+    acceptance_rate: float = 0.0  # accepted drafts / drafted tokens
+    mean_accepted: float = 0.0  # tokens per row per verify pass, bonus/correction included
+    mean_width: float = 0.0  # tokens per row in a target pass (1 + the step's longest proposal)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    draft_positions: int = 0  # sum over steps of the longest proposal: sequential draft positions
+    passes: int = 0  # target passes after the prefill (autoregressive or speculative steps)
+    pass_seconds: float = 0.0  # their seconds (a speculative step's verify part: pass, acceptance, rollback)
+
+
+def batch_stats(events: Sequence[BatchEvent]) -> BatchStats:
+    """Summarize a finished batched run."""
+    if not events:
+        return BatchStats(0, 0.0, 0.0)
+    tokens, seconds = events[-1].num_generated, events[-1].elapsed
+    spec = [e for e in events if e.kind == "spec"]
+    row_steps = sum(len(e.rows) for e in spec)
+    drafted = sum(len(d) for e in spec for d in e.drafted)
+    accepted = sum(sum(e.num_accepted) for e in spec)
+    return BatchStats(
+        tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
+        steps=len(spec), row_steps=row_steps, drafted=drafted, accepted=accepted,
+        acceptance_rate=accepted / drafted if drafted else 0.0,
+        mean_accepted=sum(len(t) for e in spec for t in e.tokens) / row_steps if row_steps else 0.0,
+        mean_width=sum(e.width for e in spec) / len(spec) if spec else 0.0,
+        draft_seconds=sum(e.draft_seconds for e in spec), verify_seconds=sum(e.verify_seconds for e in spec),
+        draft_positions=sum(max((len(d) for d in e.drafted), default=0) for e in spec),
+        passes=sum(e.kind != "prefill" for e in events),
+        pass_seconds=sum(e.verify_seconds for e in events if e.kind != "prefill"),
+    )

@@ -1,0 +1,19 @@
+"""Faster CPU kernels for decoding: the few-row linear product (linear.py) and batched one-token decoding (decode.py).
+They read no environment; whether to use them is the caller's. Note that `kernels.linear` is the function; its
+module is `specdemo.models.kernels.linear` in sys.modules (importlib.import_module gives it).
+"""
+
+from .decode import decode_cache, grouped_attention, grouped_attention_on, left_pad
+from .linear import (
+           MAX_ROWS,
+           Packed,
+           available_memory,
+           enabled_for,
+           linear,
+           pack,
+           patch_linears,
+           plan_free_attention,
+)
+
+__all__ = ["MAX_ROWS", "Packed", "available_memory", "decode_cache", "enabled_for", "grouped_attention",
+           "grouped_attention_on", "left_pad", "linear", "pack", "patch_linears", "plan_free_attention"]
