@@ -76,9 +76,9 @@ def test_preallocated_layer_rolls_back_selects_compacts_and_grows_as_a_dynamic_l
     from transformers.cache_utils import DynamicLayer
 
     g = torch.Generator().manual_seed(0)
-    kv = lambda b, t: (torch.randn(b, 2, t, 4, generator=g), torch.randn(b, 2, t, 4, generator=g))  # noqa: E731
+    kv = lambda b, t: (torch.randn(b, 2, t, 4, generator=g), torch.randn(b, 2, t, 4, generator=g))
     fast, stock = kernels.decode._preallocated_layer()(0, room=2), DynamicLayer()
-    both = lambda f: (f(fast), f(stock))  # noqa: E731
+    both = lambda f: (f(fast), f(stock))
 
     def same():
         assert torch.equal(fast.keys, stock.keys) and torch.equal(fast.values, stock.values)

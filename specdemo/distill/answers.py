@@ -19,8 +19,15 @@ import torch
 from ..config import GenerationConfig, SamplingConfig
 from ..engine import decode, eos_ids, row_outputs
 from .config import LogFn, Sample, TrainConfig
-from .instructions import (OPENINGS, paragraph_prompts, read_instructions, read_jsonl, self_instructions,
-                           templated_prompts, text_prompts)
+from .instructions import (
+    OPENINGS,
+    paragraph_prompts,
+    read_instructions,
+    read_jsonl,
+    self_instructions,
+    templated_prompts,
+    text_prompts,
+)
 from .recorder import Recorder
 
 RECORDED = "recorded"  # per-batch features and labels of a --features writer run, until features.pt holds them
