@@ -52,6 +52,7 @@ class GenerationConfig:
     stop_strings: tuple[str, ...] = ()
     seed: int = 0
     use_chat_template: bool = True
+    ignore_eos: bool = False  # vLLM's name: rows decode to max_new_tokens through their EOS (distill records them)
 
     def validate(self) -> None:
         self.sampling.validate()

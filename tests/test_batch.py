@@ -149,10 +149,16 @@ def _assert_rows_match_fresh_prefill(kv: BatchKV, model, sequences):
             assert torch.allclose(values, fresh.layers[layer].values[0], atol=1e-5)
 
 
+@pytest.mark.parametrize("room", [0, 1], ids=["dynamic", "preallocated"])  # 1: the buffers grow every few steps
 @pytest.mark.parametrize("slack", [32, 0])  # 0: compaction after every step that leaves a hole
-def test_ragged_rollback_leaves_each_row_a_fresh_prefill(tiny_target, tiny_draft, tiny_tok, monkeypatch, slack):
+def test_ragged_rollback_leaves_each_row_a_fresh_prefill(tiny_target, tiny_draft, tiny_tok, monkeypatch, slack, room):
     """Rows accept different lengths in one step; after each rollback the target's and the draft's caches hold, at
-    each row's valid positions, exactly a fresh prefill of that row's committed ids."""
+    each row's valid positions, exactly a fresh prefill of that row's committed ids: in transformers' DynamicCache
+    layers with sdpa, and in preallocated ones (rolled back, selected, compacted and grown in their buffers) with
+    grouped one-token attention alike."""
+    monkeypatch.setattr(batch_kv, "ROOM", room)
+    monkeypatch.setattr(batch_kv, "PREALLOCATE_ROWS", 1)
+    monkeypatch.setattr(batch_kv, "GROUPED_ROWS", 1 if room else 0)  # and one-token passes with grouped attention
     monkeypatch.setattr(batch_kv, "COMPACT_SLACK", slack)
     monkeypatch.setattr(batch_kv, "COMPACT_FRACTION", 0.5 if slack else 0.0)
     config = GenerationConfig(max_new_tokens=24, num_draft_tokens=4)
@@ -166,6 +172,7 @@ def test_ragged_rollback_leaves_each_row_a_fresh_prefill(tiny_target, tiny_draft
             continue
         ragged += len(set(event.num_accepted)) > 1
         kv = event.target_kv
+        assert hasattr(kv.cache.layers[0], "hold") == bool(room)  # the kind of layer the case is about
         holes += kv.slots.length > max(kv.counts)  # a column that the longest row does not hold
         _assert_rows_match_fresh_prefill(kv, tiny_target, [ids[i][:-1] for i in event.rows])  # last one pending
         if not event.finished:  # the draft holds committed ids only, up to where the target agreed

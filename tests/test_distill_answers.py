@@ -23,6 +23,20 @@ def test_batched_answers_are_each_prompts_own_greedy_answer_without_a_pad_token(
     assert [r["prompt_len"] for r in batched] == [6, 1] and all(len(r["ids"]) > r["prompt_len"] for r in batched)
 
 
+def test_answers_are_hf_generates_greedy_answers():
+    """The engine's answers are transformers' `generate` ones, token for token, each ending at its first EOS."""
+    target, tok, convs = _recording_setup()
+    got = answers.generate_answers(target, tok, convs, max_new_tokens=8, batch_size=4)
+    for conv, sample in zip(convs, got):
+        prompt = answers.prompt_ids(tok, [conv])[0]
+        with torch.inference_mode():
+            out = target.generate(input_ids=torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                                  pad_token_id=0)[0, len(prompt):].tolist()
+        expected = out[: out.index(0) + 1] if 0 in out else out
+        assert sample == {"ids": prompt + expected, "prompt_len": len(prompt)}
+    assert any(s["ids"][-1] == 0 for s in got) and any(len(s["ids"]) - s["prompt_len"] == 8 for s in got)
+
+
 def _recording_setup():
     """A tiny target whose greedy answers sometimes end at EOS, its tokenizer, and six conversations of 1-6 words."""
     target = tiny_llama(VOCAB, seed=5, sharpness=6.0)

@@ -67,3 +67,40 @@ def test_preallocated_cache_layers_hold_one_buffer_of_the_given_capacity():
     layer = cache.layers[0]
     assert layer.k_buf.shape[2] == 20 and layer.keys.shape[2] == 3 and cache.get_seq_length() == 3
     assert layer.keys.data_ptr() == layer.k_buf.data_ptr()  # a view of the buffer, not a copy
+
+
+def test_preallocated_layer_rolls_back_selects_compacts_and_grows_as_a_dynamic_layer_does():
+    """crop, row selection, hold (compaction's write) and growth past the capacity leave the same keys and values as
+    transformers' DynamicLayer given the same calls, and writes after them land where the DynamicLayer's would."""
+    from transformers.cache_utils import DynamicLayer
+
+    g = torch.Generator().manual_seed(0)
+    kv = lambda b, t: (torch.randn(b, 2, t, 4, generator=g), torch.randn(b, 2, t, 4, generator=g))
+    fast, stock = kernels.decode._preallocated_layer()(0, room=2), DynamicLayer()
+    both = lambda f: (f(fast), f(stock))
+
+    def same():
+        assert torch.equal(fast.keys, stock.keys) and torch.equal(fast.values, stock.values)
+
+    k, v = kv(3, 5)
+    both(lambda layer: layer.update(k, v))
+    assert fast.k_buf.shape[2] == 7  # the first pass plus room
+    k, v = kv(3, 4)
+    both(lambda layer: layer.update(k, v))  # past the capacity: grows
+    same()
+    both(lambda layer: layer.crop(-3))
+    same()
+    both(lambda layer: layer.batch_select_indices(torch.tensor([2, 0])))
+    same()
+    k, v = kv(2, 1)
+    both(lambda layer: layer.update(k, v))
+    same()
+    keep = torch.tensor([[0, 2, 3], [1, 4, 6]])  # a compaction's gather: each row's kept slots, moved to the front
+    gathered = [x.gather(2, keep[:, None, :, None].expand(2, 2, 3, 4)) for x in (stock.keys, stock.values)]
+    fast.hold(*gathered)
+    stock.keys, stock.values = gathered
+    same()
+    k, v = kv(2, 9)
+    both(lambda layer: layer.update(k, v))
+    same()
+    assert fast.keys.data_ptr() == fast.k_buf.data_ptr()  # still a view of its buffer

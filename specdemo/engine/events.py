@@ -123,7 +123,7 @@ class Committer:
             kept.append(t)
             delta = self.detok.add(t) if self.detok is not None else ""
             text += delta
-            if t in self.eos:
+            if t in self.eos and not self.config.ignore_eos:
                 self.finish_reason = "eos"
             elif delta and find_stop(self.detok.text, self.config.stop_strings, len(delta)) >= 0:
                 self.finish_reason = "stop"

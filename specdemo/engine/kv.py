@@ -6,13 +6,14 @@ nothing of drafting or acceptance.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Sequence
 
 import torch
 
-from ..models.kernels import left_pad
+from ..models.kernels import decode_cache, grouped_attention_on, left_pad
 from ..models.placement import execution_device
 from .events import GenerationError
 
@@ -20,6 +21,12 @@ PAD = 0  # the token id fed at padded positions; they are masked out, so any id 
 # compaction: when a storage holds more than COMPACT_SLACK + COMPACT_FRACTION x the longest row's slots of holes
 COMPACT_SLACK = 32
 COMPACT_FRACTION = 0.5
+# CPU kernels (kernels.decode), where measured faster (docs/notes/kernels.md, "The engine's KV cache"): a buffer per
+# layer with ROOM positions past the prefill (it grows by half when full) from PREALLOCATE_ROWS rows up, and grouped
+# one-query attention from GROUPED_ROWS rows up; 0 turns either off
+ROOM = 96
+PREALLOCATE_ROWS = 64
+GROUPED_ROWS = 64
 
 
 # ---- which storage slots each row holds ----
@@ -100,14 +107,23 @@ def gather_slots(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 class BatchKV:
-    """A transformers DynamicCache over B rows with per-row valid slots (see Slots), and the forward that feeds it."""
+    """A transformers DynamicCache over B rows with per-row valid slots (see Slots), and the forward that feeds it.
 
-    def __init__(self, model, rows: int):
+    On a CPU, with `room` > 0 each layer writes into a buffer of the prefill's length plus `room` positions
+    (kernels.decode's PreallocatedLayer, which grows when full) instead of concatenating; `grouped` lets one-token
+    passes attend with kernels.decode's grouped products where the model attends with sdpa. None: as measured
+    faster for this many rows (ROOM, PREALLOCATE_ROWS, GROUPED_ROWS).
+    """
+
+    def __init__(self, model, rows: int, room: int | None = None, grouped: bool | None = None):
         from transformers import DynamicCache
 
+        if room is None:
+            room = ROOM if PREALLOCATE_ROWS and rows >= PREALLOCATE_ROWS else 0
         self.model = model
         self.device = execution_device(model)  # where the input ids go, under a device map too
-        self.cache = DynamicCache(config=model.config)
+        self.cache = decode_cache(model, 0, room) if room else DynamicCache(config=model.config)
+        self.grouped = bool(GROUPED_ROWS and rows >= GROUPED_ROWS) if grouped is None else grouped
         self.slots = Slots(rows, self.device)
 
     @property
@@ -129,11 +145,13 @@ class BatchKV:
         before = self.cache.get_seq_length()
         inputs = self.inputs(tokens, real)
         features = None
-        if layers is None:
-            logits = self.model(**inputs, logits_to_keep=keep).logits
-        else:
-            last, features = target_features(self.model, layers, **inputs)
-            logits = self.model.lm_head(last[:, -keep:])
+        # grouped products only for one query per row: sdpa is faster for a verify pass or a prefill
+        with grouped_attention_on(self.model) if self.grouped and tokens.shape[1] == 1 else contextlib.nullcontext():
+            if layers is None:
+                logits = self.model(**inputs, logits_to_keep=keep).logits
+            else:
+                last, features = target_features(self.model, layers, **inputs)
+                logits = self.model.lm_head(last[:, -keep:])
         if self.cache.get_seq_length() != before + tokens.shape[1]:
             raise GenerationError(f"{type(self.model).__name__}'s forward did not fill the KV cache it was given")
         self.slots.append(real)
@@ -164,7 +182,11 @@ class BatchKV:
         if index is None:
             return
         for layer in self.cache.layers:
-            layer.keys, layer.values = gather_slots(layer.keys, index), gather_slots(layer.values, index)
+            keys, values = gather_slots(layer.keys, index), gather_slots(layer.values, index)
+            if hasattr(layer, "hold"):  # a preallocated layer: into its buffer
+                layer.hold(keys, values)
+            else:
+                layer.keys, layer.values = keys, values
 
     def row_keys_values(self, row: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row `row`'s keys and values (H, n, D) at its valid slots, for checks against a fresh prefill."""

@@ -1,6 +1,6 @@
 """Stage 1: the target's answers to the instructions, stage by stage, cached batch by batch in work/samples.jsonl so
 that a rerun resumes; with `record`, the answering passes also keep the features and greedy labels build_features
-would compute. Knows the instructions and the decode kernels; nothing of training.
+would compute. Answers come from the engine. Knows the instructions; nothing of training.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ..engine import eos_ids
-from ..engine.kv import target_features, with_cache
-from ..models.kernels import decode_cache, grouped_attention_on, left_pad
+from ..config import GenerationConfig, SamplingConfig
+from ..engine import decode, eos_ids, row_outputs
 from .config import LogFn, Sample, TrainConfig
 from .instructions import (
     OPENINGS,
@@ -26,15 +25,11 @@ from .instructions import (
     templated_prompts,
     text_prompts,
 )
+from .recorder import Recorder
 
 RECORDED = "recorded"  # per-batch features and labels of a --features writer run, until features.pt holds them
 PARAGRAPH_TOKENS = 160
 STEERED_TOKENS = 128  # room for the text or code a steered instruction brings along
-
-def pad_id(tokenizer) -> int:
-    """The id that fills left padding: the pad token, or EOS for a tokenizer without one (transformers 5.17 converts
-    the bundled GGUF's tokenizer without one). Padded positions are masked, so only the shapes depend on it."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def prompt_ids(tokenizer, convs: list[list[dict]]) -> list[list[int]]:
@@ -49,74 +44,47 @@ def _until_eos(answer: list[int], stops: frozenset[int]) -> list[int]:
     return answer if end is None else answer[: end + 1]
 
 
+def _sampling(sample_temp: float) -> SamplingConfig:
+    """Greedy at 0, else plain sampling at that temperature (no top-k, no top-p)."""
+    return SamplingConfig(temperature=sample_temp) if sample_temp > 0 else SamplingConfig()
+
+
 def generate_answers(target, tokenizer, convs: list[list[dict]], max_new_tokens: int, batch_size: int,
                      sample_temp: float = 0.0, seed: int = 0) -> list[Sample]:
-    """Batched `generate` with left padding; returns {ids, prompt_len} per conversation, in order."""
-    pad, stops = pad_id(tokenizer), eos_ids(target, tokenizer)
+    """The engine's answers (no drafter), batch_size conversations at a time; returns {ids, prompt_len} per
+    conversation, in order. Row r of the batch that starts at conversation i samples from seed + i + r."""
     prompts = prompt_ids(tokenizer, convs)
     results = []
     for start in range(0, len(prompts), batch_size):
         rows = prompts[start : start + batch_size]
-        x, mask = left_pad(rows, pad, target.device)
-        kw = (dict(do_sample=True, temperature=sample_temp, top_k=0, top_p=1.0) if sample_temp > 0
-              else dict(do_sample=False))
-        torch.manual_seed(seed + start)
-        with torch.inference_mode():
-            out = target.generate(input_ids=x, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad,
-                                  **kw)
-        for prompt, answer in zip(rows, out[:, x.shape[1] :].tolist()):
-            results.append({"ids": prompt + _until_eos(answer, stops), "prompt_len": len(prompt)})
+        config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=_sampling(sample_temp), seed=seed + start)
+        events = list(decode(target, tokenizer, rows, config, text=False))  # an answer ends with its EOS, if any
+        results += [{"ids": p + a, "prompt_len": len(p)} for p, a in zip(rows, row_outputs(events, len(rows)))]
     return results
 
 
-@torch.inference_mode()
 def generate_recorded(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, sample_temp: float = 0.0,
                       seed: int = 0, layers: tuple[int, ...] = ()) -> tuple[list[Sample], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """One batch of prompts (token ids, `prompt_ids`) answered as `generate_answers` does, decoded here step by step,
-    so that the passes that write the answers also give what `build_features` would record: the final hidden state
-    (fp16; then each of `layers`' hidden states, as engine.target_features lays them out) and the greedy token (the
-    label, also where a token was sampled) at every position. Returns ({ids, prompt_len} per prompt, in order, and
-    (features (n, W), top1 (n,)) for each). One pass more than `generate`: the last token is fed too. On a CPU it
-    decodes with the kernels of specdemo.models.kernels.decode."""
+    """One batch of prompts (token ids, `prompt_ids`) answered by the engine with a `Recorder`, so that the passes
+    that write the answers also give what `build_features` would record: the final hidden state (fp16; then each of
+    `layers`' hidden states, as engine.target_features lays them out) and the greedy token (the label, also where a
+    token was sampled; row r samples from seed + r) at every position. Returns ({ids, prompt_len} per prompt, in
+    order, and (features (n, W), top1 (n,)) for each).
+
+    An answer's last token must be fed too, for its position's features: the engine decodes one token more than
+    asked and does not stop at EOS (a finished row leaves the batch before its last token is fed); each answer is
+    then cut at max_new_tokens and after its first EOS."""
     stops = eos_ids(model, tokenizer)
-    b, width, dev = len(prompts), max(map(len, prompts)), model.device
-    x, mask = left_pad(prompts, pad_id(tokenizer), dev)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = decode_cache(model, width + max_new_tokens + 1)
-    head = model.get_output_embeddings()
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    answers: list[list[int]] = [[] for _ in range(b)]
-    done = [False] * b
-    with grouped_attention_on(model):
-        h, f = target_features(model, layers, input_ids=x, attention_mask=mask, position_ids=pos, use_cache=True,
-                               **with_cache(model.model, cache))
-        feats = [f.half().cpu()]
-        tops = [torch.stack([head(h[r]).argmax(-1) for r in range(b)]).int().cpu()]  # row by row: (T, V) logits each
-        logits = head(h[:, -1]).float()
-        for _ in range(max_new_tokens):
-            if sample_temp > 0:
-                tok = torch.multinomial(torch.softmax(logits / sample_temp, -1), 1, generator=gen)[:, 0]
-            else:
-                tok = logits.argmax(-1)
-            for r, t in enumerate(tok.tolist()):
-                if not done[r]:
-                    answers[r].append(t)
-                    done[r] = t in stops or len(answers[r]) == max_new_tokens
-            mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=dev)], dim=1)  # finished rows: unused
-            pos = pos[:, -1:] + 1
-            h, f = target_features(model, layers, input_ids=tok[:, None], attention_mask=mask, position_ids=pos,
-                                   use_cache=True, **with_cache(model.model, cache))
-            logits = head(h[:, -1]).float()
-            feats.append(f.half().cpu())
-            tops.append(logits.argmax(-1, keepdim=True).int().cpu())
-            if all(done):  # every answer's last token has been fed
-                break
-    feats_all, tops_all = torch.cat(feats, dim=1), torch.cat(tops, dim=1)  # (B, width + fed, H), (B, width + fed)
+    recorder = Recorder(model.get_output_embeddings(), model.config.hidden_size, layers)
+    # k = 1 so that the engine asks the recorder (which drafts nothing) every step and hands it the features
+    config = GenerationConfig(max_new_tokens=max_new_tokens + 1, num_draft_tokens=1, sampling=_sampling(sample_temp),
+                              seed=seed, ignore_eos=True)
+    events = list(decode(model, tokenizer, prompts, config, recorder, text=False))
     samples, recorded = [], []
-    for r, (p, a) in enumerate(zip(prompts, answers)):
-        lo, hi = width - len(p), width + len(a)
+    for r, (p, answer) in enumerate(zip(prompts, row_outputs(events, len(prompts)))):
+        a = _until_eos(answer[:max_new_tokens], stops)
         samples.append({"ids": p + a, "prompt_len": len(p)})
-        recorded.append((feats_all[r, lo:hi].clone(), tops_all[r, lo:hi].clone()))
+        recorded.append(recorder.recorded(r, len(p) + len(a)))
     return samples, recorded
 
 

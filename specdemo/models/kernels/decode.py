@@ -35,37 +35,84 @@ def _preallocated_layer() -> type:
 
     class PreallocatedLayer(DynamicLayer):
         """A KV-cache layer (transformers' DynamicLayer) that writes into a buffer of `capacity` positions instead of
-        concatenating; keys and values are views of its first positions."""
+        concatenating (`room` more than the first pass's length, when that is more); keys and values are views of
+        its first `n` positions. Rollback (crop) sets n; row selection and `hold` (compaction) write into the buffer;
+        it grows by half when a pass would overflow it."""
 
-        def __init__(self, capacity: int):
+        def __init__(self, capacity: int, room: int = 0):
             super().__init__()
-            self.capacity = capacity
+            self.capacity, self.room = capacity, room
 
         def update(self, key_states, value_states, *args, **kwargs):
             t = key_states.shape[-2]
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-                b, h, _, d = key_states.shape
-                self.k_buf = key_states.new_empty(b, h, max(self.capacity, t), d)
-                self.v_buf = value_states.new_empty(b, h, max(self.capacity, t), value_states.shape[-1])
+                self.k_buf, self.v_buf = self._buffers(key_states, value_states, max(self.capacity, t + self.room))
                 self.n = 0
+            elif self.n + t > self.k_buf.shape[2]:
+                self._grow(self.n + t)
             self.k_buf[:, :, self.n : self.n + t] = key_states
             self.v_buf[:, :, self.n : self.n + t] = value_states
             self.n += t
-            self.keys, self.values = self.k_buf[:, :, : self.n], self.v_buf[:, :, : self.n]
+            self._view()
             return self.keys, self.values
+
+        @staticmethod
+        def _buffers(keys, values, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+            b, h, _, d = keys.shape
+            return keys.new_empty(b, h, capacity, d), values.new_empty(b, h, capacity, values.shape[-1])
+
+        def _view(self) -> None:
+            self.keys, self.values = self.k_buf[:, :, : self.n], self.v_buf[:, :, : self.n]
+
+        def _grow(self, needed: int) -> None:
+            self.capacity = max(needed, self.k_buf.shape[2] * 3 // 2)
+            k_buf, v_buf = self._buffers(self.k_buf, self.v_buf, self.capacity)
+            k_buf[:, :, : self.n], v_buf[:, :, : self.n] = self.keys, self.values
+            self.k_buf, self.v_buf = k_buf, v_buf
+            self._view()
+
+        def hold(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+            """Hold these keys and values (B', H, n, D), B' <= B (a selection or compaction of the layer's own):
+            written into the front of the buffer, which they never alias (gather and index_select copy)."""
+            b, n = keys.shape[0], keys.shape[2]
+            self.k_buf, self.v_buf = self.k_buf[:b], self.v_buf[:b]
+            if n > self.k_buf.shape[2]:
+                self.n = 0
+                self._grow(n)
+            self.k_buf[:, :, :n], self.v_buf[:, :, :n] = keys, values
+            self.n = n
+            self._view()
+
+        def crop(self, tokens_to_remove: int) -> None:
+            if tokens_to_remove > 0:
+                raise ValueError(f"crop takes a negative count of positions to remove, not {tokens_to_remove}")
+            if tokens_to_remove and self.is_initialized:
+                self.n = max(0, self.n + tokens_to_remove)
+                self._view()
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if self.is_initialized:
+                indices = torch.as_tensor(indices, device=self.k_buf.device)
+                self.hold(self.keys.index_select(0, indices), self.values.index_select(0, indices))
+
+        reorder_cache = batch_select_indices
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            raise NotImplementedError("a preallocated layer does not repeat its rows")
 
     return PreallocatedLayer
 
 
-def decode_cache(model, capacity: int):
+def decode_cache(model, capacity: int, room: int = 0):
     """A DynamicCache for `model`; on a CPU, each layer writes into a buffer of `capacity` positions (prompt width
-    plus every token to be fed) instead of concatenating at every step."""
+    plus every token to be fed), or the first pass's length plus `room` if more, instead of concatenating at every
+    step (growing if a pass would overflow it)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
     if model.device.type == "cpu":
-        cache.layers = [_preallocated_layer()(capacity) for _ in cache.layers]
+        cache.layers = [_preallocated_layer()(capacity, room) for _ in cache.layers]
     return cache
 
 
