@@ -132,8 +132,9 @@ if [ "${1:-basic}" != real ]; then
     mkdir -p "$KEEP/parts" && cp $GGUF_PARTS "$KEEP/parts/" && note "kept $(ls "$KEEP/parts")"
   fi
   [ "${1:-basic}" = keep ] && exit 0  # only that: a short first call when time is short
-  SPECDEMO_TEST_DEVICE=$DEV stage pytest_cuda 100 $PY -m pytest -q -p no:cacheprovider tests/test_engine.py tests/test_worker.py \
-    tests/test_verify.py tests/test_eagle3.py -k "not shipped_draft and not bundled" \
+  # the one engine at every batch size (test_batch: rows, rollback, auto k, sampled rows) and B = 1 (test_engine)
+  SPECDEMO_TEST_DEVICE=$DEV stage pytest_cuda 120 $PY -m pytest -q -p no:cacheprovider tests/test_engine.py tests/test_worker.py \
+    tests/test_verify.py tests/test_eagle3.py tests/test_batch.py -k "not shipped_draft and not bundled" \
     -m "not slow"  # the shipped draft's tests need the real target; test_eagle3: tiny random EAGLE-3 heads
   QUICK=(--quick); [ "$DRY" = 1 ] && QUICK=(--quick --layers 2 --new 16)
   stage random_weights 90 $PY scripts/gpu_check.py --device "$DEV" "${QUICK[@]}"
@@ -243,6 +244,9 @@ stage bench_batch_draft "${BATCH_CAP:-150}" "${BB[@]}" --drafter model --out "$R
 VPY=${VLLM_PY:-.venv-vllm/bin/python}
 if [ -x "$VPY" ] && "$VPY" -c "import vllm" >/dev/null 2>&1; then
   SPECDEMO_VLLM_PYTHON=$VPY stage bench_vllm 240 "${B[@]}" --drafter ngram --k 4 --anchors vllm --out "$R/bench-vllm"
+  # vLLM's per-request metrics beside ours, and a speculators-format export served alone (tests/test_speculators.py)
+  SPECDEMO_VLLM_PYTHON=$VPY stage vllm_metrics_speculators 240 $PY -m pytest -q -p no:cacheprovider \
+    tests/test_spec_metrics.py tests/test_speculators.py
 else
   note "bench_vllm: skipped, no vLLM at $VPY"
 fi

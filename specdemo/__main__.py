@@ -194,7 +194,7 @@ def _space_parser(sub) -> None:
 
 
 def run_space(args) -> int:
-    from .serve.space import deploy, dry_run_lines, space_files, space_variables
+    from .app.space import deploy, dry_run_lines, space_files, space_variables
 
     if args.dry_run:
         print("\n".join(dry_run_lines(space_files(), args.space_id, args.hardware, space_variables())))

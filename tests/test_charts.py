@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 import pytest
 
-from specdemo.app import charts
+from specdemo.measure import charts
 from specdemo.measure.tune_k import SweepPoint, summarize
 
 

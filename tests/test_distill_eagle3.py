@@ -11,8 +11,9 @@ from test_distill_cli import TEMPLATE
 from test_distill_features import VOCAB, greedy_samples
 
 from specdemo.config import GenerationConfig
+from specdemo.drafters.eagle3 import load_eagle3
 from specdemo.engine import autoregressive, generated_ids, speculative
-from specdemo.models.eagle3 import default_aux_layer_ids, is_eagle3, load_eagle3
+from specdemo.models.eagle3 import default_aux_layer_ids, is_eagle3
 from specdemo.models.loading import LoadedModel, load_model
 from specdemo.train import cli, features, heads, main, training
 

@@ -8,8 +8,8 @@ from conftest import tiny_llama, tiny_tokenizer
 from test_distill_features import AUX, VOCAB, eagle3_trainee, greedy_samples
 
 from specdemo.config import GenerationConfig
+from specdemo.drafters.eagle3 import load_eagle3
 from specdemo.engine import autoregressive, generated_ids, speculative
-from specdemo.models.eagle3 import load_eagle3
 from specdemo.models.loading import LoadedModel
 from specdemo.train import cli, features, heads, training
 

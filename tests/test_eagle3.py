@@ -12,11 +12,11 @@ from conftest import tiny_llama, tiny_tokenizer, until_second_token
 
 from specdemo.config import GenerationConfig, Runtime, SamplingConfig
 from specdemo.drafters import DraftRequest
+from specdemo.drafters.eagle3 import Eagle3Drafter
 from specdemo.engine import autoregressive, encode_prompt, generated_ids, speculative
 from specdemo.engine.kv import target_features
 from specdemo.models.eagle3 import (
     Eagle3Config,
-    Eagle3Drafter,
     Eagle3FormatError,
     build_head,
     is_eagle3,

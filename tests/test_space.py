@@ -14,8 +14,8 @@ import pytest
 from test_app_client import free_port, wait_ready
 
 from specdemo.__main__ import main
+from specdemo.app import space
 from specdemo.config import BUNDLED_ID
-from specdemo.serve import space
 
 ROOT = Path(__file__).resolve().parent.parent
 HUB_COLORS = {"red", "yellow", "green", "blue", "indigo", "purple", "pink", "gray"}
@@ -26,7 +26,7 @@ def test_dry_run_lists_the_app_and_the_draft_weights_and_not_tests_or_bench(caps
     assert main(["space", "someone/specdemo", "--dry-run"]) == 0
     rows = {line.split()[-1]: line.split()[1] for line in capsys.readouterr().out.splitlines()
             if line[:12].strip().replace(",", "").isdigit()}
-    assert {"app.py", "requirements.txt", "README.md", ".gitattributes", "specdemo/space.py"} <= set(rows)
+    assert {"app.py", "requirements.txt", "README.md", ".gitattributes", "specdemo/app/space.py"} <= set(rows)
     assert rows["specdemo/data/smollm2-135m-draft/model.safetensors"] == "lfs"
     assert rows["assets/screenshot.png"] == "lfs" and rows["app.py"] == "git"
     assert not [p for p in rows if p.startswith(("tests/", "bench/", "scripts/", "docs/")) or "__pycache__" in p]

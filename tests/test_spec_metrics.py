@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from specdemo.batch import BatchEvent
 from test_vllm import NEEDS_VLLM
 
-from specdemo.engine import StepEvent
+from specdemo.engine import BatchEvent, StepEvent
 from specdemo.measure.bench.vllm import VLLM_PYTHON_ENV
 from specdemo.measure.spec_metrics import pool, rows_of, speculative_decoding, steps_of
 
@@ -48,10 +47,13 @@ def test_a_step_accepting_more_than_it_drafted_is_refused():
 def test_batch_rows_and_pooling_match_the_single_sequence_figures():
     """A batched run's rows give each prompt's own steps; pooling the per-prompt dicts equals one dict over all steps
     (what vLLM's counters sum), without the per-step arrays."""
-    batch = [BatchEvent("prefill", [0, 1], [[1], [1]], ["", ""], 0.0, 2),
-             BatchEvent("spec", [0, 1], [[1, 1, 1], [1]], ["", ""], 0.0, 6, drafted=[[5, 6, 7], [5, 6, 7]],
-                        num_accepted=[2, 0], k=3),
-             BatchEvent("spec", [1], [[1, 1]], [""], 0.0, 8, drafted=[[5]], num_accepted=[1], k=3)]
+    def step(kind, tokens, drafted=(), accepted=0):
+        return StepEvent(kind, tokens, "", 0.0, 0, drafted=list(drafted), num_accepted=accepted, k=3)
+
+    batch = [BatchEvent("prefill", [0, 1], [step("prefill", [1]), step("prefill", [1])], 0.0, 2),
+             BatchEvent("spec", [0, 1], [step("spec", [1, 1, 1], [5, 6, 7], 2), step("spec", [1], [5, 6, 7], 0)],
+                        0.0, 6, k=3),
+             BatchEvent("spec", [1], [step("spec", [1, 1], [5], 1)], 0.0, 8, k=3)]
     rows = rows_of(batch)
     assert rows == {0: [(3, 2)], 1: [(3, 0), (1, 1)]}
     pooled = pool([speculative_decoding(steps, 3) for steps in rows.values()])

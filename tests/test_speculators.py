@@ -14,8 +14,8 @@ from test_vllm import NEEDS_VLLM
 
 from specdemo.__main__ import main
 from specdemo.measure.bench.vllm import VLLM_PYTHON_ENV
+from specdemo.models import speculators
 from specdemo.models.eagle3 import Eagle3Config, read_config, recorded_k
-from specdemo.serve import speculators
 
 SHIPPED = Path(__file__).resolve().parent.parent / "specdemo" / "data" / "smollm2-135m-draft"
 
@@ -46,9 +46,9 @@ def test_export_speculators_then_draft_loads_it_losslessly(tmp_path, capsys):
     """`export --format speculators` of the shipped head, then the folder as a draft: it is an EAGLE-3 head with
     k = 2, every tensor equal to the shipped head's, and greedy decoding proposes and outputs the same tokens."""
     from specdemo.config import GenerationConfig
+    from specdemo.drafters.eagle3 import load_eagle3
     from specdemo.drafters.resolve import resolve_draft
     from specdemo.engine import encode_prompt, speculative
-    from specdemo.models.eagle3 import load_eagle3
     from specdemo.models.loading import load_model
 
     out = tmp_path / "head"

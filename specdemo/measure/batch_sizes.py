@@ -20,20 +20,18 @@ from ..drafters import Drafter
 from ..engine import decode, eos_ids, row_outputs
 from ..engine.kv import left_padded
 from ..engine.timing import cost_widths, forward_seconds, timed_call, verify_costs
-from .compare import Pair, first_mismatch, pair_placement
+from .compare import WARMUP_TOKENS, Pair, first_mismatch, pair_placement, warmup
 from .metrics import (
     BatchStats,
     alpha_from_mean_accepted,
     batch_stats,
     best_k,
     expected_speedup,
+    ratio,
 )
 
 PROBE_K = 4  # k of the short speculative run that measures acceptance and draft cost for auto k
 PROBE_TOKENS = 24
-WARMUP_TOKENS = 4
-
-
 @dataclass
 class BatchRun:
     """One decoder over one batch: each row's new tokens and the wall time around the whole call."""
@@ -163,12 +161,8 @@ class BatchPoint:
         return asdict(self)
 
 
-def _ratio(a: float, b: float) -> float:
-    return a / b if b > 0 else 0.0
-
-
 def _per_pass(runs: Sequence[BatchRun]) -> float:
-    return _ratio(sum(r.stats.pass_seconds for r in runs), sum(r.stats.passes for r in runs))
+    return ratio(sum(r.stats.pass_seconds for r in runs), sum(r.stats.passes for r in runs))
 
 
 def point(batch_size: int, k: int, cal: Calibration, ar: Sequence[BatchRun], sd: Sequence[BatchRun],
@@ -184,24 +178,24 @@ def point(batch_size: int, k: int, cal: Calibration, ar: Sequence[BatchRun], sd:
     out = BatchPoint(
         batch_size=batch_size, batches=len(ar), rows=len(ar_out), k=k, auto_k=cal.k,
         ar_tokens=ar_tok, ar_seconds=ar_s, sd_tokens=sd_tok, sd_seconds=sd_s,
-        ar_tokens_per_s=_ratio(ar_tok, ar_s), sd_tokens_per_s=_ratio(sd_tok, sd_s),
-        speedup=_ratio(_ratio(sd_tok, sd_s), _ratio(ar_tok, ar_s)),
-        mean_accepted=_ratio(sum(s.mean_accepted * s.row_steps for s in stats), row_steps),
-        acceptance_rate=_ratio(sum(s.accepted for s in stats), sum(s.drafted for s in stats)),
-        identical_fraction=_ratio(sum(a == b for a, b in zip(ar_out, sd_out)), len(ar_out)),
+        ar_tokens_per_s=ratio(ar_tok, ar_s), sd_tokens_per_s=ratio(sd_tok, sd_s),
+        speedup=ratio(ratio(sd_tok, sd_s), ratio(ar_tok, ar_s)),
+        mean_accepted=ratio(sum(s.mean_accepted * s.row_steps for s in stats), row_steps),
+        acceptance_rate=ratio(sum(s.accepted for s in stats), sum(s.drafted for s in stats)),
+        identical_fraction=ratio(sum(a == b for a, b in zip(ar_out, sd_out)), len(ar_out)),
         verify_cost=cal.verify_costs.get(k, 1.0) if k else 1.0,
-        verify_cost_measured=_ratio(_per_pass(sd), _per_pass(ar)),
+        verify_cost_measured=ratio(_per_pass(sd), _per_pass(ar)),
         expected_speedup=cal.expected_speedup, calibration=cal.as_dict(),
         mismatch_top2_logit_gaps=list(gaps),
     )
     if single is not None:
         common = min(len(single), len(sd_out))  # with max_batches, sizes ran different numbers of rows
-        out.identical_to_single_fraction = _ratio(sum(a == b for a, b in zip(single, sd_out)), common)
+        out.identical_to_single_fraction = ratio(sum(a == b for a, b in zip(single, sd_out)), common)
     if hf:
         hf_out = [o for r in hf for o in r.outputs]
-        out.hf_generate_tokens_per_s = _ratio(sum(r.tokens for r in hf), sum(r.seconds for r in hf))
-        out.ar_vs_hf_generate = _ratio(out.ar_tokens_per_s, out.hf_generate_tokens_per_s)
-        out.hf_generate_identical_fraction = _ratio(sum(a == b for a, b in zip(ar_out, hf_out)), len(ar_out))
+        out.hf_generate_tokens_per_s = ratio(sum(r.tokens for r in hf), sum(r.seconds for r in hf))
+        out.ar_vs_hf_generate = ratio(out.ar_tokens_per_s, out.hf_generate_tokens_per_s)
+        out.hf_generate_identical_fraction = ratio(sum(a == b for a, b in zip(ar_out, hf_out)), len(ar_out))
     return out
 
 
@@ -257,10 +251,9 @@ class BatchSweep:
 
 def warm(pair: Pair, drafter: Drafter, rows: Sequence[list[int]], config: GenerationConfig, k: int,
          anchors: bool, hf_kwargs: dict | None) -> None:
-    """Untimed short runs of every decoder at this batch shape, so first-call costs land on no clock."""
-    short = replace(config, max_new_tokens=WARMUP_TOKENS)
-    run_batch_ar(pair, rows, short)
-    run_batch_sd(pair, drafter, rows, replace(short, num_draft_tokens=max(k, 1)), lambda b: k)
+    """Untimed short runs of every decoder at this batch shape (compare.warmup, and generate's), so first-call costs
+    land on no clock."""
+    warmup(replace(pair, drafter=drafter), rows, replace(config, num_draft_tokens=max(k, 1)))
     if anchors and hf_kwargs is not None:
         model, tok = pair.target.model, pair.target.tokenizer
         hf_generate_batch(model, rows, {**hf_kwargs, "max_new_tokens": WARMUP_TOKENS}, eos_ids(model, tok))

@@ -6,7 +6,7 @@ make_drafter builds drafters from names, through the registry; the CLI, the app,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -18,6 +18,7 @@ from ..drafters.registry import BuildOptions, get
 from ..engine import (
     StepEvent,
     autoregressive,
+    decode,
     encode_prompt,
     generated_ids,
     speculative,
@@ -75,13 +76,18 @@ def pair_placement(pair: Pair) -> dict:
                       "device": drafter_device(pair.drafter)}}
 
 
-def warmup(pair: Pair, prompt_ids: list[int], config: GenerationConfig) -> None:
-    """A few untimed steps of both decoders, so one-off allocation costs do not land on either clock."""
-    short = GenerationConfig(max_new_tokens=4, num_draft_tokens=config.num_draft_tokens, sampling=config.sampling)
-    for _ in autoregressive(pair.target.model, pair.target.tokenizer, prompt_ids, short):
-        pass
-    for _ in speculative(pair.target.model, pair.target.tokenizer, pair.drafter, prompt_ids, short):
-        pass
+WARMUP_TOKENS = 4
+
+
+def warmup(pair: Pair, prompts: list[int] | Sequence[list[int]], config: GenerationConfig) -> None:
+    """A few untimed steps of both runs, at this batch shape (one prompt's ids, or the rows of a batch), so one-off
+    allocation costs land on no clock. The one warm-up: compare, the sweeps and the bench call it."""
+    rows = [prompts] if prompts and isinstance(prompts[0], int) else list(prompts)
+    short = GenerationConfig(max_new_tokens=WARMUP_TOKENS, num_draft_tokens=config.num_draft_tokens,
+                             sampling=config.sampling)
+    for drafter in (None, pair.drafter):
+        for _ in decode(pair.target.model, pair.target.tokenizer, rows, short, drafter, text=False):
+            pass
 
 
 def stream_pair(pair: Pair, prompt_ids: list[int], config: GenerationConfig) -> Iterator[tuple[str, StepEvent]]:

@@ -66,9 +66,14 @@ def run_stats(events: list[StepEvent]) -> RunStats:
     )
 
 
+def ratio(a: float, b: float) -> float:
+    """a / b, 0 when b is 0: every ratio of sums in the results (tokens/s, speedups, fractions)."""
+    return a / b if b > 0 else 0.0
+
+
 def speedup(ar: RunStats, sd: RunStats) -> float:
     """Speculative tokens/s over autoregressive tokens/s."""
-    return sd.tokens_per_s / ar.tokens_per_s if ar.tokens_per_s > 0 else 0.0
+    return ratio(sd.tokens_per_s, ar.tokens_per_s)
 
 
 def expected_tokens(alpha: float, k: int) -> float:

@@ -24,8 +24,8 @@ def default_layers(config: TrainConfig, num_target_layers: int) -> str:
 
 
 def load_drafter(folder: str, target_loaded):
-    """A trained draft folder's drafter (an EAGLE-3 head: eagle3.load_eagle3)."""
-    from ..models.eagle3 import load_eagle3
+    """A trained draft folder's drafter (an EAGLE-3 head: drafters.eagle3.load_eagle3)."""
+    from ..drafters.eagle3 import load_eagle3
 
     return load_eagle3(folder, target_loaded)
 

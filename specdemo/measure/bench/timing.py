@@ -10,11 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ...engine.timing import ForwardTimer
-
-
-def ratio(a: float, b: float) -> float:
-    """a / b, 0 when b is 0."""
-    return a / b if b > 0 else 0.0
+from ..metrics import ratio
 
 
 def target_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
