@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from conftest import WORDS, tiny_llama
 
 from specdemo.config import GenerationConfig
 from specdemo.drafters import ModelDrafter
@@ -26,14 +27,16 @@ def test_hybrid_model_k_follows_the_verify_costs():
     assert hybrid_model_k({1: 1.0, 2: 1.01, 3: 1.02}, c=0.35) == 1
 
 
-def test_calibration_records_the_costs_it_chose_from(tiny_target, tiny_draft, tiny_tok):
+def test_calibration_records_the_costs_it_chose_from(tiny_draft, tiny_tok):
     """The cap comes from verify passes timed at load; the costs it used are kept for the benchmark report."""
-    target = LoadedModel("tiny", tiny_target, tiny_tok, torch.device("cpu"), torch.float32, "folder")
+    # an 8-layer target, so that its passes cost more than a 1-layer draft's by compute, not only by overhead
+    deep = tiny_llama(len(WORDS) + 1, seed=1, sharpness=8.0, layers=8)
+    target = LoadedModel("tiny", deep, tiny_tok, torch.device("cpu"), torch.float32, "folder")
     hybrid, cal = calibrated_hybrid(ModelDrafter(tiny_draft), target, "tiny-draft", PROMPT)
     assert hybrid.model_k == cal.model_k
     assert set(cal.verify_costs) == {1, 2, 3} and cal.verify_costs[1] == 1.0
     assert all(v > 0 for v in cal.verify_costs.values())
-    # the draft's own cost per token, timed in a short run: a 1-layer draft against a 2-layer target costs less
+    # the draft's own cost per token, timed in a short run: a 1-layer draft against an 8-layer target costs less
     # than a target pass, and more than nothing
     assert 0.0 < cal.draft_cost < 1.0
     assert cal.model_k == hybrid_model_k(cal.verify_costs, c=cal.draft_cost)

@@ -44,11 +44,13 @@ class ModelDrafter(Drafter):
         logits = self.kv.step([row[n:] for row, n in zip(ids, self.kv.counts)])  # (B, V)
         while True:
             if sampling.greedy:
-                q, choice = torch.softmax(logits.float(), -1), logits.argmax(-1).tolist()
+                q, index = torch.softmax(logits.float(), -1), logits.argmax(-1)  # (B, V), (B,)
+                choice = index.tolist()
             else:
                 q = logits_to_probs(logits, sampling)  # (B, V)
                 choice = [int(torch.multinomial(q[r], 1, generator=gens[r])) if active[r] else 0 for r in range(rows)]
-            q_steps.append(q.gather(1, torch.tensor(choice, device=q.device)[:, None])[:, 0])
+                index = torch.tensor(choice, device=q.device)
+            q_steps.append(q.gather(1, index[:, None])[:, 0])
             drafting.append(list(active))
             for r in range(rows):
                 if not active[r]:
