@@ -213,7 +213,7 @@ def right_padded(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[t
     return tokens.to(device), real.to(device)
 
 
-def check_cache(model, rows: int = 2) -> None:
+def check_cache(model, rows: int) -> None:
     """Holes and per-row positions assume full attention over one growing cache; a single row has no holes, so any
     cache transformers builds for the model serves it."""
     types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
