@@ -53,6 +53,27 @@ def until_second_token(gen):
     return events
 
 
+def second_token_distribution(model, prompt, eos=0):
+    """Exact P(second new token | first is not EOS), marginalizing the first, from one model alone."""
+    with torch.inference_mode():
+        p1 = torch.softmax(model(input_ids=torch.tensor([prompt], device=model.device)).logits[0, -1], -1).cpu()
+        vocab = p1.shape[0]
+        seqs = torch.tensor([prompt + [t] for t in range(vocab)], device=model.device)
+        p2 = torch.softmax(model(input_ids=seqs).logits[:, -1], -1).cpu()  # (V, V)
+    p1 = p1.clone()
+    p1[eos] = 0.0
+    return (p1[:, None] * p2).sum(0) / p1.sum()
+
+
+
+def save_tiny_folder(path, layers: int):
+    """A tiny llama over WORDS (seed 1) and its tokenizer saved as a model folder at `path`; returns the model."""
+    model = tiny_llama(len(WORDS) + 1, seed=1, sharpness=8.0, layers=layers).cpu()
+    model.save_pretrained(path)
+    tiny_tokenizer(WORDS).save_pretrained(path)
+    return model
+
+
 WORDS = [f"w{i}" for i in range(1, 16)]
 
 
@@ -89,3 +110,26 @@ def _threads(request):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def tiny_loads(monkeypatch, tiny_target, tiny_tok):
+    """load_pair replaced by a tiny target with prompt lookup (where the race and the Batch tab call it), and the
+    prompt check's tokenizer by the tiny one; records the keyword arguments of each load."""
+    from specdemo.app import handlers, race
+    from specdemo.drafters import NgramDrafter
+    from specdemo.measure import compare
+    from specdemo.measure.compare import Pair
+    from specdemo.models.loading import LoadedModel
+
+    calls = []
+
+    def load_pair(target, kind="model", draft=None, **kwargs):
+        calls.append(kwargs)
+        loaded = LoadedModel("tiny", tiny_target, tiny_tok, torch.device("cpu"), torch.float32, "folder")
+        return Pair(loaded, NgramDrafter(), kind, None)
+
+    monkeypatch.setattr(handlers, "load_pair", load_pair)
+    monkeypatch.setattr(compare, "load_pair", load_pair)
+    monkeypatch.setattr(race, "load_tokenizer", lambda name, runtime: (tiny_tok, 256))
+    return calls

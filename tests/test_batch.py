@@ -3,7 +3,7 @@ that finish early, auto k, and the sampled distribution with several rows."""
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import second_token_distribution, tiny_llama
 
 from specdemo.config import GenerationConfig, SamplingConfig
 from specdemo.drafters import Eagle3Drafter, HybridDrafter, ModelDrafter, NgramDrafter
@@ -289,26 +289,14 @@ def test_bad_batches_are_refused(tiny_target, tiny_tok):
                                GenerationConfig(num_draft_tokens=10_000)))
 
 
-def _second_token_distribution(model, prompt, eos=0):
-    """Exact P(second new token | first is not EOS), marginalizing the first, from one model alone."""
-    with torch.inference_mode():
-        p1 = torch.softmax(model(input_ids=torch.tensor([prompt], device=model.device)).logits[0, -1], -1).cpu()
-        vocab = p1.shape[0]
-        seqs = torch.tensor([prompt + [t] for t in range(vocab)], device=model.device)
-        p2 = torch.softmax(model(input_ids=seqs).logits[:, -1], -1).cpu()  # (V, V)
-    p1 = p1.clone()
-    p1[eos] = 0.0
-    return (p1[:, None] * p2).sum(0) / p1.sum()
-
-
 def test_sampled_distribution_matches_target_in_every_row(tiny_target, tiny_draft, tiny_tok):
     """With 40 rows of two prompts of different lengths, each prompt's second sampled token follows the target's
     distribution (seeded trials, a total-variation bound), far from the draft model's. 100 runs of 40 rows give the
     same 2,000 samples per prompt as 500 runs of 8, in 5x fewer batched passes (each row has its own seed)."""
     prompts = [list(range(1, 16)) + [3], [5, 9, 2]]
     rows = [prompts[i % 2] for i in range(40)]
-    expected = [_second_token_distribution(tiny_target, p) for p in prompts]
-    drafts = [_second_token_distribution(tiny_draft, p) for p in prompts]
+    expected = [second_token_distribution(tiny_target, p) for p in prompts]
+    drafts = [second_token_distribution(tiny_draft, p) for p in prompts]
     counts = [torch.zeros_like(e) for e in expected]
     runs, drafted = 100, 0
     for seed in range(runs):
@@ -336,7 +324,7 @@ def test_sampled_distribution_is_exact_in_every_row_through_an_eagle3_heads_draf
     rows give the same 1,600 samples per prompt as 400 runs of 8, in 5x fewer batched passes."""
     prompts = [list(range(1, 16)) + [3], [5, 9, 2]]
     rows = [prompts[i % 2] for i in range(40)]
-    expected = [_second_token_distribution(eagle3_target, p) for p in prompts]
+    expected = [second_token_distribution(eagle3_target, p) for p in prompts]
     outside = torch.ones(16, dtype=torch.bool)
     outside[eagle3_drafter(eagle3_target).head.subset] = False
     counts = [torch.zeros_like(e) for e in expected]

@@ -12,10 +12,6 @@ from specdemo.app.batch_tab import (
 )
 from specdemo.app.handlers import Handlers
 from specdemo.app.race import AppLimits, UserError
-from specdemo.drafters import NgramDrafter
-from specdemo.measure import compare
-from specdemo.measure.compare import Pair
-from specdemo.models.loading import LoadedModel
 
 OUTPUTS = BatchOutputs("throughput_plot", "speedup_plot", "table")  # names stand in for components
 KEYS = {"throughput_plot", "speedup_plot", "table"}
@@ -41,19 +37,6 @@ def test_batch_request_checks_its_values():
                        (dict(prompts_text="p\n" * 65), "At most")]:
         with pytest.raises(UserError, match=match):
             request(**bad)
-
-
-@pytest.fixture
-def tiny_loads(monkeypatch, tiny_target, tiny_tok):
-    calls = []
-
-    def load_pair(target, kind="model", draft=None, **kwargs):
-        calls.append(kwargs)
-        loaded = LoadedModel("tiny", tiny_target, tiny_tok, torch.device("cpu"), torch.float32, "folder")
-        return Pair(loaded, NgramDrafter(), kind, None)
-
-    monkeypatch.setattr(compare, "load_pair", load_pair)
-    return calls
 
 
 def test_batch_sweep_frames_name_only_the_tabs_outputs(tiny_loads):

@@ -297,10 +297,10 @@ def user_server():
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_page_shows_the_engines_ratio_as_a_user_runs_it(user_server, browser, case):
     """app.py and chromium unpinned on this machine, the CLI on the same prompt and settings in the same test: after
-    one cold run, three page runs alternate with three CLI runs (so a slow spell of a shared machine falls on both);
-    the medians are written to page-vs-cli-<case>.json. Every output is the target's own and the first token shows
-    within 3 s of the click. With SPECDEMO_LIVE_TIMING=<folder> (the figures' run) the page's speedup and its
-    autoregressive tokens/s must also be within 20% of the CLI's."""
+    one cold run, page runs alternate with CLI runs (so a slow spell of a shared machine falls on both), and the
+    medians are written to page-vs-cli-<case>.json. Every output is the target's own and the first token shows within
+    3 s of the click. With SPECDEMO_LIVE_TIMING=<folder> (the figures' run: three rounds) the page's speedup and its
+    autoregressive tokens/s must also be within 20% of the CLI's; the suite asserts no timing, so one round does."""
     preset, prompt, flags = CASES[case]
     runs = {"page": [], "cli": []}
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
@@ -312,7 +312,8 @@ def test_the_page_shows_the_engines_ratio_as_a_user_runs_it(user_server, browser
         page.wait_for_function("document.querySelector('input[value=ngram]')?.checked")
     page.locator("#prompt textarea").fill(prompt)
     cold = page_run(page)
-    for _ in range(3):
+    rounds = 3 if os.environ.get("SPECDEMO_LIVE_TIMING") else 1
+    for _ in range(rounds):
         runs["cli"].append(cli_run(prompt, flags))
         runs["page"].append(page_run(page))
     page.close()
@@ -322,7 +323,7 @@ def test_the_page_shows_the_engines_ratio_as_a_user_runs_it(user_server, browser
     medians["page"]["first_token_s"] = statistics.median(r["first_token_s"] for r in runs["page"])
     ratios = {key: medians["page"][key] / medians["cli"][key] for key in ("speedup", "ar_tokens_per_s")}
     report = {"what": f"{case}: the page (app.py and chromium unpinned) against the CLI on the same prompt and "
-                      "settings, 128 tokens, medians of 3 warm runs each, taken alternately", "cli_flags": flags,
+                      f"settings, 128 tokens, medians of {rounds} warm runs each, taken alternately", "cli_flags": flags,
               "medians": medians, "page_over_cli": ratios, "cold_page_run": cold, "runs": runs,
               "load_average": os.getloadavg(), "cpus": os.cpu_count()}
     out = Path(os.environ.get("SPECDEMO_LIVE_TIMING") or ARTIFACTS)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import until_second_token
+from conftest import second_token_distribution, until_second_token
 
 from specdemo.config import GenerationConfig, SamplingConfig
 from specdemo.drafters import HybridDrafter, ModelDrafter, NgramDrafter
@@ -113,18 +113,6 @@ def test_same_seed_same_sample_other_seed_differs(tiny_target, tiny_draft, tiny_
     assert sample(7) != sample(8)
 
 
-def _second_token_distribution(model, prompt, eos=0):
-    """Exact P(second new token | first is not EOS), marginalizing the first, from one model alone."""
-    with torch.inference_mode():
-        p1 = torch.softmax(model(input_ids=torch.tensor([prompt], device=model.device)).logits[0, -1], -1).cpu()
-        vocab = p1.shape[0]
-        seqs = torch.tensor([prompt + [t] for t in range(vocab)], device=model.device)
-        p2 = torch.softmax(model(input_ids=seqs).logits[:, -1], -1).cpu()  # (V, V)
-    p1 = p1.clone()
-    p1[eos] = 0.0
-    return (p1[:, None] * p2).sum(0) / p1.sum()
-
-
 @pytest.mark.parametrize("kind", ["model", "ngram", "hybrid"])
 def test_sampled_distribution_matches_target(tiny_target, tiny_draft, tiny_tok, kind):
     """Speculative sampling draws the second token from the target's distribution, far from the draft's.
@@ -133,8 +121,8 @@ def test_sampled_distribution_matches_target(tiny_target, tiny_draft, tiny_tok, 
     (99.9th percentile ~0.056), so fewer trials would not hold the 0.06 bound. Each trial stops once its second token
     is committed (until_second_token): the same samples as full runs, ~20-30% fewer target passes."""
     prompt = list(range(1, 16)) + [3]  # every token occurs in the prompt, so prompt lookup always proposes
-    expected = _second_token_distribution(tiny_target, prompt)
-    draft_p2 = _second_token_distribution(tiny_draft, prompt)
+    expected = second_token_distribution(tiny_target, prompt)
+    draft_p2 = second_token_distribution(tiny_draft, prompt)
     trials = 2000
     counts = torch.zeros_like(expected)
     proposals = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import WORDS, tiny_llama, tiny_tokenizer
+from conftest import save_tiny_folder
 from test_handlers import OUTPUTS
 
 from app import limits_from_env
@@ -27,9 +27,7 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-fit")
-    model = tiny_llama(len(WORDS) + 1, seed=1, sharpness=8.0, layers=2).cpu()
-    model.save_pretrained(path)
-    tiny_tokenizer(WORDS).save_pretrained(path)
+    model = save_tiny_folder(path, layers=2)
     return str(path), sum(p.numel() for p in model.parameters())
 
 

@@ -24,9 +24,6 @@ from specdemo.app.race import AppLimits, Runs, drift_warning
 from specdemo.app.render import COMMITTED, KINDS
 from specdemo.app.ui import EXAMPLES
 from specdemo.config import Placement, Runtime
-from specdemo.drafters import NgramDrafter
-from specdemo.measure.compare import Pair
-from specdemo.models.loading import LoadedModel
 
 REWRITE = next(p for c, p in EXAMPLES if c == "rewrite")
 COMMITTED_CLASSES = tuple(KINDS[k][0] for k in COMMITTED)
@@ -83,22 +80,6 @@ def test_an_out_of_memory_error_is_a_status_message_and_releases_the_hardware(mo
 
 
 # ---- the handlers on a tiny model: the real compare and sweep code, milliseconds ----
-
-@pytest.fixture
-def tiny_loads(monkeypatch, tiny_target, tiny_tok):
-    """load_pair replaced by a tiny target with prompt lookup, and the prompt check's tokenizer by the tiny one;
-    records the keyword arguments of each load."""
-    calls = []
-
-    def load_pair(target, kind="model", draft=None, **kwargs):
-        calls.append(kwargs)
-        loaded = LoadedModel("tiny", tiny_target, tiny_tok, torch.device("cpu"), torch.float32, "folder")
-        return Pair(loaded, NgramDrafter(), kind, None)
-
-    monkeypatch.setattr(handlers_module, "load_pair", load_pair)
-    monkeypatch.setattr(race, "load_tokenizer", lambda name, runtime: (tiny_tok, 256))
-    return calls
-
 
 TINY_PROMPT = "w3 w5 w7 w3 w5 w9 w2 w3 w5"
 

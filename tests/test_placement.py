@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import WORDS, tiny_llama, tiny_tokenizer
+from conftest import WORDS, save_tiny_folder, tiny_llama, tiny_tokenizer
 
 from specdemo.config import (
     GenerationConfig,
@@ -73,9 +73,7 @@ def test_module_ranges_join_consecutive_numbered_siblings():
 def folder(tmp_path_factory):
     """A 6-layer tiny llama and its tokenizer, saved as a model folder."""
     path = tmp_path_factory.mktemp("tiny-target")
-    model = tiny_llama(len(WORDS) + 1, seed=1, sharpness=8.0, layers=6).cpu()
-    model.save_pretrained(path)
-    tiny_tokenizer(WORDS).save_pretrained(path)
+    save_tiny_folder(path, layers=6)
     return str(path)
 
 

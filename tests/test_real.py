@@ -25,6 +25,8 @@ PROMPTS = [
 ]
 KS = [1, 2, 4, 8]
 NEW = 24
+PERTURBED_LAYERS = 8
+SELF_DRAFT_PROMPTS = 4  # the target drafting for itself costs k target passes a step
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +42,15 @@ def reference(bundled):
 
 @pytest.fixture(scope="module")
 def perturbed(bundled):
-    """A copy of the target with noise on its weights: a draft that agrees often but not always."""
+    """The target's first PERTURBED_LAYERS layers with noise on their weights: a draft that agrees often but not
+    always, at a fraction of a target pass (so k = 8 drafts cost little more than one verify)."""
     import copy
 
     model = copy.deepcopy(bundled.model)
+    model.model.layers = model.model.layers[:PERTURBED_LAYERS]
+    model.config.num_hidden_layers = PERTURBED_LAYERS
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:PERTURBED_LAYERS]
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
@@ -65,7 +72,7 @@ def test_prompt_lookup_is_lossless(bundled, reference, k):
 @pytest.mark.parametrize("k", KS)
 def test_self_draft_is_lossless_and_accepts_everything(bundled, reference, k):
     """The target drafting for itself: identical output and every draft accepted."""
-    for prompt, (ids, expected) in reference.items():
+    for prompt, (ids, expected) in list(reference.items())[:SELF_DRAFT_PROMPTS]:
         events = _spec(bundled, ModelDrafter(bundled.model), ids, k)
         assert generated_ids(events) == expected, prompt
         spec = [e for e in events if e.kind == "spec"]

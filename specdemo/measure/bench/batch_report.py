@@ -4,12 +4,9 @@ crossover, and bench.html with throughput and speedup against batch size. Pure f
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
-from .report import HONEST_BASELINE, fmt, md_table
-
-log = logging.getLogger(__name__)
+from .report import HONEST_BASELINE, fmt, md_table, write_outputs
 
 
 def build_batch_report(config: dict, machine: dict, sweep: dict) -> dict:
@@ -103,10 +100,4 @@ def batch_html(report: dict) -> str:
 
 def write_batch_outputs(report: dict, out: Path) -> None:
     """bench.json, bench.md and bench.html of a batch sweep in `out`."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    (out / "bench.md").write_text(batch_markdown(report), encoding="utf-8")
-    try:
-        (out / "bench.html").write_text(batch_html(report), encoding="utf-8")
-    except ImportError:  # plotly is optional for the CLI
-        log.warning("plotly is not installed; bench.html not written")
+    write_outputs(report, out, batch_markdown, batch_html)

@@ -193,14 +193,15 @@ def build_report(config: dict, machine: dict, rows: list[dict], theory: dict | N
     return report
 
 
-def write_outputs(report: dict, out: Path) -> None:
-    """bench.json, bench.md and bench.html in `out`."""
+def write_outputs(report: dict, out: Path, markdown_of=None, html_of=None) -> None:
+    """bench.json, bench.md and bench.html in `out`: the markdown and the HTML of `report` by markdown_of and
+    html_of (this module's markdown and html unless given: the batch sweep gives its own)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    (out / "bench.md").write_text(markdown(report), encoding="utf-8")
+    (out / "bench.md").write_text((markdown_of or markdown)(report), encoding="utf-8")
     try:
-        (out / "bench.html").write_text(html(report), encoding="utf-8")
-    except ImportError:
+        (out / "bench.html").write_text((html_of or html)(report), encoding="utf-8")
+    except ImportError:  # plotly is optional for the CLI
         log.warning("plotly is not installed; skipped bench.html")
 
 
