@@ -256,3 +256,18 @@ def test_engine_block_sampling_follows_the_target(tiny_target, tiny_draft, tiny_
     assert 0.5 * float((empirical - expected).abs().sum()) < bound
     assert 0.5 * float((draft_law - expected).abs().sum()) > 0.25
     assert 0.5 * float((empirical - draft_law).abs().sum()) > 0.2
+
+
+def test_the_papers_motivating_example():
+    """Sun et al.'s example: context-free p = (1/3, 2/3), q = (2/3, 1/3), k = 2: token-wise accepts 10/9 drafts per
+    step in expectation, block verification 11/9."""
+    law = torch.tensor([1 / 3, 2 / 3], dtype=torch.float64)
+    p = {c: law for n in range(3) for c in itertools.product(range(2), repeat=n)}
+    q = {c: t.flip(0) for c, t in p.items()}
+    token = block = 0.0
+    for b in itertools.product(range(2), repeat=2):
+        weight = float(q[()][b[0]] * q[b[:1]][b[1]])
+        tokens, draft, target = torch.tensor(b), torch.stack([q[()], q[b[:1]]]), torch.stack([p[()], p[b[:1]], p[b]])
+        e = expected_accepted(tokens, draft, target)
+        token, block = token + weight * e["token"], block + weight * e["block"]
+    assert (token, block) == (pytest.approx(10 / 9), pytest.approx(11 / 9))

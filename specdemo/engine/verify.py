@@ -118,16 +118,17 @@ def block_thresholds(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | Non
     k, vocab = draft_tokens.shape[0], target_probs.shape[-1]
     q = _draft_rows(draft_tokens, draft_probs, vocab)  # (k, V): row i is q(. | x_1..x_i)
     rows = torch.arange(k, device=target_probs.device)
-    ratio = (target_probs[rows, draft_tokens].double() / q[rows, draft_tokens].double()).nan_to_num(0.0)  # p/q; 0/0 -> 0
-    weights = [1.0]  # line 2: p_0 = 1
-    for r in ratio.tolist():  # line 4: p_i = min(p_{i-1} * p(x_i | x^{i-1}) / q(x_i | x^{i-1}), 1)
+    ratio = (target_probs[rows, draft_tokens].double() / q[rows, draft_tokens].double()).nan_to_num(0.0)  # 0/0 -> 0
+    weights = [1.0]  # Alg. 2: p_0 = 1
+    for r in ratio.tolist():  # Alg. 2, the weights: p_i = min(p_{i-1} * p(x_i | x^{i-1}) / q(x_i | x^{i-1}), 1)
         weights.append(min(weights[-1] * r, 1.0) if weights[-1] > 0 else 0.0)
     w = torch.tensor(weights, dtype=torch.float64, device=target_probs.device)  # (k+1,)
-    # line 5, i < k: h_i = sum_x max(p_i p(x | x^i) - q(x | x^i), 0) / (that sum + 1 - p_i); it looks one row ahead
+    # Alg. 2, the thresholds for i < k, looking one row ahead: h_i = r_i / (r_i + 1 - p_i),
+    # r_i = sum_x max(p_i p(x | x^i) - q(x | x^i), 0)
     mass = (w[1:k, None] * target_probs[1:k].double() - q[1:k].double()).clamp(min=0).sum(-1)  # (k-1,)
     denom = mass + 1.0 - w[1:k]
     h = torch.where(denom > 0, mass / denom.clamp(min=1e-300), torch.ones_like(mass))  # p == q: h = 1 (as vLLM)
-    return w, torch.cat([h, w[k:]])  # line 5, i = k: h_k = p_k
+    return w, torch.cat([h, w[k:]])  # and h_k = p_k for the last draft
 
 
 def block_accept(
@@ -143,15 +144,16 @@ def block_accept(
     if k == 0:
         return 0, sample(target_probs[0], generator)
     w, h = block_thresholds(draft_tokens, draft_probs, target_probs)
-    eta = torch.rand(k, generator=generator, device=target_probs.device)  # line 1: eta_1..eta_k ~ U(0, 1)
-    # lines 3-7: tau = the last i with eta_i <= h_i, else 0 (eta in [0, 1): `<` has the same odds and h = 0 never passes)
+    eta = torch.rand(k, generator=generator, device=target_probs.device)  # Alg. 2: eta_1..eta_k ~ U(0, 1)
+    # Alg. 2: tau = the last i with eta_i <= h_i, else 0 (eta in [0, 1): `<` has the same odds and h = 0 never passes)
     passed = (eta.double() < h).nonzero()
     tau = int(passed[-1]) + 1 if passed.numel() else 0
-    if tau == k:  # line 8: the whole block is kept; the bonus token comes from p after it
+    if tau == k:  # Alg. 2, tau = k: the whole block is kept; the bonus token comes from p after it
         return k, sample(target_probs[k], generator)
     q = _draft_rows(draft_tokens[tau : tau + 1], None if draft_probs is None else draft_probs[tau : tau + 1],
                     target_probs.shape[-1])[0]  # q(. | x^tau), (V,)
-    residual = (w[tau] * target_probs[tau].double() - q.double()).clamp(min=0)  # line 9: max(p_tau p - q, 0)
+    # Alg. 2, tau < k: y ~ norm(max(p_tau p(. | x^tau) - q(. | x^tau), 0))
+    residual = (w[tau] * target_probs[tau].double() - q.double()).clamp(min=0)
     if float(residual.sum()) <= 0:  # p_tau p <= q everywhere only by rounding: any sample from p is exact
         residual = target_probs[tau].double()
     return tau, sample((residual / residual.sum()).float(), generator)
