@@ -41,22 +41,36 @@ def rows(prefix, block, p, q, deterministic=False):
     return torch.tensor(block), draft, torch.stack([p[c] for c in ctx])
 
 
-def step_outcomes(prefix, k, p, q, drafts=None) -> dict[tuple, float]:
+def draft_blocks(prefix, k, q, stop=None):
+    """Every block x ~ q with its probability; `stop(context)` ends a block early after at least one token, as a
+    drafter's confidence gate does (the shipped EAGLE-3 head stops when the next peak of q is below its gate)."""
+    def grow(block, weight):
+        if len(block) == k or (block and stop is not None and stop(tuple(prefix) + block)):
+            yield block, weight
+            return
+        ctx = tuple(prefix) + block
+        for t in range(V):
+            yield from grow(block + (t,), weight * float(q[ctx][t]))
+
+    return list(grow((), 1.0))
+
+
+def step_outcomes(prefix, k, p, q, drafts=None, stop=None) -> dict[tuple, float]:
     """Exact law of one block-verification step's output x_1..x_tau, y, from the algorithm's definition: the block
     x ~ q (or the deterministic drafter's `drafts(prefix)`), P(tau = i | x) = h_i prod_{j>i} (1 - h_j) with h_0 = 1
-    (tau is the last i with eta_i <= h_i, the eta independent), y ~ norm(max(p_tau p - q, 0)), or p after i = k."""
-    blocks = [(tuple(drafts(prefix)), 1.0)] if drafts else [
-        (b, float(torch.prod(torch.stack([q[tuple(prefix) + b[:i]][b[i]] for i in range(k)]))))
-        for b in itertools.product(range(V), repeat=k)]
+    (tau is the last i with eta_i <= h_i, the eta independent), y ~ norm(max(p_tau p - q, 0)), or p after a full
+    block."""
+    blocks = [(tuple(drafts(prefix)), 1.0)] if drafts else draft_blocks(prefix, k, q, stop)
     out: dict[tuple, float] = {}
     for block, weight in blocks:
+        n = len(block)
         tokens, draft, target = rows(prefix, block, p, q, deterministic=drafts is not None)
         w, h = (t.double() for t in block_thresholds(tokens, draft, target))
         h = torch.cat([h.new_ones(1), h])  # h_0 = 1: tau = 0 when no eta passes
-        for tau in range(k + 1):
+        for tau in range(n + 1):
             p_tau = float(h[tau] * torch.prod(1 - h[tau + 1 :]))
-            if tau == k:
-                y = target[k].double()
+            if tau == n:
+                y = target[n].double()
             else:
                 qt = draft[tau].double() if draft is not None else torch.nn.functional.one_hot(tokens[tau], V).double()
                 y = (w[tau] * target[tau].double() - qt).clamp(min=0)
@@ -67,13 +81,13 @@ def step_outcomes(prefix, k, p, q, drafts=None) -> dict[tuple, float]:
     return out
 
 
-def first_n(prefix, n, k, p, q, drafts=None) -> dict[tuple, float]:
+def first_n(prefix, n, k, p, q, drafts=None, stop=None) -> dict[tuple, float]:
     """Exact law of the first n emitted tokens under repeated block-verification steps."""
     out: dict[tuple, float] = {}
-    for seq, prob in step_outcomes(prefix, k, p, q, drafts).items():
+    for seq, prob in step_outcomes(prefix, k, p, q, drafts, stop).items():
         if prob == 0:
             continue
-        rest = {(): 1.0} if len(seq) >= n else first_n(tuple(prefix) + seq, n - len(seq), k, p, q, drafts)
+        rest = {(): 1.0} if len(seq) >= n else first_n(tuple(prefix) + seq, n - len(seq), k, p, q, drafts, stop)
         for tail, pt in rest.items():
             key = (seq + tail)[:n]
             out[key] = out.get(key, 0.0) + prob * pt
@@ -109,6 +123,19 @@ def test_block_with_a_deterministic_drafter_is_exact():
 
     for n in (1, 2, 3):
         assert tv(first_n((), n, 3, p, q, drafts), target_law((), n, p)) < 1e-9
+
+
+def test_block_with_a_confidence_gate_is_exact():
+    """Blocks whose length depends on the drafted tokens (a gate on the next peak of q, as the shipped head's):
+    still p's law exactly, and the gate does cut blocks here."""
+    p, q = tables(4, depth=6)
+
+    def gate(ctx):
+        return float(q[ctx].max()) < 0.6
+
+    assert len({len(b) for b, _ in draft_blocks((), 3, q, gate)}) >= 2
+    for n in (1, 2, 3):
+        assert tv(first_n((), n, 3, p, q, stop=gate), target_law((), n, p)) < 1e-9
 
 
 def expected_lengths(k, p, q, prefix=()):
