@@ -16,6 +16,7 @@ from .config import (
     DEFAULT_DRAFTER,
     MAX_K_ENGINE,
     MIN_K,
+    VERIFICATION_RULES,
     GenerationConfig,
     SamplingConfig,
     runtime_from_env,
@@ -23,6 +24,9 @@ from .config import (
 from .drafters.registry import check_draft, cli_help, kinds, names
 
 G, S = GenerationConfig(), SamplingConfig()
+VERIFICATION_HELP = ("how sampled drafts are accepted: token (token-wise rejection sampling, Leviathan et al.) or block "
+                     "(block verification, Sun et al.: the block is judged jointly); both keep the target's distribution; "
+                     "greedy ignores it")
 
 
 def _generate_parser(sub) -> None:
@@ -38,6 +42,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=S.temperature, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=S.top_p)
     p.add_argument("--top-k", type=int, default=S.top_k)
+    p.add_argument("--verification", choices=VERIFICATION_RULES, default=S.verification, help=VERIFICATION_HELP)
     p.add_argument("--max-new-tokens", type=int, default=G.max_new_tokens)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--seed", type=int, default=G.seed)
@@ -57,7 +62,8 @@ def run_generate(args) -> int:
     check_draft(kind, args.draft)
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, num_draft_tokens=args.k or G.num_draft_tokens, dynamic_k=args.dynamic_k,
-        sampling=SamplingConfig(args.temperature, args.top_k, args.top_p), stop_strings=tuple(args.stop),
+        sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.verification),
+        stop_strings=tuple(args.stop),
         seed=args.seed, use_chat_template=not args.no_chat_template,
     )
     config.validate()
@@ -101,6 +107,8 @@ def _serve_config_parser(sub) -> None:
     p.add_argument("--k", type=int, default=None,
                    help=f"draft tokens per step (default: the tuned k in --sweep, else {G.num_draft_tokens})")
     p.add_argument("--sweep", metavar="JSON", help="a bench.json or sweep result: take its measured best k")
+    p.add_argument("--verification", choices=VERIFICATION_RULES, default=S.verification,
+                   help="token: vLLM's default rejection sampling; block: rejection_sample_method 'block'")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per model replica (vLLM -tp)")
     p.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages, e.g. one per node")
     p.add_argument("--ray", action="store_true",
@@ -123,7 +131,7 @@ def run_serve_config(args) -> int:
     k = G.num_draft_tokens if k is None else k
     if not MIN_K <= k <= MAX_K_ENGINE:
         raise ValueError(f"k must be between {MIN_K} and {MAX_K_ENGINE}, got {k}")
-    p = plan(args.target, args.drafter, args.draft, k, runtime_from_env(os.environ))
+    p = plan(args.target, args.drafter, args.draft, k, runtime_from_env(os.environ), args.verification)
     extra: list[str] = []
     if args.tensor_parallel_size > 1:
         extra += ["--tensor-parallel-size", str(args.tensor_parallel_size)]

@@ -18,15 +18,18 @@ MIN_K = 1
 MAX_K = 16  # UI range; the engine refuses anything above MAX_K_ENGINE
 MAX_K_ENGINE = 64
 AUTO_K_MAX = 8  # the largest k that auto k (batches) considers
+VERIFICATION_RULES = ("token", "block")  # when sampling: token-wise (Leviathan et al.) or block (Sun et al.)
 
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How tokens are chosen. temperature == 0 means greedy; top_k == 0 and top_p == 1 disable those filters."""
+    """How tokens are chosen. temperature == 0 means greedy; top_k == 0 and top_p == 1 disable those filters.
+    `verification` is the rule that accepts sampled drafts (one of VERIFICATION_RULES); greedy ignores it."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    verification: str = "token"
 
     @property
     def greedy(self) -> bool:
@@ -39,6 +42,13 @@ class SamplingConfig:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.verification not in VERIFICATION_RULES:
+            raise ValueError(f"unknown verification '{self.verification}'; choose one of {', '.join(VERIFICATION_RULES)}")
+
+    @property
+    def rule(self) -> str:
+        """The rule that decides a step: "greedy", or the verification rule when sampling."""
+        return "greedy" if self.greedy else self.verification
 
 
 @dataclass(frozen=True)

@@ -189,6 +189,14 @@ def test_non_numeric_values_through_the_api_get_a_clear_message(client):
     assert "the largest k must be a number" in sweep[1]
 
 
+def test_a_sampled_run_through_the_api_takes_the_verification_rule(client):
+    """/compare's last input is the rule for sampled drafts: block at temperature 1 comes back in the result; a
+    client that sends the first 11 inputs only gets token-wise, the default."""
+    sampled = (CHAT, "smollm2-135m", "ngram", "", 4, False, 1.0, 1.0, 8, False, False)
+    assert client.predict(*sampled, "block", api_name="/compare")[7]["verification"] == "block"
+    assert client.predict(*sampled, api_name="/compare")[7]["verification"] == "token"
+
+
 def test_two_concurrent_clients_each_get_their_own_output(server):
     """Two clients at once: both finish, each with the text of its own prompt."""
     from gradio_client import Client

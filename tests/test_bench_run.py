@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from specdemo.config import GenerationConfig
+from specdemo.config import GenerationConfig, SamplingConfig
 from specdemo.drafters import ModelDrafter, NgramDrafter
 from specdemo.engine.timing import ForwardTimer
 from specdemo.measure.bench.report import build_report, markdown, write_outputs
-from specdemo.measure.bench.run import bench_prompt, parse_ks
+from specdemo.measure.bench.run import bench_prompt, parse_ks, parse_rules
 from specdemo.measure.bench.timing import target_modules
 from specdemo.measure.compare import Pair
 from specdemo.models.loading import LoadedModel
@@ -23,16 +23,15 @@ def tiny_pair(model, tok, drafter, kind) -> Pair:
     return Pair(LoadedModel("tiny", model, tok, torch.device("cpu"), torch.float32, "folder"), drafter, kind, None)
 
 
-def tiny_rows(pair, ks, anchors=True):
+def tiny_rows(pair, ks, anchors=True, config=GenerationConfig(max_new_tokens=10), rules=()):
     items = [PromptItem("a", "extractive", "w3 w5 w7 w3 w5 w9 w2"), PromptItem("b", "chat", "w1 w2 w3 w1 w2 w4"),
              PromptItem("c", "chat", "w9 w8 w7 w6")]
-    config = GenerationConfig(max_new_tokens=10)
     timers = (ForwardTimer(target_modules(pair.target.model)), None)
     rows, runs = [], {}
     try:
         for it in items:
             ids = pair.target.tokenizer(it.prompt)["input_ids"]
-            rows += bench_prompt(pair, it, ids, ks, config, timers, anchors, runs)
+            rows += bench_prompt(pair, it, ids, ks, config, timers, anchors, runs, rules=rules)
     finally:
         timers[0].remove()
     return rows, runs
@@ -90,3 +89,27 @@ def test_assisted_anchor_rows(tiny_target, tiny_draft, tiny_tok):
     assert report["anchors"]["hf_assisted_speedup"] > 0 and report["anchors"]["hf_prompt_lookup_speedup"] is None
 
 
+
+
+def test_parse_rules():
+    assert parse_rules("token, block", 1.0) == ["token", "block"]
+    assert parse_rules("block", 0.0) == ["block"]
+    with pytest.raises(ValueError, match="token, block"):
+        parse_rules("token,tree", 1.0)
+    with pytest.raises(ValueError, match="temperature 0"):
+        parse_rules("token,block", 0.0)
+
+
+def test_both_verification_rules_in_one_report(tiny_target, tiny_draft, tiny_tok):
+    """--verification token,block: each prompt and k runs under each rule after one AR run; the report holds each
+    rule's pooled figures at each k, and the markdown a table of them."""
+    pair = tiny_pair(tiny_target, tiny_tok, ModelDrafter(tiny_draft), "model")
+    config = GenerationConfig(max_new_tokens=10, sampling=SamplingConfig(1.0))
+    rows, runs = tiny_rows(pair, [1, 3], anchors=False, config=config, rules=("token", "block"))
+    assert [(r["k"], r["verification"]) for r in rows[:4]] == [(1, "token"), (1, "block"), (3, "token"), (3, "block")]
+    assert len(runs[3]) == 3  # the first rule's runs feed the per-k theory
+    report = build_report({"k": [1, 3]}, {}, rows)
+    block = [r for r in rows if r["verification"] == "block" and r["k"] == 3]
+    assert report["by_verification"]["block"]["3"]["mean_accepted"] == pytest.approx(
+        sum(r["spec_tokens"] for r in block) / sum(r["steps"] for r in block))
+    assert "| block | 3 |" in markdown(report)

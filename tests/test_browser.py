@@ -136,6 +136,24 @@ def test_the_default_run_races_both_panels_live_and_explains_a_rejection(fresh):
     assert page.locator("#sd-panel .tok-selected").count() >= 2  # the clicked step's spans are marked
 
 
+def test_sampling_shows_the_verification_choice_and_the_inspector_names_the_rule(fresh):
+    """The rule radio is hidden while greedy and appears at temperature > 0; a block run's inspector says block
+    verification decided the step, and the summary names the rule."""
+    page = fresh
+    radio = page.locator("#verification")
+    assert not radio.is_visible()
+    set_number(page, "temperature (0 = greedy)", 1)
+    radio.wait_for(state="visible")
+    radio.get_by_text("block verification (Sun et al.)").click()
+    set_number(page, "max new tokens", 16)
+    assert run(page)[-1]["s"].startswith("Done")
+    assert "block verification (Sun et al.)" in page.locator("#stats").inner_text()
+    page.locator("#sd-panel span[data-info]").first.click()
+    assert "Decided by: block verification (Sun et al.)" in page.locator("#inspector").inner_text()
+    set_number(page, "temperature (0 = greedy)", 0)
+    radio.wait_for(state="hidden")
+
+
 def test_on_a_laptop_screen_both_panels_are_in_view_while_the_run_streams(request, browser):
     """At 1366x768, after Run and without scrolling, both panels stand in the viewport (their tops, and 150 px of
     each) while tokens stream into them."""

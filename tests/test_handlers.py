@@ -199,6 +199,19 @@ def test_closing_a_run_mid_way_stops_it_and_frees_the_hardware(tiny_loads):
     assert tiny_run(h, 6)[-1]["result_json"]["sd"]["tokens"] == 6
 
 
+def test_a_sampled_run_uses_the_chosen_rule_and_its_inspector_says_so(tiny_loads):
+    """temperature > 0 with block verification: the engine's steps are decided by block (the inspector's JSON in
+    the panel says so), the result and the summary name it; an unknown rule is refused with the choices."""
+    h = Handlers(OUTPUTS, AppLimits(device="cpu"))
+    last = tiny_run(h, temperature=1.0, verification="block")[-1]
+    assert last["result_json"]["verification"] == "block" and "block verification (Sun et al.)" in last["stats"]
+    assert '&quot;rule&quot;: &quot;block&quot;' in last["sd_html"]
+    assert tiny_run(h, temperature=0.0, verification="block")[-1]["result_json"]["verification"] == "greedy"
+    with pytest.warns(UserWarning):
+        outs = tiny_run(h, temperature=1.0, verification="tree")
+    assert len(outs) == 1 and "unknown verification 'tree'; choose one of token, block" in outs[0]["status"]
+
+
 def test_bad_requests_are_refused_before_the_hardware_is_taken(tiny_loads):
     """A non-numeric k, a 200,000-character prompt and a local path each get one error frame; nothing loads."""
     h = Handlers(OUTPUTS, AppLimits(device="cpu"))

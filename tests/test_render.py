@@ -87,6 +87,16 @@ def test_step_info_after_a_full_acceptance_shows_the_bonus_position():
     info = step_info(full, TOK, step=1, greedy=False)
     assert info["full"] and info["position"] == 3 and info["top"] == [{"text": " w3", "p": 0.6}]
     assert info["deterministic"] and info["committed_kind"] == "bonus" and info["gap"] is None
+    assert info["rule"] == "token"  # an event without its rule recorded: what sampling used before there were two
+
+
+def test_step_info_names_the_rule_that_decided_the_step():
+    """The inspector says which rule decided a step: the engine's StepEvent.verification."""
+    block = StepEvent("spec", [1, 5], " w1 <&\"w5>", 0.1, 2, drafted=[1, 2], num_accepted=1, correction=5, k=2,
+                      target_token_probs=[0.5, 0.1], draft_token_probs=[0.6, 0.3], verification="block")
+    assert step_info(block, TOK, step=2, greedy=False)["rule"] == "block"
+    assert step_info(REJECTED, TOK, step=1, greedy=True)["rule"] == "greedy"
+    assert "Decided by" in INSPECTOR_JS and "block verification (Sun et al.)" in INSPECTOR_JS
 
 
 def test_speculative_spans_carry_their_step_and_the_first_one_its_info():

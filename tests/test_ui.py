@@ -11,13 +11,13 @@ import pytest
 
 from specdemo.app.handlers import Handlers
 from specdemo.app.race import AppLimits
-from specdemo.app.ui import CUSTOM, build_demo, preset_choices
+from specdemo.app.ui import CUSTOM, build_demo, preset_choices, rule_control
 from specdemo.config import MAX_K, PRESETS, Runtime
 
 PACKAGE = Path(__file__).resolve().parent.parent / "specdemo"
 COMPARE_INPUTS = ["Prompt", "Target model id", "Drafter", "Draft model id (same tokenizer)", "k (draft tokens per step)",
                   "dynamic k", "temperature (0 = greedy)", "top-p", "max new tokens", "hide rejected drafts",
-                  "then replay at measured pace"]
+                  "then replay at measured pace", "verification of sampled drafts"]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def event(demo: gr.Blocks, api_name: str):
 
 
 def test_compare_endpoint_keeps_its_inputs_and_outputs_order(demo):
-    """/compare takes the README's 11 inputs in order; outputs[7] is the result JSON, [6] the status line."""
+    """/compare takes the README's 11 inputs in order, then the verification rule; outputs[7] is the result JSON, [6] the status line."""
     fn = event(demo, "compare")
     assert [c.label for c in fn.inputs] == COMPARE_INPUTS
     assert [type(c).__name__ for c in fn.outputs] == ["HTML", "HTML", "Plot", "Plot", "Plot", "Markdown", "Markdown",
@@ -44,9 +44,20 @@ def test_compare_endpoint_keeps_its_inputs_and_outputs_order(demo):
 def test_sweep_endpoint_keeps_its_inputs_and_outputs_order(demo):
     """/sweep_k takes the run's inputs with the largest k in k's place and updates plot, table, best k, button."""
     fn = event(demo, "sweep_k")
-    assert [c.label for c in fn.inputs] == COMPARE_INPUTS[:4] + ["largest k"] + COMPARE_INPUTS[6:9]
+    assert [c.label for c in fn.inputs] == COMPARE_INPUTS[:4] + ["largest k"] + COMPARE_INPUTS[6:9] + COMPARE_INPUTS[-1:]
     assert [type(c).__name__ for c in fn.outputs] == ["Plot", "Markdown", "State", "Button"]
     assert fn.outputs == fn.fn.__self__.outputs.sweep.order()
+
+
+def test_the_verification_choice_shows_only_while_sampling(demo):
+    """The rule radio starts hidden (greedy by default) and offers token and block; a temperature change shows it
+    above 0 and hides it at 0, without the queue; a value that is not a number leaves it alone."""
+    radio = next(c for c in demo.blocks.values() if getattr(c, "elem_id", None) == "verification")
+    assert not radio.visible and [v for _, v in radio.choices] == ["token", "block"] and radio.value == "token"
+    fn = next(fn for fn in demo.fns.values() if getattr(fn.fn, "__name__", "") == "rule_control")
+    assert [c.label for c in fn.inputs] == ["temperature (0 = greedy)"] and fn.outputs == [radio] and not fn.queue
+    assert rule_control(0.7)["visible"] is True and rule_control(0)["visible"] is False
+    assert "visible" not in rule_control("abc")
 
 
 def test_replay_race_reuses_the_finished_runs_and_stop_only_marks_them(demo):

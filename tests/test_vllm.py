@@ -94,6 +94,19 @@ def test_speculative_config_maps_our_lookup_window_and_k():
         vllm_speculative_config("medusa", 2)
 
 
+def test_block_verification_reaches_vllms_rejection_sample_method(capsys):
+    """serve-config --verification block adds vLLM's rejection_sample_method 'block' and says where vLLM runs it;
+    token-wise leaves vLLM's default ('standard') alone."""
+    assert vllm_speculative_config("ngram", 4, verification="block")["rejection_sample_method"] == "block"
+    assert "rejection_sample_method" not in vllm_speculative_config("ngram", 4)
+    with pytest.raises(ValueError, match="token, block"):
+        vllm_speculative_config("ngram", 4, verification="tree")
+    assert cli_main(["serve-config", "--drafter", "ngram", "--k", "3", "--verification", "block", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert json.loads(shlex.split(out["vllm"])[4])["rejection_sample_method"] == "block"
+    assert any("Model Runner V2" in n for n in out["notes"])
+
+
 def test_serve_command_quotes_the_json_so_a_shell_gives_it_back():
     spec = vllm_speculative_config("eagle3", 3, "/my heads/e3")
     argv = shlex.split(vllm_serve_command("/models/my target", spec, ["--tensor-parallel-size", "2"]))
@@ -263,6 +276,20 @@ cases = json.load(sys.stdin)
 print(json.dumps([find(np.array(c["ids"], dtype=np.int32), c["min"], c["max"], 1 << 20, c["k"]).tolist()
                   for c in cases]))
 """
+
+
+@pytest.mark.slow
+@NEEDS_VLLM
+def test_vllms_speculative_config_takes_our_rejection_sample_methods():
+    """The field serve-config writes, and each value it writes, exist in the installed vLLM's SpeculativeConfig."""
+    from specdemo.serve.serve_config import VLLM_REJECTION
+
+    code = ("import dataclasses, json, typing\nfrom vllm.config.speculative import SpeculativeConfig as S, "
+            "RejectionSampleMethod as R\nprint(json.dumps([[f.name for f in dataclasses.fields(S)], "
+            "list(typing.get_args(R))]))")
+    out = subprocess.run([str(vllm_python()), "-c", code], capture_output=True, text=True, check=True)
+    fields, methods = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "rejection_sample_method" in fields and set(VLLM_REJECTION.values()) <= set(methods)
 
 
 @pytest.mark.slow

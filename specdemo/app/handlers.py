@@ -248,20 +248,22 @@ class Handlers:
             self.stopping.discard(key)
 
     def run_compare(self, prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max_new_tokens,
-                    hide_rejected, replay=False, visitor: gr.Request = None, recalibrate: bool = False
-                    ) -> Iterator[dict]:
+                    hide_rejected, replay=False, verification="token", visitor: gr.Request = None,
+                    recalibrate: bool = False) -> Iterator[dict]:
         """The main run (API: /compare): validate, wait for the hardware, race both runs live (then, with `replay`,
-        play them again at their measured pace). `recalibrate` measures the pass costs again first."""
+        play them again at their measured pace). `verification` is the rule for sampled drafts (token or block);
+        `recalibrate` measures the pass costs again first."""
         runs = Runs()
         with self.session(visitor, "race") as stopped:
             yield from self._compare(runs, stopped, prompt, target, drafter, draft, k, dynamic_k, temperature, top_p,
-                                     max_new_tokens, hide_rejected, replay, recalibrate)
+                                     max_new_tokens, hide_rejected, replay, recalibrate, verification)
 
     def _compare(self, runs: Runs, stopped: Callable[[], bool], prompt, target, drafter, draft, k, dynamic_k,
-                 temperature, top_p, max_new_tokens, hide_rejected, replay, recalibrate) -> Iterator[dict]:
+                 temperature, top_p, max_new_tokens, hide_rejected, replay, recalibrate,
+                 verification="token") -> Iterator[dict]:
         try:
             request = make_request(prompt, target, drafter, draft, k, dynamic_k, temperature, top_p,
-                                    max_new_tokens, self.limits)
+                                    max_new_tokens, self.limits, verification)
             hide, pace = flag(hide_rejected, "hide rejected drafts"), flag(replay, "replay")
             yield from ({self.outputs.race.status: s} for s in hold_hardware(self.hardware, stopped))
             try:
@@ -304,10 +306,10 @@ class Handlers:
                 out.stats: "", out.result_json: None, **blank_plots(out)}
 
     def remeasure(self, prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max_new_tokens,
-                  hide_rejected, replay=False, visitor: gr.Request = None) -> Iterator[dict]:
+                  hide_rejected, replay=False, verification="token", visitor: gr.Request = None) -> Iterator[dict]:
         """The Re-measure button: the pass costs measured again on the machine as it is now, then the same run."""
         yield from self.run_compare(prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max_new_tokens,
-                                    hide_rejected, replay, visitor, recalibrate=True)
+                                    hide_rejected, replay, verification, visitor, recalibrate=True)
 
     def _live(self, request: RunRequest, runs: Runs, hide: bool, stopped: Callable[[], bool],
               recalibrate: bool = False) -> Iterator[dict]:
@@ -400,13 +402,13 @@ class Handlers:
             self.stopping.add(session)
 
     def run_sweep(self, prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens,
-                  visitor: gr.Request = None) -> Iterator[dict]:
+                  verification="token", visitor: gr.Request = None) -> Iterator[dict]:
         """The Tune-k tab (API: /sweep_k): sweep k = 1..k_max on the current prompt; measured and expected speedup."""
         out = self.outputs.sweep
         with self.session(visitor, "sweep") as stopped:
             try:
                 yield from self._sweep(prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens,
-                                       stopped)
+                                       stopped, verification)
             except Stopped:
                 yield {out.table: "Stopped."}
             except KNOWN_ERRORS as exc:
@@ -414,10 +416,10 @@ class Handlers:
                 yield {out.table: f"**Error:** {friendly_error(exc)}"}
 
     def _sweep(self, prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens,
-               stopped: Callable[[], bool]) -> Iterator[dict]:
+               stopped: Callable[[], bool], verification="token") -> Iterator[dict]:
         out = self.outputs.sweep
         request = make_request(prompt, target, drafter, draft, MIN_K, False, temperature, top_p, max_new_tokens,
-                               self.limits)
+                               self.limits, verification)
         k_max = number(k_max, "the largest k", whole=True)
         if not MIN_K <= k_max <= MAX_K:
             raise UserError(f"the largest k must be between {MIN_K} and {MAX_K}, got {k_max}")

@@ -85,10 +85,12 @@ class RunRequest:
     temperature: float
     top_p: float
     max_new_tokens: int
+    verification: str = "token"  # the rule for sampled drafts (SamplingConfig.verification); greedy ignores it
 
     def config(self) -> GenerationConfig:
         return GenerationConfig(max_new_tokens=self.max_new_tokens, num_draft_tokens=self.k, dynamic_k=self.dynamic_k,
-                                sampling=SamplingConfig(temperature=self.temperature, top_p=self.top_p))
+                                sampling=SamplingConfig(temperature=self.temperature, top_p=self.top_p,
+                                                        verification=self.verification))
 
 
 def number(value, name: str, whole: bool = False) -> float | int:
@@ -113,7 +115,7 @@ def flag(value, name: str) -> bool:
 
 
 def make_request(prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max_new_tokens,
-                 limits: AppLimits) -> RunRequest:
+                 limits: AppLimits, verification="token") -> RunRequest:
     """Validate widget (or API) values against the limits; raise UserError with a readable message. Cheap: the
     prompt is checked by its characters here, by its tokens later (check_prompt_tokens)."""
     if not isinstance(prompt, str) or not prompt.strip():
@@ -133,7 +135,7 @@ def make_request(prompt, target, drafter, draft, k, dynamic_k, temperature, top_
         if name:
             check_model_id(name, limits)
     request = RunRequest(prompt, target, drafter, draft, k, flag(dynamic_k, "dynamic k"), temperature, top_p,
-                         max_new_tokens)
+                         max_new_tokens, "token" if verification in (None, "") else str(verification))
     try:
         request.config().validate()
     except ValueError as exc:
@@ -309,6 +311,9 @@ def passes(events: list[StepEvent]) -> list[tuple[float, float, float]]:
 
 # ---- the text around the runs ----
 
+RULE_NAMES = {"token": "token-wise rejection sampling (Leviathan et al.)",
+              "block": "block verification (Sun et al.)"}  # SamplingConfig.verification, in words
+
 def final_stats_markdown(result: dict, c: float | None = None, verify_cost: float | None = None) -> str:
     """The summary under the panels: speedup, acceptance, mean accepted length, where the speculative time went."""
     sd, ar = result["sd"], result["ar"]
@@ -320,7 +325,8 @@ def final_stats_markdown(result: dict, c: float | None = None, verify_cost: floa
         f"autoregressive {ar['tokens_per_s']:.1f} tokens/s",
         f"- acceptance rate: **{sd['acceptance_rate']:.0%}** ({sd['accepted']} of {sd['drafted']} drafted tokens)",
         f"- mean accepted length: **{sd['mean_accepted']:.2f}** tokens per target pass (bonus/correction included), "
-        f"{sd['steps']} target passes",
+        f"{sd['steps']} target passes" + (f", drafts verified by {RULE_NAMES[result['verification']]}"
+                                          if result.get("verification") in RULE_NAMES else ""),
         f"- speculative time: drafting {sd['draft_seconds']:.2f} s ({sd['draft_seconds'] / spent:.0%}), "
         f"verifying {sd['verify_seconds']:.2f} s ({sd['verify_seconds'] / spent:.0%}), "
         f"prefill {prefill:.2f} s ({prefill / spent:.0%})",

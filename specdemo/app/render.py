@@ -131,7 +131,8 @@ def step_info(event: StepEvent, tokenizer, step: int, greedy: bool) -> dict:
     return {"step": step, "k": event.k, "drafted": drafted, "accepted": at, "position": at + 1, "full": at == n,
             "top": top, "gap": _at(event.target_top2_gap, at), "greedy": greedy, "deterministic": q is None,
             "committed": token_texts(tokenizer, [committed])[0] if committed is not None else None,
-            "committed_kind": "correction" if event.correction is not None else "bonus" if n else "target"}
+            "committed_kind": "correction" if event.correction is not None else "bonus" if n else "target",
+            "rule": event.verification or ("greedy" if greedy else "token")}
 
 
 def _at(values: list | None, i: int):
@@ -196,6 +197,10 @@ INSPECTOR_JS = r"""
     const n = info.drafted.length;
     body.appendChild(el("div", `Step ${info.step}: k = ${info.k}, ${n} drafted, ${info.accepted} accepted`
       + (info.committed !== null ? `, then the target's ${info.committed_kind} ${tok(info.committed)}` : ""), "head"));
+    const rules = {greedy: "greedy (a draft is kept while it is the target's top token)",
+                   token: "token-wise rejection sampling (Leviathan et al.): each draft on its own",
+                   block: "block verification (Sun et al.): the drafts judged together"};
+    body.appendChild(el("div", `Decided by: ${rules[info.rule] || info.rule}`, "rule"));
     const pName = info.greedy ? "p (target, softmax at temperature 1)" : "p (target, as sampled)";
     const qName = info.deterministic ? "q (prompt lookup: 1)" : "q (draft)";
     if (n) {
@@ -211,7 +216,10 @@ INSPECTOR_JS = r"""
       const d = info.drafted[info.accepted];
       const q = info.deterministic ? 1 : d.q;
       const rule = info.greedy ? ", and greedy keeps a draft only if it is the target's top token."
-                               : `; it was kept with probability min(1, p/q) = ${fmt(Math.min(1, d.p / q))}.`;
+        : info.rule === "block" ? "; block verification keeps the drafts up to the last position whose draw passes "
+          + "a threshold that weighs the whole prefix (p/q products capped at 1), so a draft with p < q may still be "
+          + "kept when the next ones make up for it; here the block was cut before this one."
+        : `; it was kept with probability min(1, p/q) = ${fmt(Math.min(1, d.p / q))}.`;
       body.appendChild(el("div", `Why: the draft proposed ${tok(d.text)} with q = ${fmt(q)}; the target gives it `
         + `p = ${fmt(d.p)}` + rule, "why"));
     }

@@ -14,6 +14,7 @@ from ..config import (
     MIN_K,
     PRESETS,
     TRAINED_DRAFT_ID,
+    VERIFICATION_RULES,
     GenerationConfig,
     Runtime,
     SamplingConfig,
@@ -23,7 +24,7 @@ from ..drafters.resolve import trained_draft_path
 from ..measure import charts
 from .batch_tab import BATCH_NOTE, BATCH_SIZES, BatchHandlers, BatchOutputs
 from .handlers import Handlers, Outputs, RaceOutputs, SettingsOutputs, SweepOutputs
-from .race import AppLimits, allowed, preset_fields, preset_k
+from .race import RULE_NAMES, AppLimits, allowed, preset_fields, preset_k
 from .render import CSS, INSPECTOR_JS, inspector_html, legend_html, segments_html
 
 CUSTOM = "Custom (type the ids below)"
@@ -96,6 +97,11 @@ def build_demo(limits: AppLimits = AppLimits(), runtime: Runtime = Runtime(),
                         temperature = gr.Slider(0.0, 2.0, value=SamplingConfig.temperature, step=0.05,
                                                 label="temperature (0 = greedy)")
                         top_p = gr.Slider(0.05, 1.0, value=SamplingConfig.top_p, step=0.05, label="top-p")
+                    verification = gr.Radio([(RULE_NAMES[r], r) for r in VERIFICATION_RULES],
+                                            value=SamplingConfig.verification, label="verification of sampled drafts",
+                                            visible=SamplingConfig.temperature > 0, elem_id="verification",
+                                            info="both keep the target's distribution; block judges the drafts "
+                                                 "jointly and accepts at least as many in expectation")
                     max_new_tokens = gr.Slider(1, limits.max_new_tokens, step=1, label="max new tokens",
                                                value=min(GenerationConfig.max_new_tokens, limits.max_new_tokens))
                     with gr.Row():
@@ -157,14 +163,16 @@ def build_demo(limits: AppLimits = AppLimits(), runtime: Runtime = Runtime(),
         h = Handlers(Outputs(race, tune, settings), limits, runtime, gpu)
 
         preset.change(h.apply_preset, preset, [target, drafter, draft, k], api_name=False)
+        # greedy decoding has one rule, so the choice is shown only while sampling
+        temperature.change(rule_control, temperature, verification, api_name=False, queue=False)
         inputs = [prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max_new_tokens]
         # preprocess=False: the handlers check raw values themselves, so an API client sending "abc" for k gets a
         # clear message instead of gradio's failed comparison
         # show_progress="hidden": gradio's progress timer redraws the page ten times a second, on the CPU the runs are
         # timed on; the status line says what is happening
-        run_btn.click(h.run_compare, inputs + [hide_rejected, replay], race.order(), api_name="compare",
+        run_btn.click(h.run_compare, inputs + [hide_rejected, replay, verification], race.order(), api_name="compare",
                       show_progress="hidden", preprocess=False)
-        remeasure_btn.click(h.remeasure, inputs + [hide_rejected, replay], race.order(), api_name=False,
+        remeasure_btn.click(h.remeasure, inputs + [hide_rejected, replay, verification], race.order(), api_name=False,
                             show_progress="hidden", preprocess=False)
         replay_btn.click(h.replay_race, [runs_state, hide_rejected], race.order(), api_name=False,
                                         show_progress="hidden")
@@ -172,12 +180,21 @@ def build_demo(limits: AppLimits = AppLimits(), runtime: Runtime = Runtime(),
         # in-flight frames could land after the "Stopped." line
         stop_btn.click(h.stop_race, None, None, queue=False, api_name=False)
         hide_rejected.change(h.rerender, [runs_state, hide_rejected, sd_html], sd_html, api_name=False)
-        sweep_btn.click(h.run_sweep, [prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens],
+        sweep_btn.click(h.run_sweep, [prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens,
+                                      verification],
                         tune.order(), api_name="sweep_k", show_progress="hidden", preprocess=False)
         sweep_stop.click(h.stop_sweep, None, None, queue=False, api_name=False)
         apply_btn.click(h.apply_best_k, best_state, k, api_name=False)
         batch_tab_events(batch_parts, h, [target, drafter, draft, k], [temperature, top_p], limits, runtime, gpu)
     return demo
+
+
+def rule_control(temperature) -> dict:
+    """The verification choice is visible only while sampling (temperature > 0)."""
+    try:
+        return gr.update(visible=float(temperature) > 0)
+    except (TypeError, ValueError):
+        return gr.update()
 
 
 def batch_tab_layout(limits: AppLimits) -> dict:

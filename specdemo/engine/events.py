@@ -49,6 +49,7 @@ class StepEvent:
     target_token_probs: list[float] = field(default_factory=list)  # spec: p(x_i) of each drafted token
     draft_token_probs: list[float] | None = None  # spec: q(x_i) of each drafted token; None: deterministic (q = 1)
     draft_source: str | None = None  # spec: where the proposal came from (Proposal.source)
+    verification: str | None = None  # spec: the rule that decided the step: "greedy", "token" or "block"
 
     @property
     def rejected(self) -> list[int]:

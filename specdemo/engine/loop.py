@@ -19,10 +19,10 @@ from .events import BatchEvent, Committer, StepEvent, check_request, eos_ids
 from .kv import BatchKV, check_cache, left_padded, right_padded
 from .timing import Clock
 from .verify import (
+    ACCEPT_RULES,
     greedy_accept_batch,
     inspect_verify,
     logits_to_probs,
-    rejection_accept,
 )
 
 KPolicy = Callable[[int], int]  # the current batch size -> k (0: no speculation this step)
@@ -90,10 +90,11 @@ def _verify(logits: torch.Tensor, tokens: torch.Tensor, drafted: list[list[int]]
         probs = None
     else:
         probs = logits_to_probs(logits, sampling)  # (B, W, V)
+        accept = ACCEPT_RULES[sampling.verification]
         accepted, nxt = [], []
         for r, (n, p) in enumerate(zip(lengths, proposals)):
             q = p.probs[:n].to(probs.device) if p.probs is not None else None
-            a, t = rejection_accept(tokens[r, 1 : 1 + n], q, probs[r, : n + 1], gens[r])
+            a, t = accept(tokens[r, 1 : 1 + n], q, probs[r, : n + 1], gens[r])
             accepted.append(a)
             nxt.append(t)
     out = []
@@ -144,6 +145,7 @@ def decode(target, tokenizer, prompts: Sequence[list[int]], config: GenerationCo
                 step.bonus = v.next_token if full and d else None
                 step.draft_token_probs = p.token_probs[: len(d)] if p.token_probs is not None else None
                 step.draft_source = p.source
+                step.verification = sampling.rule
                 for name, value in v.inspected.items():
                     setattr(step, name, value)
             steps.append(step)

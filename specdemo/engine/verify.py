@@ -1,7 +1,7 @@
 """Acceptance rules as pure tensor functions, and what the step inspector reads from a verify pass.
 
-Names follow Leviathan et al. 2023 (Alg. 1): `p` is the target's distribution, `q` the draft's.
-Shapes: k drafted tokens, V vocabulary; target rows are k + 1 (the last one gives the bonus token); B rows in a batch.
+Names follow Leviathan et al. 2023 (Alg. 1) and Sun et al. 2025 (Alg. 2): `p` is the target's distribution, `q` the
+draft's. Shapes: k drafted tokens, V vocabulary; target rows are k + 1 (the last one gives the bonus token).
 """
 
 from __future__ import annotations
@@ -102,6 +102,82 @@ def rejection_accept(
     if float(residual.sum()) <= 0:  # p == q up to rounding: any sample from p is exact
         residual = target_probs[i]
     return i, sample(residual / residual.sum(), generator)
+
+
+def _draft_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, vocab: int) -> torch.Tensor:
+    """q as (k, V) rows: the drafter's own, or one-hot at the drafted tokens for a deterministic drafter."""
+    if draft_probs is not None:
+        return draft_probs
+    return torch.nn.functional.one_hot(draft_tokens, vocab).to(torch.float64)
+
+
+def block_thresholds(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                     target_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sun et al. Alg. 2's weights and thresholds for one drafted block: (k,), (k, V) or None, (k+1, V) ->
+    (weights p_0..p_k (k+1,), thresholds h_1..h_k (k,)). Pure: no draws."""
+    k, vocab = draft_tokens.shape[0], target_probs.shape[-1]
+    q = _draft_rows(draft_tokens, draft_probs, vocab)  # (k, V): row i is q(. | x_1..x_i)
+    rows = torch.arange(k, device=target_probs.device)
+    ratio = (target_probs[rows, draft_tokens].double() / q[rows, draft_tokens].double()).nan_to_num(0.0)  # 0/0 -> 0
+    weights = [1.0]  # Alg. 2: p_0 = 1
+    for r in ratio.tolist():  # Alg. 2, the weights: p_i = min(p_{i-1} * p(x_i | x^{i-1}) / q(x_i | x^{i-1}), 1)
+        weights.append(min(weights[-1] * r, 1.0) if weights[-1] > 0 else 0.0)
+    w = torch.tensor(weights, dtype=torch.float64, device=target_probs.device)  # (k+1,)
+    # Alg. 2, the thresholds for i < k, looking one row ahead: h_i = r_i / (r_i + 1 - p_i),
+    # r_i = sum_x max(p_i p(x | x^i) - q(x | x^i), 0)
+    mass = (w[1:k, None] * target_probs[1:k].double() - q[1:k].double()).clamp(min=0).sum(-1)  # (k-1,)
+    denom = mass + 1.0 - w[1:k]
+    h = torch.where(denom > 0, mass / denom.clamp(min=1e-300), torch.ones_like(mass))  # p == q: h = 1 (as vLLM)
+    return w, torch.cat([h, w[k:]])  # and h_k = p_k for the last draft
+
+
+def block_accept(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """Sun et al. 2025 ("Block Verification Accelerates Speculative Decoding", Alg. 2): the block is accepted up to
+    tau, the last i with eta_i <= h_i, and the next token is drawn from norm(max(p_tau p - q, 0)), or from p after a
+    full block. Same arguments and return as rejection_accept; the output follows p exactly."""
+    k = draft_tokens.shape[0]
+    if k == 0:
+        return 0, sample(target_probs[0], generator)
+    w, h = block_thresholds(draft_tokens, draft_probs, target_probs)
+    eta = torch.rand(k, generator=generator, device=target_probs.device)  # Alg. 2: eta_1..eta_k ~ U(0, 1)
+    # Alg. 2: tau = the last i with eta_i <= h_i, else 0 (eta in [0, 1): `<` has the same odds and h = 0 never passes)
+    passed = (eta.double() < h).nonzero()
+    tau = int(passed[-1]) + 1 if passed.numel() else 0
+    if tau == k:  # Alg. 2, tau = k: the whole block is kept; the bonus token comes from p after it
+        return k, sample(target_probs[k], generator)
+    q = _draft_rows(draft_tokens[tau : tau + 1], None if draft_probs is None else draft_probs[tau : tau + 1],
+                    target_probs.shape[-1])[0]  # q(. | x^tau), (V,)
+    # Alg. 2, tau < k: y ~ norm(max(p_tau p(. | x^tau) - q(. | x^tau), 0))
+    residual = (w[tau] * target_probs[tau].double() - q.double()).clamp(min=0)
+    if float(residual.sum()) <= 0:  # p_tau p <= q everywhere only by rounding: any sample from p is exact
+        residual = target_probs[tau].double()
+    return tau, sample((residual / residual.sum()).float(), generator)
+
+
+def expected_accepted(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                      target_probs: torch.Tensor) -> dict[str, float]:
+    """Each rule's expected number of accepted drafts given this drafted block (bonus not counted), exactly:
+    token-wise sum_i prod_{j<=i} min(1, p_j / q_j); block sum_i i P(tau = i), P(tau = i) = h_i prod_{j>i} (1 - h_j).
+    Averaged over blocks the drafter samples, each is that rule's expected accepted length."""
+    k = draft_tokens.shape[0]
+    if k == 0:
+        return {"token": 0.0, "block": 0.0}
+    q = _draft_rows(draft_tokens, draft_probs, target_probs.shape[-1])
+    rows = torch.arange(k, device=target_probs.device)
+    ratio = (target_probs[rows, draft_tokens].double() / q[rows, draft_tokens].double()).nan_to_num(0.0)
+    token = float(ratio.clamp(max=1.0).cumprod(0).sum())
+    _, h = block_thresholds(draft_tokens, draft_probs, target_probs)
+    later = torch.cat([(1 - h).flip(0).cumprod(0).flip(0)[1:], h.new_ones(1)])  # prod_{j>i} (1 - h_j)
+    block = float((torch.arange(1, k + 1, device=h.device, dtype=h.dtype) * h * later).sum())
+    return {"token": token, "block": block}
+
+
+ACCEPT_RULES = {"token": rejection_accept, "block": block_accept}  # SamplingConfig.verification -> rule
 
 
 def inspect_verify(logits: torch.Tensor, target_probs: torch.Tensor | None, drafted: torch.Tensor) -> dict:

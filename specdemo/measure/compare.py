@@ -141,6 +141,7 @@ def result_dict(pair: Pair, config: GenerationConfig, ar_events: list[StepEvent]
         "dynamic_k": config.dynamic_k,
         "temperature": config.sampling.temperature,
         "top_p": config.sampling.top_p,
+        "verification": config.sampling.rule,
         "max_new_tokens": config.max_new_tokens,
         "device": str(pair.target.device),
         "dtype": str(pair.target.dtype).replace("torch.", ""),

@@ -36,8 +36,22 @@ class Lookup:
         return cls(lookup.min_ngram, lookup.max_ngram)
 
 
-def vllm_speculative_config(method: str, k: int, draft_path: str | None = None, lookup: Lookup | None = None) -> dict:
-    """vLLM's --speculative-config for k drafted tokens per step (the same dict LLM(speculative_config=...) takes)."""
+VLLM_REJECTION = {"token": "standard", "block": "block"}  # our verification rule -> vLLM's rejection_sample_method
+
+
+def vllm_speculative_config(method: str, k: int, draft_path: str | None = None, lookup: Lookup | None = None,
+                            verification: str = "token") -> dict:
+    """vLLM's --speculative-config for k drafted tokens per step (the same dict LLM(speculative_config=...) takes);
+    block verification adds rejection_sample_method "block" (token-wise is vLLM's default, "standard")."""
+    if verification not in VLLM_REJECTION:
+        raise ValueError(f"unknown verification '{verification}'; choose one of {', '.join(VLLM_REJECTION)}")
+    spec = _vllm_method_config(method, k, draft_path, lookup)
+    if verification != "token":
+        spec["rejection_sample_method"] = VLLM_REJECTION[verification]
+    return spec
+
+
+def _vllm_method_config(method: str, k: int, draft_path: str | None, lookup: Lookup | None) -> dict:
     if method not in VLLM_METHODS:
         raise ValueError(f"unknown vLLM speculative method '{method}'; use one of {', '.join(VLLM_METHODS)}")
     if k < 1:
@@ -102,10 +116,11 @@ class ServePlan:
     lookup: Lookup | None = None
     notes: tuple[str, ...] = ()
     sglang_method: str | None = None  # SGLang's --speculative-algorithm; None: SGLANG_METHODS[method]
+    verification: str = "token"  # the rule for sampled drafts: vLLM's rejection_sample_method
 
     @property
     def speculative_config(self) -> dict:
-        return vllm_speculative_config(self.method, self.k, self.draft_path, self.lookup)
+        return vllm_speculative_config(self.method, self.k, self.draft_path, self.lookup, self.verification)
 
 
 def serve_target(target: str, runtime: Runtime = Runtime()) -> tuple[str, str | None]:
@@ -121,23 +136,29 @@ def serve_target(target: str, runtime: Runtime = Runtime()) -> tuple[str, str | 
                             f"serves its hub original {BUNDLED_HUB_ID}")
 
 
-def plan(target: str, drafter: str, draft: str | None, k: int, runtime: Runtime = Runtime()) -> ServePlan:
+BLOCK_NOTE = ("vLLM runs rejection_sample_method 'block' in its Model Runner V2 (GPU, Triton); sampled requests only, "
+              "greedy ones are unchanged. The SGLang line verifies token-wise: specdemo knows no SGLang flag for block")
+
+
+def plan(target: str, drafter: str, draft: str | None, k: int, runtime: Runtime = Runtime(),
+         verification: str = "token") -> ServePlan:
     """Map our target, drafter kind (the registry's methods), draft (drafts.resolve_draft, from the local hub cache
-    only) and k to a vLLM method (no model is loaded)."""
+    only), k and the verification rule to a vLLM method and speculative config (no model is loaded)."""
     served, note = serve_target(target, runtime)
     kind = get(drafter)
     check_draft(drafter, draft)
-    notes = tuple(n for n in (note, kind.serve_note) if n)
+    notes = tuple(n for n in (note, kind.serve_note, BLOCK_NOTE if verification == "block" else None) if n)
     if not kind.needs_draft:
         lookup = Lookup.of() if kind.vllm_method == "ngram" else None
-        return ServePlan(served, kind.vllm_method, k, lookup=lookup, notes=notes, sglang_method=kind.sglang_method)
+        return ServePlan(served, kind.vllm_method, k, lookup=lookup, notes=notes, sglang_method=kind.sglang_method,
+                         verification=verification)
     from ..drafters.resolve import resolve_draft
 
     resolved = resolve_draft(draft, target, runtime, fetch=False)
     # a local head is served from its folder, a published one by its hub id; a causal LM by its name as given
     path = str(resolved.path.resolve()) if resolved.is_head and resolved.local else resolved.name
     return ServePlan(served, kind.vllm_method or resolved.vllm_method, k, path, notes=notes,
-                     sglang_method=kind.sglang_method or resolved.sglang_method)
+                     sglang_method=kind.sglang_method or resolved.sglang_method, verification=verification)
 
 
 def k_from_report(path: str | Path) -> tuple[int, str]:

@@ -45,6 +45,10 @@ def parser() -> argparse.ArgumentParser:
                    help="default: 'ngram' without --draft, else 'model'; " + cli_help())
     p.add_argument("--k", default=D.k, help="draft tokens per step: N, a list like 1,2,4,8, or 'auto'")
     p.add_argument("--temperature", type=float, default=D.temperature, help="0 is greedy")
+    p.add_argument("--verification", default=D.verification,
+                   help="how sampled drafts are accepted: token (rejection sampling, Leviathan et al.), block (block "
+                        "verification, Sun et al.), or both as token,block: each k runs under each rule, in one "
+                        "report (default %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=D.max_new_tokens)
     p.add_argument("--seed", type=int, default=D.seed)
     p.add_argument("--anchors", nargs="?", const="hf", default=None, metavar="hf,vllm",
@@ -91,7 +95,7 @@ def bench_config(args: argparse.Namespace, env=os.environ) -> BenchConfig:
     vllm = VllmOptions(python=env.get(VLLM_PYTHON_ENV) or None, eagle3=args.vllm_eagle3,
                        threads_bind=args.vllm_threads_bind)
     return BenchConfig(prompts=args.prompts, limit=args.limit, target=args.target, draft=args.draft,
-                       drafter=args.drafter, k=args.k, temperature=args.temperature,
+                       drafter=args.drafter, k=args.k, temperature=args.temperature, verification=args.verification,
                        max_new_tokens=args.max_new_tokens, seed=args.seed, anchors="hf" in anchors,
                        vllm="vllm" in anchors, vllm_options=vllm, out=args.out,
                        device=args.device, dtype=args.dtype, chat_template=not args.no_chat_template,

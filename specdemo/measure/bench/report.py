@@ -176,6 +176,10 @@ def build_report(config: dict, machine: dict, rows: list[dict], theory: dict | N
         "anchors": anchors_summary(rows),
         "overhead": overhead_summary(rows),
     }
+    rules = list(dict.fromkeys(r.get("verification") for r in rows))
+    if len(rules) > 1:  # `bench --verification token,block`: each rule's figures at each k, over the same prompts
+        report["by_verification"] = {rule: {str(k): aggregate([r for r in rows if r.get("verification") == rule
+                                                               and r["k"] == k]) for k in ks} for rule in rules}
     vllm = vllm_summary(rows)
     if vllm:
         vllm["by_category"] = {c: vllm_summary([r for r in rows if r["category"] == c]) for c in categories}
@@ -293,6 +297,8 @@ def markdown(report: dict) -> str:
             f"over seconds per autoregressive step, as measured in the runs; the curve uses a forward-pass "
             f"micro-benchmark: " + ", ".join(f"k={k}: {v:.2f}" for k, v in list(theory["verify_costs"].items())[:8])
             + ".\n")
+    if report.get("by_verification"):
+        parts.append(verification_markdown(report["by_verification"]))
     if "ar_vs_hf_generate" in anchors:
         rows = [["our AR tok/s / HF generate tok/s", anchors["ar_vs_hf_generate"]],
                 ["HF generate tok/s", anchors["hf_generate_tokens_per_s"]],
@@ -325,6 +331,15 @@ def markdown(report: dict) -> str:
         parts.append(f"Greedy mismatches: {len(gaps)}; target top-2 logit gaps at the first difference: "
                      + ", ".join(f"{g:.4f}" for g in gaps) + "\n")
     return "\n".join(parts)
+
+
+def verification_markdown(by_rule: dict) -> str:
+    """Each verification rule at each k on the same prompts and seeds (the overall and by-k tables pool the rules)."""
+    rows = [[rule, k, a["mean_accepted"], a["acceptance_rate"], a["sd_tokens_per_s"], a["speedup"]]
+            for rule, by_k in by_rule.items() for k, a in by_k.items()]
+    return ("## By verification rule\n\nThe same prompts, seeds and autoregressive runs under each rule; the tables "
+            "above pool the rules.\n\n" + md_table(["rule", "k", "mean accepted", "acceptance", "SD tok/s",
+                                                      "speedup"], rows))
 
 
 def vllm_markdown(report: dict) -> str:

@@ -16,6 +16,7 @@ from ...config import (
     BUNDLED_ID,
     MAX_K,
     MAX_K_ENGINE,
+    VERIFICATION_RULES,
     GenerationConfig,
     Placement,
     Runtime,
@@ -52,6 +53,7 @@ class BenchConfig:
     drafter: str | None = None  # None: "model" with a draft, else "ngram"
     k: str = "4"  # N, a list like 1,2,4,8, or "auto"
     temperature: float = 0.0
+    verification: str = "token"  # a rule or a list like token,block (each k runs under each rule)
     max_new_tokens: int = 128
     seed: int = 0
     anchors: bool = False  # transformers' generate, assisted generation and prompt lookup
@@ -84,6 +86,22 @@ def parse_ks(text: str) -> list[int] | str:
     return ks
 
 
+def parse_rules(text: str, temperature: float) -> list[str]:
+    """'token,block' -> ['token', 'block'] (VERIFICATION_RULES); more than one only when sampling."""
+    rules = list(dict.fromkeys(x for x in text.replace(" ", "").lower().split(",") if x))
+    unknown = [r for r in rules if r not in VERIFICATION_RULES]
+    if not rules or unknown:
+        raise ValueError(f"--verification takes a comma list of {', '.join(VERIFICATION_RULES)}, got '{text}'")
+    if len(rules) > 1 and temperature <= 0:
+        raise ValueError("--verification lists several rules, but at temperature 0 every rule is greedy; "
+                         "add --temperature (for example 1.0)")
+    return rules
+
+
+def with_rule(config: GenerationConfig, rule: str) -> GenerationConfig:
+    return replace(config, sampling=replace(config.sampling, verification=rule))
+
+
 def machine_info(device: torch.device, dtype: torch.dtype) -> dict:
     """CPU model, cores, threads, library versions, device and dtype."""
     import transformers
@@ -110,24 +128,27 @@ def machine_info(device: torch.device, dtype: torch.dtype) -> dict:
 
 
 def bench_prompt(pair, item: PromptItem, prompt_ids: list[int], ks: list[int], config: GenerationConfig,
-                 timers, anchors: bool, runs: dict, progress=None) -> list[dict]:
-    """All runs for one prompt: AR once, SD per k, and the anchors; one result row per k.
+                 timers, anchors: bool, runs: dict, progress=None, rules: tuple[str, ...] = ()) -> list[dict]:
+    """All runs for one prompt: AR once, SD per k (under each verification rule in `rules`, default the config's),
+    and the anchors; one result row per k and rule.
 
-    runs[k] gets (ar_run, sd_run) appended, for the sweep module's per-k figures.
+    runs[k] gets (ar_run, sd_run) of the first rule appended, for the sweep module's per-k figures.
     """
     ar = measure_ours(lambda: run_ar(pair, prompt_ids, config), timers)
     model, tok = pair.target.model, pair.target.tokenizer
     kwargs = hf_kwargs(config.sampling, config.max_new_tokens, sorted(eos_ids(model, tok)))
     hf = measure_hf(model, prompt_ids, kwargs, timers, config.seed) if anchors else None
     rows = []
-    for k in ks:
-        k_config = replace(config, num_draft_tokens=k)
+    rules = rules or (config.sampling.verification,)
+    for k, rule in ((k, rule) for k in ks for rule in rules):
+        k_config = with_rule(replace(config, num_draft_tokens=k), rule)
         sd = measure_ours(lambda: run_sd(pair, prompt_ids, k_config), timers)
-        runs.setdefault(k, []).append((ar.run, sd.run))
+        if rule == rules[0]:
+            runs.setdefault(k, []).append((ar.run, sd.run))
         s, a = sd.run.stats, ar.run.stats
         spec = [e for e in sd.run.events if e.kind == "spec"]
         row = {
-            "id": item.id, "category": item.category, "k": k,
+            "id": item.id, "category": item.category, "k": k, "verification": k_config.sampling.rule,
             "prompt_tokens": len(prompt_ids),
             "ar_tokens_per_s": ratio(ar.tokens, ar.seconds), "sd_tokens_per_s": ratio(sd.tokens, sd.seconds),
             "speedup": ratio(ar.seconds, sd.seconds),
@@ -149,7 +170,7 @@ def bench_prompt(pair, item: PromptItem, prompt_ids: list[int], ks: list[int], c
         row["sd_verify_logic_s"] = max(0.0, sd.overhead_s - row["sd_draft_logic_s"] - row["sd_outside_clock_s"])
         if config.sampling.greedy and not row["identical"]:
             row["mismatch"] = first_mismatch(pair.target, prompt_ids, ar.ids, sd.ids)
-        if hf is not None:
+        if hf is not None and rule == rules[0]:
             put(row, "hf_generate", hf, ar.ids)
             run_anchors(row, pair, prompt_ids, kwargs, k, timers, config.seed, ar.ids)
         rows.append(row)
@@ -234,10 +255,11 @@ def run_bench(bc: BenchConfig) -> dict:
     if not items:
         raise ValueError(f"no prompts in {bc.prompts}")
     ks = parse_ks(bc.k)
+    rules = parse_rules(bc.verification, bc.temperature)
     kind = bc.drafter_kind
     check_draft(kind, bc.draft)
-    config = GenerationConfig(max_new_tokens=bc.max_new_tokens, sampling=SamplingConfig(bc.temperature),
-                              seed=bc.seed, use_chat_template=bc.chat_template)
+    config = GenerationConfig(max_new_tokens=bc.max_new_tokens, sampling=SamplingConfig(bc.temperature,
+                              verification=rules[0]), seed=bc.seed, use_chat_template=bc.chat_template)
     config.validate()
     if bc.vllm:
         check_vllm(bc)
@@ -252,6 +274,8 @@ def run_bench(bc: BenchConfig) -> dict:
         ks = [best]
         log.info("calibrated k = %d", best)
     warm(pair, prompt_ids[0], config, ks, bc.anchors)
+    for rule in rules[1:]:
+        warm(pair, prompt_ids[0], with_rule(config, rule), ks, False)
 
     device = pair.target.device
     draft_mods = list({id(m): m for m in drafter_modules(pair.drafter)}.values())  # an assistant is one of these
@@ -261,9 +285,9 @@ def run_bench(bc: BenchConfig) -> dict:
     rows: list[dict] = []
     runs: dict[int, list] = {}
     try:
-        with tqdm(total=len(items) * len(ks), desc="bench", file=sys.stderr, disable=bc.quiet) as bar:
+        with tqdm(total=len(items) * len(ks) * len(rules), desc="bench", file=sys.stderr, disable=bc.quiet) as bar:
             for item, ids in zip(items, prompt_ids):
-                rows += bench_prompt(pair, item, ids, ks, config, timers, bc.anchors, runs, bar)
+                rows += bench_prompt(pair, item, ids, ks, config, timers, bc.anchors, runs, bar, tuple(rules))
     finally:
         for t in timers:
             if t:
@@ -283,6 +307,7 @@ def run_bench(bc: BenchConfig) -> dict:
     cfg = {
         "prompts": str(bc.prompts), "limit": bc.limit, "num_prompts": len(items), "target": pair.target.name,
         "drafter": kind, "draft": pair.draft_name, "k": ks, "k_arg": bc.k, "temperature": bc.temperature,
+        "verification": rules,
         "max_new_tokens": bc.max_new_tokens, "seed": bc.seed, "anchors": bc.anchors,
         "chat_template": config.use_chat_template, "placement": pair_placement(pair),
         "speedup": "total autoregressive seconds / total speculative seconds, wall clock around each run",
@@ -334,13 +359,17 @@ def run_batch_bench(bc: BenchConfig) -> dict:
     if not items:
         raise ValueError(f"no prompts in {bc.prompts}")
     sizes, k = parse_batch_sizes(bc.batch_sizes or ""), batch_k(bc.k)
+    rules = parse_rules(bc.verification, bc.temperature)
+    if len(rules) > 1:
+        raise ValueError("with --batch-size, --verification takes one rule")
     if bc.vllm:
         raise ValueError("--anchors vllm compares at batch 1 and is not part of the batch sweep; use --anchors "
                          "(transformers' generate on the same padded batches) with --batch-size")
     kind = bc.drafter_kind
     check_draft(kind, bc.draft)
-    config = GenerationConfig(max_new_tokens=bc.max_new_tokens, sampling=SamplingConfig(bc.temperature),
-                              num_draft_tokens=k or 1, seed=bc.seed, use_chat_template=bc.chat_template)
+    config = GenerationConfig(max_new_tokens=bc.max_new_tokens,
+                              sampling=SamplingConfig(bc.temperature, verification=rules[0]), num_draft_tokens=k or 1,
+                              seed=bc.seed, use_chat_template=bc.chat_template)
     config.validate()
     pair = load_pair(bc.target, kind, bc.draft, bc.device, bc.dtype, bc.draft_device, runtime=bc.runtime,
                      placement=bc.placement)
@@ -358,7 +387,8 @@ def run_batch_bench(bc: BenchConfig) -> dict:
     cfg = {
         "prompts": str(bc.prompts), "limit": bc.limit, "num_prompts": len(items), "rows": rows,
         "target": pair.target.name, "drafter": kind, "draft": pair.draft_name, "k_arg": bc.k,
-        "batch_sizes": sizes, "max_batches": bc.max_batches, "temperature": bc.temperature, "max_new_tokens": bc.max_new_tokens, "seed": bc.seed,
+        "batch_sizes": sizes, "max_batches": bc.max_batches, "temperature": bc.temperature,
+        "verification": rules[0], "max_new_tokens": bc.max_new_tokens, "seed": bc.seed,
         "anchors": bc.anchors, "chat_template": config.use_chat_template, "placement": pair_placement(pair),
         "batching": "the prompt set in order, cut to a multiple of the largest batch size (cycled when smaller), "
                     "B at a time: every batch size runs the same rows and no batch is partial",
