@@ -65,6 +65,38 @@ class GenerationConfig:
 
 
 @dataclass(frozen=True)
+class SuffixConfig:
+    """Suffix decoding's options, named and defaulted as vLLM's speculative config names them (suffix_decoding_*).
+
+    max_tree_depth: the longest substring the trees hold (the longest match plus its draft); max_cached_requests:
+    how many earlier answers the cross-request tree keeps, oldest evicted first (0: none, drafting from the request
+    alone); max_spec_factor: a match of L tokens drafts at most max_spec_factor * L tokens (and k); min_token_prob:
+    a drafted token's estimated probability (the product of its path's frequency ratios) must reach this.
+    """
+
+    max_tree_depth: int = 24
+    max_cached_requests: int = 10000
+    max_spec_factor: float = 1.0
+    min_token_prob: float = 0.1
+
+    def validate(self) -> None:
+        """vLLM's checks, with its messages' option names."""
+        if self.max_tree_depth < 1:
+            raise ValueError(f"suffix_decoding_max_tree_depth={self.max_tree_depth} must be >= 1")
+        if self.max_cached_requests < 0:
+            raise ValueError(f"suffix_decoding_max_cached_requests={self.max_cached_requests} must be >= 0")
+        if self.max_spec_factor < 0:
+            raise ValueError(f"suffix_decoding_max_spec_factor={self.max_spec_factor} must be >= 0")
+        if not 0 <= self.min_token_prob <= 1:
+            raise ValueError(f"suffix_decoding_min_token_prob={self.min_token_prob} must be in [0, 1]")
+
+    def vllm_options(self) -> dict:
+        """The options under vLLM's names, for --speculative-config."""
+        return {f"suffix_decoding_{name}": getattr(self, name) for name in
+                ("max_tree_depth", "max_cached_requests", "max_spec_factor", "min_token_prob")}
+
+
+@dataclass(frozen=True)
 class Preset:
     """A target/draft pair users expect to find in the app."""
 

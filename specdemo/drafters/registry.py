@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..config import Runtime
+from ..config import Runtime, SuffixConfig
 
 if TYPE_CHECKING:
     from ..models.loading import LoadedModel
@@ -27,6 +27,8 @@ class BuildOptions:
     dtype: Any = None
     trust_remote_code: bool = False
     runtime: Runtime = Runtime()
+    suffix: SuffixConfig = SuffixConfig()  # suffix decoding's options (vLLM's names)
+    suffix_cache: Any = None  # a drafters.suffix.SuffixCache the caller owns (None: a new one for this drafter)
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,13 @@ def lookup_drafter(target: LoadedModel, draft: str | None, options: BuildOptions
     return NgramDrafter(), None, None
 
 
+def suffix_drafter(target: LoadedModel, draft: str | None, options: BuildOptions) -> Built:
+    """Suffix decoding: no model; earlier answers come from options.suffix_cache."""
+    from .suffix import SuffixDrafter
+
+    return SuffixDrafter(options.suffix_cache, options.suffix), None, None
+
+
 def hybrid_drafter(target: LoadedModel, draft: str | None, options: BuildOptions) -> Built:
     """A draft (as draft_drafter) with prompt lookup taking over where the context repeats, calibrated here."""
     from .hybrid import calibrated_hybrid
@@ -147,3 +156,7 @@ register(DrafterKind(
     steady_draft_cost=False,
     serve_note="vLLM has no hybrid drafter (prompt lookup where the context repeats, the draft elsewhere); this is "
                "its draft half, and --drafter ngram gives its lookup half"))
+register(DrafterKind(
+    "suffix", "suffix decoding", suffix_drafter, needs_draft=False, vllm_method="suffix", sglang_method="SUFFIX",
+    help="suffix decoding, no draft model: the most frequent continuation of the context's suffix in this request "
+         "and in earlier answers (kept per process), as long as the match supports; k is the most per step"))
