@@ -13,6 +13,8 @@ BUNDLED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the same model on the 
 TRAINED_DRAFT_ID = "smollm2-135m-draft"  # the distilled draft in specdemo/data/ (see specdemo.train)
 
 DEFAULT_DRAFTER = "model"  # a drafter kind: specdemo.registry holds them ("model", "ngram", "hybrid", ...)
+HYBRID_LOOKUPS = ("ngram", "suffix")  # the hybrid's model-free half: prompt lookup or suffix decoding
+HYBRID_LOOKUP = "ngram"  # the default one (docs/suffix.md has the paired run that chose it)
 
 MIN_K = 1
 MAX_K = 16  # UI range; the engine refuses anything above MAX_K_ENGINE

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..config import Runtime, SuffixConfig
+from ..config import HYBRID_LOOKUP, Runtime, SuffixConfig
 
 if TYPE_CHECKING:
     from ..models.loading import LoadedModel
@@ -29,6 +29,7 @@ class BuildOptions:
     runtime: Runtime = Runtime()
     suffix: SuffixConfig = SuffixConfig()  # suffix decoding's options (vLLM's names)
     suffix_cache: Any = None  # a drafters.suffix.SuffixCache the caller owns (None: a new one for this drafter)
+    hybrid_lookup: str = HYBRID_LOOKUP  # the hybrid's model-free half: "ngram" or "suffix"
 
 
 @dataclass(frozen=True)
@@ -134,11 +135,20 @@ def suffix_drafter(target: LoadedModel, draft: str | None, options: BuildOptions
 
 
 def hybrid_drafter(target: LoadedModel, draft: str | None, options: BuildOptions) -> Built:
-    """A draft (as draft_drafter) with prompt lookup taking over where the context repeats, calibrated here."""
+    """A draft (as draft_drafter) with prompt lookup, or suffix decoding (options.hybrid_lookup), taking over where
+    the context repeats, calibrated here."""
+    from ..config import HYBRID_LOOKUPS
     from .hybrid import calibrated_hybrid
 
+    if options.hybrid_lookup not in HYBRID_LOOKUPS:
+        raise ValueError(f"the hybrid's lookup is one of {', '.join(HYBRID_LOOKUPS)}, not '{options.hybrid_lookup}'")
+    lookup = None
+    if options.hybrid_lookup == "suffix":
+        from .suffix import SuffixDrafter
+
+        lookup = SuffixDrafter(options.suffix_cache, options.suffix, min_match=3)
     model, name, _ = draft_drafter(target, draft, options)
-    hybrid, calibration = calibrated_hybrid(model, target, name)
+    hybrid, calibration = calibrated_hybrid(model, target, name, lookup=lookup)
     return hybrid, name, calibration
 
 

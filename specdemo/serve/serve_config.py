@@ -1,8 +1,9 @@
 """What a tuned setting looks like in a serving engine: vLLM's speculative_config, the `vllm serve` command line and
 SGLang's flags. Pure functions of the method, k, draft folder and lookup window; nothing here imports vLLM or gradio.
 
-Names: "ngram" is prompt lookup (our NgramDrafter), "eagle3" an EAGLE-3 head exported by `python -m specdemo export`,
-"draft_model" a separate draft LLM. vLLM's k is `num_speculative_tokens`, drafted tokens per step (ours).
+Names: "ngram" is prompt lookup (our NgramDrafter), "suffix" suffix decoding (our SuffixDrafter, with vLLM's
+suffix_decoding_* options), "eagle3" an EAGLE-3 head exported by `python -m specdemo export`, "draft_model" a separate
+draft LLM. vLLM's k is `num_speculative_tokens`, drafted tokens per step (ours).
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import BUNDLED_HUB_ID, BUNDLED_ID, Runtime
+from ..config import BUNDLED_HUB_ID, BUNDLED_ID, Runtime, SuffixConfig
 from ..drafters import NgramDrafter
 from ..drafters.registry import check_draft, get
 
-VLLM_METHODS = ("ngram", "eagle3", "draft_model")
-SGLANG_METHODS = {"ngram": "NGRAM", "eagle3": "EAGLE3", "draft_model": "STANDALONE"}  # each method's SGLang algorithm
+VLLM_METHODS = ("ngram", "suffix", "eagle3", "draft_model")
+SGLANG_METHODS = {"ngram": "NGRAM", "suffix": "SUFFIX", "eagle3": "EAGLE3", "draft_model": "STANDALONE"}  # each method's SGLang algorithm
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,10 @@ class Lookup:
         return cls(lookup.min_ngram, lookup.max_ngram)
 
 
-def vllm_speculative_config(method: str, k: int, draft_path: str | None = None, lookup: Lookup | None = None) -> dict:
-    """vLLM's --speculative-config for k drafted tokens per step (the same dict LLM(speculative_config=...) takes)."""
+def vllm_speculative_config(method: str, k: int, draft_path: str | None = None, lookup: Lookup | None = None,
+                            suffix: SuffixConfig | None = None) -> dict:
+    """vLLM's --speculative-config for k drafted tokens per step (the same dict LLM(speculative_config=...) takes);
+    suffix decoding's k is the most it drafts in one step, and `suffix` its options (None: the defaults)."""
     if method not in VLLM_METHODS:
         raise ValueError(f"unknown vLLM speculative method '{method}'; use one of {', '.join(VLLM_METHODS)}")
     if k < 1:
@@ -46,6 +49,8 @@ def vllm_speculative_config(method: str, k: int, draft_path: str | None = None, 
         window = lookup if isinstance(lookup, Lookup) else Lookup.of(lookup)
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": window.max_ngram,
                 "prompt_lookup_min": window.min_ngram}
+    if method == "suffix":
+        return {"method": "suffix", "num_speculative_tokens": k, **(suffix or SuffixConfig()).vllm_options()}
     if not draft_path:
         raise ValueError(f"vLLM's '{method}' needs the draft's folder (for eagle3: the output of "
                          f"`python -m specdemo export`)")
@@ -62,21 +67,24 @@ def vllm_serve_command(target: str, spec_config: dict | None, extra: list[str] |
 
 
 def sglang_flags(method: str, k: int, draft_path: str | None = None, lookup: Lookup | None = None,
-                 algorithm: str | None = None) -> str:
+                 algorithm: str | None = None, suffix: SuffixConfig | None = None) -> str:
     """SGLang's speculative flags for the same setting (`python -m sglang.launch_server --model-path T ...`).
 
     SGLang verifies a tree whose root is the last committed token, so k drafted tokens in a chain (top-k 1) is
     `--speculative-num-steps k --speculative-eagle-topk 1 --speculative-num-draft-tokens k+1`. Its NGRAM drafter is a
     different algorithm (a trie of earlier n-grams walked breadth-first); breadth 1 keeps it to one chain.
-    `algorithm`: SGLang's name for it (a ServePlan's sglang_method); None: SGLANG_METHODS[method].
+    `algorithm`: SGLang's name for it (a ServePlan's sglang_method); None: SGLANG_METHODS[method]. Its SUFFIX
+    algorithm gets k + 1 draft tokens only: its option names for the tree differ from vLLM's between releases.
     """
-    spec = vllm_speculative_config(method, k, draft_path, lookup)  # the same validation
+    spec = vllm_speculative_config(method, k, draft_path, lookup, suffix)  # the same validation
     algorithm = algorithm or SGLANG_METHODS[method]
     if method == "ngram":
         flags = ["--speculative-algorithm", algorithm, "--speculative-num-draft-tokens", str(k + 1),
                  "--speculative-ngram-min-match-window-size", str(spec["prompt_lookup_min"]),
                  "--speculative-ngram-max-match-window-size", str(spec["prompt_lookup_max"]),
                  "--speculative-ngram-max-bfs-breadth", "1"]
+    elif method == "suffix":
+        flags = ["--speculative-algorithm", algorithm, "--speculative-num-draft-tokens", str(k + 1)]
     else:
         flags = ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", spec["model"],
                  "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
@@ -85,10 +93,10 @@ def sglang_flags(method: str, k: int, draft_path: str | None = None, lookup: Loo
 
 
 def sglang_command(target: str, method: str, k: int, draft_path: str | None = None,
-                   lookup: Lookup | None = None, algorithm: str | None = None) -> str:
+                   lookup: Lookup | None = None, algorithm: str | None = None, suffix: SuffixConfig | None = None) -> str:
     """The whole SGLang launch line for the setting."""
     return (f"python -m sglang.launch_server --model-path {shlex.quote(str(target))} "
-            + sglang_flags(method, k, draft_path, lookup, algorithm))
+            + sglang_flags(method, k, draft_path, lookup, algorithm, suffix))
 
 
 @dataclass(frozen=True)
@@ -102,10 +110,11 @@ class ServePlan:
     lookup: Lookup | None = None
     notes: tuple[str, ...] = ()
     sglang_method: str | None = None  # SGLang's --speculative-algorithm; None: SGLANG_METHODS[method]
+    suffix: SuffixConfig | None = None  # suffix decoding's options (method "suffix")
 
     @property
     def speculative_config(self) -> dict:
-        return vllm_speculative_config(self.method, self.k, self.draft_path, self.lookup)
+        return vllm_speculative_config(self.method, self.k, self.draft_path, self.lookup, self.suffix)
 
 
 def serve_target(target: str, runtime: Runtime = Runtime()) -> tuple[str, str | None]:
@@ -121,16 +130,18 @@ def serve_target(target: str, runtime: Runtime = Runtime()) -> tuple[str, str | 
                             f"serves its hub original {BUNDLED_HUB_ID}")
 
 
-def plan(target: str, drafter: str, draft: str | None, k: int, runtime: Runtime = Runtime()) -> ServePlan:
+def plan(target: str, drafter: str, draft: str | None, k: int, runtime: Runtime = Runtime(),
+         suffix: SuffixConfig = SuffixConfig()) -> ServePlan:
     """Map our target, drafter kind (the registry's methods), draft (drafts.resolve_draft, from the local hub cache
-    only) and k to a vLLM method (no model is loaded)."""
+    only), k and suffix decoding's options to a vLLM method (no model is loaded)."""
     served, note = serve_target(target, runtime)
     kind = get(drafter)
     check_draft(drafter, draft)
     notes = tuple(n for n in (note, kind.serve_note) if n)
     if not kind.needs_draft:
         lookup = Lookup.of() if kind.vllm_method == "ngram" else None
-        return ServePlan(served, kind.vllm_method, k, lookup=lookup, notes=notes, sglang_method=kind.sglang_method)
+        return ServePlan(served, kind.vllm_method, k, lookup=lookup, notes=notes, sglang_method=kind.sglang_method,
+                         suffix=suffix if kind.vllm_method == "suffix" else None)
     from ..drafters.resolve import resolve_draft
 
     resolved = resolve_draft(draft, target, runtime, fetch=False)
