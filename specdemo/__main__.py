@@ -10,7 +10,7 @@ import os
 import sys
 from dataclasses import replace
 
-from .cliargs import add_placement_args, placement_args
+from .cliargs import add_placement_args, add_suffix_args, placement_args, suffix_args
 from .config import (
     BUNDLED_ID,
     DEFAULT_DRAFTER,
@@ -48,6 +48,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=G.seed)
     p.add_argument("--device", default=None, help="auto (default), cpu, cuda, cuda:1, mps")
     add_placement_args(p)
+    add_suffix_args(p)
     p.add_argument("--dtype", default=None, help="fp32, bf16, fp16 (default: bf16/fp16 on GPU, fp32 on CPU)")
     p.add_argument("--no-chat-template", action="store_true")
     p.add_argument("--trust-remote-code", action="store_true")
@@ -70,7 +71,7 @@ def run_generate(args) -> int:
     if not args.prompt.strip():
         raise ValueError("the prompt is empty; type something for the model to continue")
     pair = load_pair(args.target, kind, args.draft, args.device, args.dtype, args.draft_device, args.trust_remote_code,
-                     runtime=runtime_from_env(os.environ), placement=placement_args(args))
+                     runtime=runtime_from_env(os.environ), placement=placement_args(args), suffix=suffix_args(args))
     if args.k is None and drafter_k(pair.drafter):
         config = replace(config, num_draft_tokens=drafter_k(pair.drafter))
         config.validate()
@@ -113,6 +114,7 @@ def _serve_config_parser(sub) -> None:
     p.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages, e.g. one per node")
     p.add_argument("--ray", action="store_true",
                    help="--distributed-executor-backend ray (multi-node; implied by --pipeline-parallel-size > 1)")
+    add_suffix_args(p)
     p.add_argument("--json", action="store_true", help="one JSON object instead of the command lines")
 
 
@@ -131,7 +133,8 @@ def run_serve_config(args) -> int:
     k = G.num_draft_tokens if k is None else k
     if not MIN_K <= k <= MAX_K_ENGINE:
         raise ValueError(f"k must be between {MIN_K} and {MAX_K_ENGINE}, got {k}")
-    p = plan(args.target, args.drafter, args.draft, k, runtime_from_env(os.environ), args.verification)
+    p = plan(args.target, args.drafter, args.draft, k, runtime_from_env(os.environ), args.verification,
+             suffix_args(args))
     extra: list[str] = []
     if args.tensor_parallel_size > 1:
         extra += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
@@ -142,7 +145,7 @@ def run_serve_config(args) -> int:
     vllm_cmd = vllm_serve_command(p.target, p.speculative_config, extra)
     sglang_extra = (f" --tp-size {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else "") + (
         f" --pp-size {args.pipeline_parallel_size}" if args.pipeline_parallel_size > 1 else "")
-    sglang_cmd = sglang_command(p.target, p.method, k, p.draft_path, p.lookup, p.sglang_method) + sglang_extra
+    sglang_cmd = sglang_command(p.target, p.method, k, p.draft_path, p.lookup, p.sglang_method, p.suffix) + sglang_extra
     if args.json:
         print(json.dumps({"target": p.target, "method": p.method, "k": k, "k_source": source,
                           "speculative_config": p.speculative_config, "vllm": vllm_cmd, "sglang": sglang_cmd,

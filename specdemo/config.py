@@ -13,6 +13,8 @@ BUNDLED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the same model on the 
 TRAINED_DRAFT_ID = "smollm2-135m-draft"  # the distilled draft in specdemo/data/ (see specdemo.train)
 
 DEFAULT_DRAFTER = "model"  # a drafter kind: specdemo.registry holds them ("model", "ngram", "hybrid", ...)
+HYBRID_LOOKUPS = ("ngram", "suffix")  # the hybrid's model-free half: prompt lookup or suffix decoding
+HYBRID_LOOKUP = "ngram"  # the default one (docs/suffix.md has the paired run that chose it)
 
 MIN_K = 1
 MAX_K = 16  # UI range; the engine refuses anything above MAX_K_ENGINE
@@ -72,6 +74,38 @@ class GenerationConfig:
             raise ValueError(
                 f"k (num_draft_tokens) must be between {MIN_K} and {MAX_K_ENGINE}, got {self.num_draft_tokens}"
             )
+
+
+@dataclass(frozen=True)
+class SuffixConfig:
+    """Suffix decoding's options, named and defaulted as vLLM's speculative config names them (suffix_decoding_*).
+
+    max_tree_depth: the longest substring the trees hold (the longest match plus its draft); max_cached_requests:
+    how many earlier answers the cross-request tree keeps, oldest evicted first (0: none, drafting from the request
+    alone); max_spec_factor: a match of L tokens drafts at most max_spec_factor * L tokens (and k); min_token_prob:
+    a drafted token's estimated probability (the product of its path's frequency ratios) must reach this.
+    """
+
+    max_tree_depth: int = 24
+    max_cached_requests: int = 10000
+    max_spec_factor: float = 1.0
+    min_token_prob: float = 0.1
+
+    def validate(self) -> None:
+        """vLLM's checks, with its messages' option names."""
+        if self.max_tree_depth < 1:
+            raise ValueError(f"suffix_decoding_max_tree_depth={self.max_tree_depth} must be >= 1")
+        if self.max_cached_requests < 0:
+            raise ValueError(f"suffix_decoding_max_cached_requests={self.max_cached_requests} must be >= 0")
+        if self.max_spec_factor < 0:
+            raise ValueError(f"suffix_decoding_max_spec_factor={self.max_spec_factor} must be >= 0")
+        if not 0 <= self.min_token_prob <= 1:
+            raise ValueError(f"suffix_decoding_min_token_prob={self.min_token_prob} must be in [0, 1]")
+
+    def vllm_options(self) -> dict:
+        """The options under vLLM's names, for --speculative-config."""
+        return {f"suffix_decoding_{name}": getattr(self, name) for name in
+                ("max_tree_depth", "max_cached_requests", "max_spec_factor", "min_token_prob")}
 
 
 @dataclass(frozen=True)

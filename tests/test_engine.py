@@ -5,7 +5,13 @@ import torch
 from conftest import second_token_distribution, until_second_token
 
 from specdemo.config import GenerationConfig, SamplingConfig
-from specdemo.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+from specdemo.drafters import (
+    HybridDrafter,
+    ModelDrafter,
+    NgramDrafter,
+    SuffixCache,
+    SuffixDrafter,
+)
 from specdemo.engine import (
     GenerationError,
     autoregressive,
@@ -22,17 +28,24 @@ def run(gen):
     return list(gen)
 
 
+SUFFIX_CACHE = SuffixCache()  # carried across runs, as a process carries it: later runs draft from earlier answers
+
+
 def make(kind, draft):
-    """A drafter by kind; the hybrid switches to lookup on 2-token matches so both of its sources get used."""
+    """A drafter by kind; the hybrids switch to lookup on 2-token matches so both of their sources get used."""
     if kind == "model":
         return ModelDrafter(draft)
     if kind == "ngram":
         return NgramDrafter()
+    if kind == "suffix":
+        return SuffixDrafter(SUFFIX_CACHE)
+    if kind == "hybrid-suffix":
+        return HybridDrafter(ModelDrafter(draft), min_match=2, lookup=SuffixDrafter(SUFFIX_CACHE, min_match=2))
     return HybridDrafter(ModelDrafter(draft), min_match=2)
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-@pytest.mark.parametrize("kind", ["model", "ngram", "hybrid"])
+@pytest.mark.parametrize("kind", ["model", "ngram", "hybrid", "suffix", "hybrid-suffix"])
 def test_greedy_speculative_equals_autoregressive(tiny_target, tiny_draft, tiny_tok, k, kind):
     """Greedy speculative tokens are the target's own greedy tokens, for every drafter."""
     config = GenerationConfig(max_new_tokens=40, num_draft_tokens=k)
@@ -113,7 +126,7 @@ def test_same_seed_same_sample_other_seed_differs(tiny_target, tiny_draft, tiny_
     assert sample(7) != sample(8)
 
 
-@pytest.mark.parametrize("kind", ["model", "ngram", "hybrid"])
+@pytest.mark.parametrize("kind", ["model", "ngram", "hybrid", "suffix", "hybrid-suffix"])
 def test_sampled_distribution_matches_target(tiny_target, tiny_draft, tiny_tok, kind):
     """Speculative sampling draws the second token from the target's distribution, far from the draft's.
 

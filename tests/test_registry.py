@@ -80,7 +80,7 @@ def test_a_registered_kind_reaches_the_cli_and_the_bench(toy_kind, capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "{model,ngram,hybrid,repeat-last}" in text and "proposes the last token again" in text
+    assert "{model,ngram,hybrid,suffix,repeat-last}" in text and "proposes the last token again" in text
     assert parser()._option_string_actions["--drafter"].choices[-1] == TOY
     assert parser().parse_args(["--drafter", TOY]).drafter == TOY
 

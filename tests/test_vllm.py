@@ -162,6 +162,29 @@ def test_serve_config_prints_vllm_and_sglang_for_the_tuned_k(capsys, tmp_path):
     assert cli_main(["serve-config", "--drafter", "ngram", "--k", "0"]) == 2
 
 
+def test_suffix_maps_to_vllms_suffix_method_with_its_option_names(capsys):
+    """serve-config prints vLLM's suffix --speculative-config with the suffix_decoding_* options given as flags; the
+    bench runs vLLM's suffix beside ours for --drafter suffix (and, cold, with no earlier answers kept)."""
+    assert cli_main(["serve-config", "--drafter", "suffix", "--k", "16", "--suffix-min-token-prob", "0.2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"] == "suffix" and out["speculative_config"] == {
+        "method": "suffix", "num_speculative_tokens": 16, "suffix_decoding_max_tree_depth": 24,
+        "suffix_decoding_max_cached_requests": 10000, "suffix_decoding_max_spec_factor": 1.0,
+        "suffix_decoding_min_token_prob": 0.2}
+    assert json.loads(shlex.split(out["vllm"])[4]) == out["speculative_config"]
+    assert "--speculative-algorithm SUFFIX --speculative-num-draft-tokens 17" in out["sglang"]
+    assert cli_main(["serve-config", "--drafter", "suffix", "--suffix-max-spec-factor", "-1"]) == 2
+    assert "suffix_decoding_max_spec_factor=-1.0 must be >= 0" in capsys.readouterr().err
+
+    from specdemo.config import SuffixConfig
+
+    names = [(m["name"], m["k"]) for m in vllm_methods([8], Lookup(1, 8), suffix=SuffixConfig())]
+    assert names == [("plain", None), ("ngram", 8), ("suffix", 8)]
+    bc = bench_config(parser().parse_args(["--drafter", "suffix", "--suffix-cold", "--suffix-max-tree-depth", "12"]),
+                      env={})
+    assert bc.suffix_cold and bc.suffix.max_tree_depth == 12
+
+
 # --- the driver's protocol ---------------------------------------------------------------------------------------------
 
 def test_driver_imports_only_vllm_and_the_standard_library():
@@ -349,3 +372,80 @@ def test_vllm_ngram_greedy_output_is_ours_on_three_prompts(tmp_path, monkeypatch
     assert theirs["num_accepted_tokens_per_pos"][0] == theirs["num_spec_steps"] - theirs["acceptance_histogram"][0]
     assert len(v["ours_speculative_decoding"]["num_accepted_tokens_per_pos"]) == 4
     assert "accepted at position 1" in (tmp_path / "bench.md").read_text()
+
+
+ARCTIC_AGAINST_OURS = """
+import json, random, sys
+from arctic_inference.suffix_decoding._C import SuffixTree as Arctic
+from specdemo.config import SuffixConfig
+from specdemo.drafters.suffix import SuffixTree
+
+bad = total = 0
+for seed in range(30):
+    rng = random.Random(seed)
+    depth, vocab = rng.choice([4, 8, 24]), rng.choice([3, 8, 50])
+    theirs, ours, seqs = Arctic(depth), SuffixTree(depth), {}
+    for i in range(4):
+        seqs[i] = [rng.randrange(vocab) for _ in range(rng.randrange(1, 120))]
+    for start in range(0, 120, 5):  # interleaved, in pieces
+        for i, q in seqs.items():
+            theirs.extend(i, q[start:start + 5])
+            ours.extend(i, q[start:start + 5])
+    for i in list(seqs)[: seed % 3]:
+        theirs.remove(i)
+        ours.remove(i)
+        del seqs[i]
+    for _ in range(200):
+        base = rng.choice(list(seqs.values()))
+        j = rng.randrange(1, len(base) + 1)
+        ctx = (base[max(0, j - rng.randrange(1, depth + 4)):j] + [rng.randrange(vocab)] * (rng.random() < .3))[-depth:]
+        k, f, p = rng.randrange(1, 20), rng.choice([1.0, 0.5, 2.0]), rng.choice([0.1, 0.0, 0.3])
+        a = theirs.speculate(ctx, k, f, 0.0, p, False)
+        b = ours.speculate(ctx, k, SuffixConfig(depth, 0, f, p))
+        total += 1
+        bad += (list(a.token_ids), a.match_len, list(a.probs)) != (b.tokens, b.match_len, b.probs)
+print(json.dumps([bad, total]))
+"""
+
+
+def arctic_python():
+    """vLLM's venv when arctic_inference (vLLM's suffix method) is installed in it, else None."""
+    python = vllm_python()
+    if python is None:
+        return None
+    ok = subprocess.run([str(python), "-c", "import arctic_inference.suffix_decoding"], capture_output=True)
+    return python if ok.returncode == 0 else None
+
+
+NEEDS_ARCTIC = pytest.mark.skipif(arctic_python() is None, reason="arctic-inference is not installed in vLLM's venv "
+                                                                  "(docs/suffix.md says how)")
+
+
+@pytest.mark.slow
+@NEEDS_ARCTIC
+def test_our_suffix_tree_drafts_what_arctics_drafts():
+    """arctic_inference's C++ SuffixTree (what vLLM's suffix method calls) and ours, fed the same sequences in pieces,
+    some removed: every speculation (tokens, match length, float32 probabilities) is the same."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHOME", "VIRTUAL_ENV")} | {"PYTHONPATH": root}
+    run = subprocess.run([str(arctic_python()), "-c", ARCTIC_AGAINST_OURS], capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    bad, total = json.loads(run.stdout.strip().splitlines()[-1])
+    assert total > 5000 and bad == 0
+
+
+@pytest.mark.slow
+@NEEDS_ARCTIC
+def test_vllm_suffix_greedy_output_is_ours_with_a_warm_cache(tmp_path, monkeypatch):
+    """The bench with --drafter suffix --anchors vllm on three dev prompts: vLLM's suffix (its cache carried across
+    the prompts, as ours) gives our autoregressive tokens, and drafts."""
+    monkeypatch.setenv(VLLM_PYTHON_ENV, str(arctic_python()))
+    assert bench_main(["--limit", "3", "--max-new-tokens", "32", "--k", "8", "--drafter", "suffix", "--anchors",
+                       "vllm", "--out", str(tmp_path), "--quiet", "--no-theory"]) == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    v = report["anchors"]["vllm"]
+    assert not report["config"]["vllm"]["failed"]
+    assert v["suffix_identical_fraction"] == 1.0 and report["overall"]["identical_fraction"] == 1.0
+    assert sum(r["vllm_suffix_drafts"] for r in report["results"]) > 0
+    assert report["config"]["suffix"]["cache"] == "one per process, carried across the prompts in order"

@@ -1,5 +1,6 @@
-"""Drafters: one batch-shaped seam (base), the built-in kinds (prompt lookup, a draft model, an EAGLE-3 head, the
-hybrid), the registry every layer reads them from, and resolve_draft, the one place that decides what a draft is.
+"""Drafters: one batch-shaped seam (base), the built-in kinds (prompt lookup, suffix decoding, a draft model, an
+EAGLE-3 head, the hybrid), the registry every layer reads them from, and resolve_draft, the one place that decides
+what a draft is.
 
 A new drafter is one module here and one registry entry. The model-backed drafters import the engine's KV cache, so
 they load on first use: the engine imports this package's seam.
@@ -12,7 +13,8 @@ import importlib
 from .base import Drafter, DraftRequest, Proposal, Verdict, cut_at_eos
 from .ngram import NgramDrafter
 
-_LAZY = {"ModelDrafter": ".model", "Eagle3Drafter": ".eagle3", "HybridDrafter": ".hybrid"}
+_LAZY = {"ModelDrafter": ".model", "Eagle3Drafter": ".eagle3", "HybridDrafter": ".hybrid",
+         "SuffixDrafter": ".suffix", "SuffixCache": ".suffix"}
 
 __all__ = ["Drafter", "DraftRequest", "Proposal", "Verdict", "cut_at_eos", "NgramDrafter", *_LAZY]
 

@@ -24,25 +24,32 @@ class HybridDrafter(Drafter):
     """Prompt lookup where a row's context repeats, the draft everywhere else.
 
     A suffix match of at least `min_match` tokens is strong evidence (copying from the prompt, a list, code); there
-    the lookup's copy costs nothing to draft, and it proposes up to k tokens. Elsewhere the draft proposes at most
-    `model_k` tokens (None: k; calibrate chooses it from this machine's measured costs). The choice depends only on
-    the committed context, so each step still has one well-defined proposal distribution and rejection sampling stays
-    exact. The draft follows along when skipped: a row that looked up is asked for nothing that step, and catches up
+    the lookup's copy costs nothing to draft, and it proposes up to k tokens. The lookup half is prompt lookup, or
+    another model-free drafter given as `lookup` (suffix decoding, asked for matches of min_match tokens or more).
+    Elsewhere the draft proposes at most `model_k` tokens (None: k; calibrate chooses it from this machine's measured
+    costs). The choice depends only on the committed context, so each step still has one well-defined proposal
+    distribution and rejection sampling stays exact. The draft follows along when skipped: a row that looked up is asked for nothing that step, and catches up
     at its next proposal (ModelDrafter from the ids, Eagle3Drafter from the target features it kept pending).
     """
 
     name = "hybrid"
 
-    def __init__(self, model: Drafter, min_match: int = 3, model_k: int | None = None):
+    def __init__(self, model: Drafter, min_match: int = 3, model_k: int | None = None, lookup: Drafter | None = None):
         self.model = model
         self.model_k = model_k
         # a match of min_match tokens or more proposes up to k tokens; a shorter one proposes nothing
-        self.lookup = NgramDrafter(min_ngram=min_match, full_ngram=min_match)
+        self.lookup = lookup or NgramDrafter(min_ngram=min_match, full_ngram=min_match)
         self.needs_target_hidden = model.needs_target_hidden
         self.target_layers = model.target_layers
 
+    @property
+    def suffix_cache(self):
+        """The lookup half's SuffixCache (suffix decoding), else None."""
+        return getattr(self.lookup, "suffix_cache", None)
+
     def begin(self, prompts, target_hidden=None) -> None:
         self.model.begin(prompts, target_hidden)
+        self.lookup.begin(prompts)
 
     def propose(self, request: DraftRequest) -> list[Proposal]:
         looked = self.lookup.propose(request)
@@ -51,16 +58,18 @@ class HybridDrafter(Drafter):
         modeled = self.model.propose(DraftRequest(request.ids, model_ks, request.sampling, request.generators,
                                                   request.eos_token_ids))
         for p in looked:
-            p.source = "lookup"
+            p.source = p.source or "lookup"
         for m in modeled:
             m.source = "model"
         return [p if p.tokens else m for p, m in zip(looked, modeled)]
 
     def update(self, verdicts) -> None:
         self.model.update(verdicts)
+        self.lookup.update(verdicts)
 
     def select(self, rows) -> None:
         self.model.select(rows)
+        self.lookup.select(rows)
 
 
 # What hybrid_model_k assumes of a draft that carries no held-out figures of its own: the chance that its first and
@@ -164,8 +173,9 @@ def calibrate(model: Drafter, target, draft_name: str | None = None,
     return calibration
 
 
-def calibrated_hybrid(model: Drafter, target, draft_name: str | None = None,
-                      probe: list[int] | None = None) -> tuple[HybridDrafter, HybridCalibration]:
-    """A hybrid over `model` whose cap follows this machine's costs, and the calibration behind it."""
+def calibrated_hybrid(model: Drafter, target, draft_name: str | None = None, probe: list[int] | None = None,
+                      lookup: Drafter | None = None) -> tuple[HybridDrafter, HybridCalibration]:
+    """A hybrid over `model` (and `lookup`, default prompt lookup) whose cap follows this machine's costs, and the
+    calibration behind it."""
     calibration = calibrate(model, target, draft_name, probe)
-    return HybridDrafter(model, model_k=calibration.model_k), calibration
+    return HybridDrafter(model, model_k=calibration.model_k, lookup=lookup), calibration

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..config import Runtime
+from ..config import HYBRID_LOOKUP, Runtime, SuffixConfig
 
 if TYPE_CHECKING:
     from ..models.loading import LoadedModel
@@ -27,6 +27,9 @@ class BuildOptions:
     dtype: Any = None
     trust_remote_code: bool = False
     runtime: Runtime = Runtime()
+    suffix: SuffixConfig = SuffixConfig()  # suffix decoding's options (vLLM's names)
+    suffix_cache: Any = None  # a drafters.suffix.SuffixCache the caller owns (None: a new one for this drafter)
+    hybrid_lookup: str = HYBRID_LOOKUP  # the hybrid's model-free half: "ngram" or "suffix"
 
 
 @dataclass(frozen=True)
@@ -124,12 +127,28 @@ def lookup_drafter(target: LoadedModel, draft: str | None, options: BuildOptions
     return NgramDrafter(), None, None
 
 
+def suffix_drafter(target: LoadedModel, draft: str | None, options: BuildOptions) -> Built:
+    """Suffix decoding: no model; earlier answers come from options.suffix_cache."""
+    from .suffix import SuffixDrafter
+
+    return SuffixDrafter(options.suffix_cache, options.suffix), None, None
+
+
 def hybrid_drafter(target: LoadedModel, draft: str | None, options: BuildOptions) -> Built:
-    """A draft (as draft_drafter) with prompt lookup taking over where the context repeats, calibrated here."""
+    """A draft (as draft_drafter) with prompt lookup, or suffix decoding (options.hybrid_lookup), taking over where
+    the context repeats, calibrated here."""
+    from ..config import HYBRID_LOOKUPS
     from .hybrid import calibrated_hybrid
 
+    if options.hybrid_lookup not in HYBRID_LOOKUPS:
+        raise ValueError(f"the hybrid's lookup is one of {', '.join(HYBRID_LOOKUPS)}, not '{options.hybrid_lookup}'")
+    lookup = None
+    if options.hybrid_lookup == "suffix":
+        from .suffix import SuffixDrafter
+
+        lookup = SuffixDrafter(options.suffix_cache, options.suffix, min_match=3)
     model, name, _ = draft_drafter(target, draft, options)
-    hybrid, calibration = calibrated_hybrid(model, target, name)
+    hybrid, calibration = calibrated_hybrid(model, target, name, lookup=lookup)
     return hybrid, name, calibration
 
 
@@ -147,3 +166,7 @@ register(DrafterKind(
     steady_draft_cost=False,
     serve_note="vLLM has no hybrid drafter (prompt lookup where the context repeats, the draft elsewhere); this is "
                "its draft half, and --drafter ngram gives its lookup half"))
+register(DrafterKind(
+    "suffix", "suffix decoding", suffix_drafter, needs_draft=False, vllm_method="suffix", sglang_method="SUFFIX",
+    help="suffix decoding, no draft model: the most frequent continuation of the context's suffix in this request "
+         "and in earlier answers (kept per process), as long as the match supports; k is the most per step"))

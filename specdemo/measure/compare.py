@@ -11,10 +11,18 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..config import BUNDLED_ID, GenerationConfig, Placement, Runtime
+from ..config import (
+    BUNDLED_ID,
+    HYBRID_LOOKUP,
+    GenerationConfig,
+    Placement,
+    Runtime,
+    SuffixConfig,
+)
 from ..drafters import Drafter
 from ..drafters.hybrid import HybridCalibration
 from ..drafters.registry import BuildOptions, get
+from ..drafters.suffix import paused
 from ..engine import (
     StepEvent,
     autoregressive,
@@ -47,25 +55,30 @@ def drafter_k(drafter: Drafter) -> int | None:
 
 
 def make_drafter(target: LoadedModel, kind: str, draft: str | None, device=None, dtype=None,
-                 trust_remote_code: bool = False, runtime: Runtime = Runtime()
+                 trust_remote_code: bool = False, runtime: Runtime = Runtime(), *, suffix: SuffixConfig = SuffixConfig(),
+                 suffix_cache=None, hybrid_lookup: str = HYBRID_LOOKUP
                  ) -> tuple[Drafter, str | None, HybridCalibration | None]:
     """Build a drafter of a registered kind (registry.get(kind).factory): prompt lookup, a draft (the shipped trained
     draft, an EAGLE-3 head, any causal LM sharing the tokenizer: drafts.resolve_draft says which), the hybrid of the
     two, or any kind registered since. `device` is a draft LM's (None: the default device); an EAGLE-3 head computes
-    where the target's embeddings are. Returns (drafter, draft name or None, the hybrid's calibration or None)."""
-    return get(kind).factory(target, draft, BuildOptions(device, dtype, trust_remote_code, runtime))
+    where the target's embeddings are. Suffix decoding takes its options and the SuffixCache of earlier answers its
+    caller owns (None: a new one). Returns (drafter, draft name or None, the hybrid's calibration or None)."""
+    return get(kind).factory(target, draft, BuildOptions(device, dtype, trust_remote_code, runtime, suffix, suffix_cache,
+                                                         hybrid_lookup))
 
 
 def load_pair(target: str, kind: str = "model", draft: str | None = None, device=None, dtype=None,
               draft_device=None, trust_remote_code: bool = False, runtime: Runtime = Runtime(),
-              placement: Placement = Placement()) -> Pair:
+              placement: Placement = Placement(), *, suffix: SuffixConfig = SuffixConfig(), suffix_cache=None,
+              hybrid_lookup: str = HYBRID_LOOKUP) -> Pair:
     """Load a target (with accelerate's device map when `placement` names one) and its drafter, on draft_device when
     given (else `device`; an EAGLE-3 head: where the target's embeddings are). Models are cached between calls."""
     loaded = load_model(target or BUNDLED_ID, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
                         runtime=runtime, placement=placement)
     draft_device = draft_device or (None if placement.active else device)  # `device` names no device under a map
-    drafter, draft_name, calibration = make_drafter(loaded, kind, draft, draft_device, dtype,
-                                                    trust_remote_code, runtime)
+    drafter, draft_name, calibration = make_drafter(loaded, kind, draft, draft_device, dtype, trust_remote_code,
+                                                    runtime, suffix=suffix, suffix_cache=suffix_cache,
+                                                    hybrid_lookup=hybrid_lookup)
     return Pair(loaded, drafter, kind, draft_name, calibration)
 
 
@@ -81,13 +94,15 @@ WARMUP_TOKENS = 4
 
 def warmup(pair: Pair, prompts: list[int] | Sequence[list[int]], config: GenerationConfig) -> None:
     """A few untimed steps of both runs, at this batch shape (one prompt's ids, or the rows of a batch), so one-off
-    allocation costs land on no clock. The one warm-up: compare, the sweeps and the bench call it."""
+    allocation costs land on no clock. The one warm-up: compare, the sweeps and the bench call it. It leaves no answer
+    in a suffix drafter's cache (the timed run would draft its own start from it)."""
     rows = [prompts] if prompts and isinstance(prompts[0], int) else list(prompts)
     short = GenerationConfig(max_new_tokens=WARMUP_TOKENS, num_draft_tokens=config.num_draft_tokens,
                              sampling=config.sampling)
-    for drafter in (None, pair.drafter):
-        for _ in decode(pair.target.model, pair.target.tokenizer, rows, short, drafter, text=False):
-            pass
+    with paused(pair.drafter):
+        for drafter in (None, pair.drafter):
+            for _ in decode(pair.target.model, pair.target.tokenizer, rows, short, drafter, text=False):
+                pass
 
 
 def stream_pair(pair: Pair, prompt_ids: list[int], config: GenerationConfig) -> Iterator[tuple[str, StepEvent]]:

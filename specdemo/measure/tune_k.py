@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from ..config import MAX_K, GenerationConfig
+from ..drafters.suffix import paused
 from ..engine import (
     StepEvent,
     autoregressive,
@@ -171,6 +172,8 @@ def iter_sweep(
     """Autoregressive runs on every prompt first, then speculative runs per k; yields each k's point when done.
 
     on_run(kind, k, prompt_index) is called after every run ("ar" with k None, or "sd"), e.g. for a progress bar.
+    Every k sees the same prompts, so the runs leave no answer in a suffix drafter's cache: each k drafts from what
+    the cache held before the sweep, never from another k's answer to the same prompt.
     """
     ids = encode_all(pair, prompts, config)
     if do_warmup and ids:
@@ -184,7 +187,8 @@ def iter_sweep(
         k_config = replace(config, num_draft_tokens=k, dynamic_k=False)
         sd_runs = []
         for i, p in enumerate(ids):
-            sd_runs.append(run_sd(pair, p, k_config))
+            with paused(pair.drafter):
+                sd_runs.append(run_sd(pair, p, k_config))
             if on_run:
                 on_run("sd", k, i)
         yield point(k, ar_runs, sd_runs)

@@ -1,8 +1,9 @@
 """What a tuned setting looks like in a serving engine: vLLM's speculative_config, the `vllm serve` command line and
 SGLang's flags. Pure functions of the method, k, draft folder and lookup window; nothing here imports vLLM or gradio.
 
-Names: "ngram" is prompt lookup (our NgramDrafter), "eagle3" an EAGLE-3 head exported by `python -m specdemo export`,
-"draft_model" a separate draft LLM. vLLM's k is `num_speculative_tokens`, drafted tokens per step (ours).
+Names: "ngram" is prompt lookup (our NgramDrafter), "suffix" suffix decoding (our SuffixDrafter, with vLLM's
+suffix_decoding_* options), "eagle3" an EAGLE-3 head exported by `python -m specdemo export`, "draft_model" a separate
+draft LLM. vLLM's k is `num_speculative_tokens`, drafted tokens per step (ours).
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import BUNDLED_HUB_ID, BUNDLED_ID, Runtime
+from ..config import BUNDLED_HUB_ID, BUNDLED_ID, Runtime, SuffixConfig
 from ..drafters import NgramDrafter
 from ..drafters.registry import check_draft, get
 
-VLLM_METHODS = ("ngram", "eagle3", "draft_model")
-SGLANG_METHODS = {"ngram": "NGRAM", "eagle3": "EAGLE3", "draft_model": "STANDALONE"}  # each method's SGLang algorithm
+VLLM_METHODS = ("ngram", "suffix", "eagle3", "draft_model")
+SGLANG_METHODS = {"ngram": "NGRAM", "suffix": "SUFFIX", "eagle3": "EAGLE3", "draft_model": "STANDALONE"}  # each method's SGLang algorithm
 
 
 @dataclass(frozen=True)
@@ -40,18 +41,20 @@ VLLM_REJECTION = {"token": "standard", "block": "block"}  # our verification rul
 
 
 def vllm_speculative_config(method: str, k: int, draft_path: str | None = None, lookup: Lookup | None = None,
-                            verification: str = "token") -> dict:
+                            verification: str = "token", suffix: SuffixConfig | None = None) -> dict:
     """vLLM's --speculative-config for k drafted tokens per step (the same dict LLM(speculative_config=...) takes);
-    block verification adds rejection_sample_method "block" (token-wise is vLLM's default, "standard")."""
+    suffix decoding's k is the most it drafts in one step, and `suffix` its options (None: the defaults); block
+    verification adds rejection_sample_method "block" (token-wise is vLLM's default, "standard")."""
     if verification not in VLLM_REJECTION:
         raise ValueError(f"unknown verification '{verification}'; choose one of {', '.join(VLLM_REJECTION)}")
-    spec = _vllm_method_config(method, k, draft_path, lookup)
+    spec = _vllm_method_config(method, k, draft_path, lookup, suffix)
     if verification != "token":
         spec["rejection_sample_method"] = VLLM_REJECTION[verification]
     return spec
 
 
-def _vllm_method_config(method: str, k: int, draft_path: str | None, lookup: Lookup | None) -> dict:
+def _vllm_method_config(method: str, k: int, draft_path: str | None, lookup: Lookup | None,
+                        suffix: SuffixConfig | None) -> dict:
     if method not in VLLM_METHODS:
         raise ValueError(f"unknown vLLM speculative method '{method}'; use one of {', '.join(VLLM_METHODS)}")
     if k < 1:
@@ -60,6 +63,8 @@ def _vllm_method_config(method: str, k: int, draft_path: str | None, lookup: Loo
         window = lookup if isinstance(lookup, Lookup) else Lookup.of(lookup)
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": window.max_ngram,
                 "prompt_lookup_min": window.min_ngram}
+    if method == "suffix":
+        return {"method": "suffix", "num_speculative_tokens": k, **(suffix or SuffixConfig()).vllm_options()}
     if not draft_path:
         raise ValueError(f"vLLM's '{method}' needs the draft's folder (for eagle3: the output of "
                          f"`python -m specdemo export`)")
@@ -76,21 +81,24 @@ def vllm_serve_command(target: str, spec_config: dict | None, extra: list[str] |
 
 
 def sglang_flags(method: str, k: int, draft_path: str | None = None, lookup: Lookup | None = None,
-                 algorithm: str | None = None) -> str:
+                 algorithm: str | None = None, suffix: SuffixConfig | None = None) -> str:
     """SGLang's speculative flags for the same setting (`python -m sglang.launch_server --model-path T ...`).
 
     SGLang verifies a tree whose root is the last committed token, so k drafted tokens in a chain (top-k 1) is
     `--speculative-num-steps k --speculative-eagle-topk 1 --speculative-num-draft-tokens k+1`. Its NGRAM drafter is a
     different algorithm (a trie of earlier n-grams walked breadth-first); breadth 1 keeps it to one chain.
-    `algorithm`: SGLang's name for it (a ServePlan's sglang_method); None: SGLANG_METHODS[method].
+    `algorithm`: SGLang's name for it (a ServePlan's sglang_method); None: SGLANG_METHODS[method]. Its SUFFIX
+    algorithm gets k + 1 draft tokens only: its option names for the tree differ from vLLM's between releases.
     """
-    spec = vllm_speculative_config(method, k, draft_path, lookup)  # the same validation
+    spec = vllm_speculative_config(method, k, draft_path, lookup, suffix=suffix)  # the same validation
     algorithm = algorithm or SGLANG_METHODS[method]
     if method == "ngram":
         flags = ["--speculative-algorithm", algorithm, "--speculative-num-draft-tokens", str(k + 1),
                  "--speculative-ngram-min-match-window-size", str(spec["prompt_lookup_min"]),
                  "--speculative-ngram-max-match-window-size", str(spec["prompt_lookup_max"]),
                  "--speculative-ngram-max-bfs-breadth", "1"]
+    elif method == "suffix":
+        flags = ["--speculative-algorithm", algorithm, "--speculative-num-draft-tokens", str(k + 1)]
     else:
         flags = ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", spec["model"],
                  "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
@@ -99,10 +107,10 @@ def sglang_flags(method: str, k: int, draft_path: str | None = None, lookup: Loo
 
 
 def sglang_command(target: str, method: str, k: int, draft_path: str | None = None,
-                   lookup: Lookup | None = None, algorithm: str | None = None) -> str:
+                   lookup: Lookup | None = None, algorithm: str | None = None, suffix: SuffixConfig | None = None) -> str:
     """The whole SGLang launch line for the setting."""
     return (f"python -m sglang.launch_server --model-path {shlex.quote(str(target))} "
-            + sglang_flags(method, k, draft_path, lookup, algorithm))
+            + sglang_flags(method, k, draft_path, lookup, algorithm, suffix))
 
 
 @dataclass(frozen=True)
@@ -117,10 +125,12 @@ class ServePlan:
     notes: tuple[str, ...] = ()
     sglang_method: str | None = None  # SGLang's --speculative-algorithm; None: SGLANG_METHODS[method]
     verification: str = "token"  # the rule for sampled drafts: vLLM's rejection_sample_method
+    suffix: SuffixConfig | None = None  # suffix decoding's options (method "suffix")
 
     @property
     def speculative_config(self) -> dict:
-        return vllm_speculative_config(self.method, self.k, self.draft_path, self.lookup, self.verification)
+        return vllm_speculative_config(self.method, self.k, self.draft_path, self.lookup, self.verification,
+                                       self.suffix)
 
 
 def serve_target(target: str, runtime: Runtime = Runtime()) -> tuple[str, str | None]:
@@ -141,9 +151,10 @@ BLOCK_NOTE = ("vLLM runs rejection_sample_method 'block' in its Model Runner V2 
 
 
 def plan(target: str, drafter: str, draft: str | None, k: int, runtime: Runtime = Runtime(),
-         verification: str = "token") -> ServePlan:
+         verification: str = "token", suffix: SuffixConfig = SuffixConfig()) -> ServePlan:
     """Map our target, drafter kind (the registry's methods), draft (drafts.resolve_draft, from the local hub cache
-    only), k and the verification rule to a vLLM method and speculative config (no model is loaded)."""
+    only), k, the verification rule and suffix decoding's options to a vLLM method and speculative config (no model
+    is loaded)."""
     served, note = serve_target(target, runtime)
     kind = get(drafter)
     check_draft(drafter, draft)
@@ -151,7 +162,7 @@ def plan(target: str, drafter: str, draft: str | None, k: int, runtime: Runtime 
     if not kind.needs_draft:
         lookup = Lookup.of() if kind.vllm_method == "ngram" else None
         return ServePlan(served, kind.vllm_method, k, lookup=lookup, notes=notes, sglang_method=kind.sglang_method,
-                         verification=verification)
+                         verification=verification, suffix=suffix if kind.vllm_method == "suffix" else None)
     from ..drafters.resolve import resolve_draft
 
     resolved = resolve_draft(draft, target, runtime, fetch=False)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from ...cliargs import add_placement_args, placement_args
-from ...config import runtime_from_env
+from ...cliargs import add_placement_args, add_suffix_args, placement_args, suffix_args
+from ...config import HYBRID_LOOKUPS, runtime_from_env
 from ...drafters.registry import cli_help, names
 from ...engine import GenerationError
 from ...models.loading import ModelLoadError, TokenizerMismatchError
@@ -28,7 +28,9 @@ DESCRIPTION = """`python -m specdemo bench`: our autoregressive and speculative 
 
 For each prompt: autoregressive, then speculative at each k (greedy unless told otherwise), one after the other;
 with --anchors also transformers' generate (plain, assisted, prompt lookup) at the same k on the same input ids, and
-with --anchors vllm (or hf,vllm) vLLM's plain, ngram and eagle3 decoding in its own venv and process, after ours.
+with --anchors vllm (or hf,vllm) vLLM's plain, ngram, suffix (for --drafter suffix) and eagle3 decoding in its own
+venv and process, after ours. Suffix decoding's cache of earlier answers is carried across the prompts in order, as
+a server carries it (--suffix-cold: emptied before each prompt).
 Writes bench.json, bench.md and bench.html. Forward passes are timed by hooks, so the per-step cost outside the
 model (drafting logic, acceptance, rollback, detokenization) is reported too.
 """
@@ -62,6 +64,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-threads-bind", metavar="CPUS",
                    help="with --anchors vllm: VLLM_CPU_OMP_THREADS_BIND for vLLM's CPU worker, e.g. 0-1 (default: "
                         "vLLM's 'auto', which keeps one core for its scheduler process)")
+    add_suffix_args(p)
+    p.add_argument("--suffix-cold", action="store_true",
+                   help="--drafter suffix: empty the cache of earlier answers before each prompt (default: carried "
+                        "across the prompts in order, as a server carries it; vLLM then keeps no earlier answers)")
+    p.add_argument("--hybrid-lookup", choices=HYBRID_LOOKUPS, default=D.hybrid_lookup,
+                   help="--drafter hybrid: its model-free half, prompt lookup or suffix decoding (default %(default)s)")
     p.add_argument("--out", default=D.out, help="output folder for bench.json, bench.md, bench.html "
                                                 "(default %(default)s, git-ignored)")
     p.add_argument("--device", default=D.device)
@@ -101,7 +109,8 @@ def bench_config(args: argparse.Namespace, env=os.environ) -> BenchConfig:
                        device=args.device, dtype=args.dtype, chat_template=not args.no_chat_template,
                        placement=placement_args(args), draft_device=args.draft_device,
                        theory=not args.no_theory, quiet=args.quiet, runtime=runtime_from_env(env),
-                       batch_sizes=args.batch_sizes, max_batches=args.max_batches)
+                       batch_sizes=args.batch_sizes, max_batches=args.max_batches, suffix=suffix_args(args),
+                       suffix_cold=args.suffix_cold, hybrid_lookup=args.hybrid_lookup)
 
 
 def summary_line(report: dict) -> str:
@@ -117,7 +126,7 @@ def summary_line(report: dict) -> str:
     v = a.get("vllm") or {}
     if v:
         line += f"  | vLLM plain {v['plain_tokens_per_s']:.1f} tok/s, our AR / vLLM plain {v['ar_vs_vllm_plain']:.2f}"
-        for m in ("ngram", "eagle3"):
+        for m in ("ngram", "suffix", "eagle3"):
             if v.get(f"{m}_speedup") is not None:
                 line += f", vLLM {m} speedup {v[f'{m}_speedup']:.2f}x"
     if "sd_ms_per_step" in ov:

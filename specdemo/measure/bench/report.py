@@ -10,6 +10,9 @@ from pathlib import Path
 
 from ...drafters.hybrid import describe_hybrid_cap
 from ...models.placement import placement_line
+from ...serve.serve_config import (
+    VLLM_METHODS,  # vLLM's speculative methods the bench runs beside plain decoding
+)
 from ..spec_metrics import pool
 from .timing import ratio
 
@@ -75,7 +78,6 @@ def anchors_summary(rows: list[dict]) -> dict:
     return out
 
 
-VLLM_METHODS = ("ngram", "eagle3", "draft_model")  # vLLM's speculative methods the bench runs beside plain decoding
 
 
 def vllm_summary(rows: list[dict]) -> dict:

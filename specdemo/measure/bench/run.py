@@ -3,6 +3,7 @@ speculative run at each k and the transformers anchors, one after the other (nev
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import platform
@@ -14,6 +15,7 @@ import torch
 
 from ...config import (
     BUNDLED_ID,
+    HYBRID_LOOKUP,
     MAX_K,
     MAX_K_ENGINE,
     VERIFICATION_RULES,
@@ -21,8 +23,10 @@ from ...config import (
     Placement,
     Runtime,
     SamplingConfig,
+    SuffixConfig,
 )
 from ...drafters.registry import check_draft
+from ...drafters.suffix import paused, suffix_cache_of
 from ...engine import encode_prompt, eos_ids
 from ...engine.timing import ForwardTimer, verify_costs_for
 from ...models.eagle3 import eagle3_export
@@ -70,6 +74,9 @@ class BenchConfig:
     max_batches: int | None = None  # the batch sweep: at most this many batches per batch size
     placement: Placement = Placement()  # the target's device map, memory limits and offload folder
     draft_device: str | None = None  # None: the target's device (a draft head: where the target's head computes)
+    suffix: SuffixConfig = SuffixConfig()  # suffix decoding's options (vLLM's names)
+    suffix_cold: bool = False  # empty the suffix cache before each prompt (default: carried across them in order)
+    hybrid_lookup: str = HYBRID_LOOKUP  # the hybrid's model-free half: "ngram" or "suffix"
 
     @property
     def drafter_kind(self) -> str:
@@ -128,21 +135,29 @@ def machine_info(device: torch.device, dtype: torch.dtype) -> dict:
 
 
 def bench_prompt(pair, item: PromptItem, prompt_ids: list[int], ks: list[int], config: GenerationConfig,
-                 timers, anchors: bool, runs: dict, progress=None, rules: tuple[str, ...] = ()) -> list[dict]:
+                 timers, anchors: bool, runs: dict, progress=None, rules: tuple[str, ...] = (),
+                 suffix_cold: bool = False) -> list[dict]:
     """All runs for one prompt: AR once, SD per k (under each verification rule in `rules`, default the config's),
     and the anchors; one result row per k and rule.
 
-    runs[k] gets (ar_run, sd_run) of the first rule appended, for the sweep module's per-k figures.
+    runs[k] gets (ar_run, sd_run) of the first rule appended, for the sweep module's per-k figures. A suffix drafter's
+    cache of earlier answers gets this prompt's answer once, from the last run (every k and rule drafts from the same
+    earlier answers); suffix_cold empties it first.
     """
+    cache = suffix_cache_of(pair.drafter)
+    if suffix_cold and cache is not None:
+        cache.clear()
     ar = measure_ours(lambda: run_ar(pair, prompt_ids, config), timers)
     model, tok = pair.target.model, pair.target.tokenizer
     kwargs = hf_kwargs(config.sampling, config.max_new_tokens, sorted(eos_ids(model, tok)))
     hf = measure_hf(model, prompt_ids, kwargs, timers, config.seed) if anchors else None
     rows = []
     rules = rules or (config.sampling.verification,)
-    for k, rule in ((k, rule) for k in ks for rule in rules):
+    runs_of = [(k, rule) for k in ks for rule in rules]
+    for k, rule in runs_of:
         k_config = with_rule(replace(config, num_draft_tokens=k), rule)
-        sd = measure_ours(lambda: run_sd(pair, prompt_ids, k_config), timers)
+        with paused(pair.drafter) if (k, rule) != runs_of[-1] else contextlib.nullcontext():
+            sd = measure_ours(lambda: run_sd(pair, prompt_ids, k_config), timers)
         if rule == rules[0]:
             runs.setdefault(k, []).append((ar.run, sd.run))
         s, a = sd.run.stats, ar.run.stats
@@ -237,7 +252,10 @@ def vllm_anchor(bc: BenchConfig, pair: Pair, items: list[PromptItem], prompt_ids
     draft_model = None  # a draft LLM (not an EAGLE head) for vLLM's draft_model method
     if hf_assistant(pair) is not None and pair.draft_name:
         draft_model = serve_target(pair.draft_name, bc.runtime)[0]  # the bundled draft: its converted folder
-    options = replace(bc.vllm_options, eagle3=eagle3, draft_model=draft_model)
+    suffix = None  # vLLM's suffix beside ours; cold: it keeps no earlier answers (ours starts each prompt empty)
+    if bc.drafter_kind == "suffix":
+        suffix = replace(bc.suffix, max_cached_requests=0) if bc.suffix_cold else bc.suffix
+    options = replace(bc.vllm_options, eagle3=eagle3, draft_model=draft_model, suffix=suffix)
 
     def mismatch(pid: str, ids: list[int]) -> dict | None:
         return first_mismatch(pair.target, by_id[pid], reference[pid], ids)
@@ -264,7 +282,7 @@ def run_bench(bc: BenchConfig) -> dict:
     if bc.vllm:
         check_vllm(bc)
     pair = load_pair(bc.target, kind, bc.draft, bc.device, bc.dtype, bc.draft_device, runtime=bc.runtime,
-                     placement=bc.placement)
+                     placement=bc.placement, suffix=bc.suffix, hybrid_lookup=bc.hybrid_lookup)
     tok = pair.target.tokenizer
     prompt_ids = [encode_prompt(tok, it.prompt, config.use_chat_template) for it in items]
     calibration = None
@@ -287,7 +305,8 @@ def run_bench(bc: BenchConfig) -> dict:
     try:
         with tqdm(total=len(items) * len(ks) * len(rules), desc="bench", file=sys.stderr, disable=bc.quiet) as bar:
             for item, ids in zip(items, prompt_ids):
-                rows += bench_prompt(pair, item, ids, ks, config, timers, bc.anchors, runs, bar, tuple(rules))
+                rows += bench_prompt(pair, item, ids, ks, config, timers, bc.anchors, runs, bar, tuple(rules),
+                                     bc.suffix_cold)
     finally:
         for t in timers:
             if t:
@@ -314,6 +333,10 @@ def run_bench(bc: BenchConfig) -> dict:
         "mean_accepted": "tokens per verify pass, bonus/correction included",
         "overhead": "wall seconds outside every target/draft forward call, per target forward call",
     }
+    if suffix_cache_of(pair.drafter) is not None:
+        cfg["suffix"] = {**bc.suffix.vllm_options(), "hybrid_lookup": bc.hybrid_lookup if kind == "hybrid" else None,
+                         "cache": "emptied before each prompt" if bc.suffix_cold else
+                                  "one per process, carried across the prompts in order"}
     if calibration:
         cfg["calibration"] = calibration
     if vllm_meta:
@@ -372,13 +395,14 @@ def run_batch_bench(bc: BenchConfig) -> dict:
                               seed=bc.seed, use_chat_template=bc.chat_template)
     config.validate()
     pair = load_pair(bc.target, kind, bc.draft, bc.device, bc.dtype, bc.draft_device, runtime=bc.runtime,
-                     placement=bc.placement)
+                     placement=bc.placement, suffix=bc.suffix, hybrid_lookup=bc.hybrid_lookup)
     prompt_ids = [encode_prompt(pair.target.tokenizer, it.prompt, config.use_chat_template) for it in items]
     rows = len(shared_rows(prompt_ids, sizes))
     machine = machine_info(pair.target.device, pair.target.dtype)
     total = len(sizes) + sum(min(rows // b, bc.max_batches or rows) for b in sizes)
     sweep = None
-    with tqdm(total=total, desc="bench", file=sys.stderr, disable=bc.quiet) as bar:
+    # every batch size decodes the same rows: none leaves an answer in a suffix drafter's cache for another to draft
+    with tqdm(total=total, desc="bench", file=sys.stderr, disable=bc.quiet) as bar, paused(pair.drafter):
         for sweep in iter_batch_sweep(pair, prompt_ids, sizes, config, k, bc.anchors,
                                       on_run=lambda *_: bar.update(1), max_batches=bc.max_batches):
             pass

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...config import BUNDLED_HUB_ID, BUNDLED_ID, Runtime
+from ...config import BUNDLED_HUB_ID, BUNDLED_ID, Runtime, SuffixConfig
 from ...models.loading import BUNDLED_ALIASES, LoadedModel, cache_root
 from ...serve.serve_config import Lookup, vllm_speculative_config
 from .timing import ratio
@@ -40,6 +40,7 @@ class VllmOptions:
     python: str | None = None  # SPECDEMO_VLLM_PYTHON; None: .venv-vllm/bin/python in the repository
     eagle3: str | None = None  # an exported EAGLE-3 folder for vLLM's eagle3 method (python -m specdemo export)
     draft_model: str | None = None  # a draft LLM (hub id or folder) for vLLM's draft_model method
+    suffix: SuffixConfig | None = None  # suffix decoding's options for vLLM's suffix method (None: not run)
     threads_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND for its CPU worker; None: vLLM's own "auto"
     enforce_eager: bool = True  # no torch.compile: the CPU build's compile path needs a C++ toolchain and minutes
     max_model_len: int = 2048
@@ -73,16 +74,16 @@ def model_source(model: LoadedModel, runtime: Runtime = Runtime()) -> str:
     return model.name
 
 
-def vllm_methods(ks: list[int], lookup: Lookup, eagle3: str | None = None, draft_model: str | None = None
-                 ) -> list[dict]:
-    """Plain decoding once, then at each k ngram, eagle3 with an exported head and draft_model with a draft LLM: one
-    vLLM engine each."""
+def vllm_methods(ks: list[int], lookup: Lookup, eagle3: str | None = None, draft_model: str | None = None,
+                 suffix: SuffixConfig | None = None) -> list[dict]:
+    """Plain decoding once, then at each k ngram, suffix with its options, eagle3 with an exported head and
+    draft_model with a draft LLM: one vLLM engine each (its prompts in order, so suffix's cache carries across them)."""
     methods = [{"name": "plain", "k": None, "speculative_config": None}]
     for k in ks:
-        for name, path in (("ngram", None), ("eagle3", eagle3), ("draft_model", draft_model)):
-            if name == "ngram" or path:
+        for name, path in (("ngram", None), ("suffix", None), ("eagle3", eagle3), ("draft_model", draft_model)):
+            if name == "ngram" or path or (name == "suffix" and suffix is not None):
                 methods.append({"name": name, "k": k,
-                                "speculative_config": vllm_speculative_config(name, k, path, lookup)})
+                                "speculative_config": vllm_speculative_config(name, k, path, lookup, suffix=suffix)})
     return methods
 
 
@@ -184,7 +185,7 @@ def run_vllm(rows: list[dict], target: LoadedModel, prompts: list[tuple[str, lis
     """All vLLM runs, after ours (our process idles while they run), attached to the rows; the report's metadata."""
     python = require_python(options.python)
     dtype = str(target.dtype).replace("torch.", "")
-    methods = vllm_methods(ks, lookup, options.eagle3, options.draft_model)
+    methods = vllm_methods(ks, lookup, options.eagle3, options.draft_model, options.suffix)
     request = build_request(model_source(target, runtime), prompts, eos, max_tokens, methods, options, seed, dtype)
     log.info("vLLM: %d engines (%s) on %d prompts; each loads for about a minute", len(methods),
              ", ".join(m["name"] + (f"@k={m['k']}" if m["k"] else "") for m in methods), len(prompts))
