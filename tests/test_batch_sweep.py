@@ -27,8 +27,8 @@ from specdemo.measure.bench.batch_report import (
     build_batch_report,
     write_batch_outputs,
 )
+from specdemo.measure.bench.batch_run import batch_k, parse_batch_sizes
 from specdemo.measure.bench.cli import batch_summary_lines
-from specdemo.measure.bench.run import batch_k, parse_batch_sizes
 from specdemo.measure.compare import Pair
 from specdemo.models.loading import LoadedModel
 

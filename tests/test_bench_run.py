@@ -8,7 +8,8 @@ import torch
 from specdemo.config import GenerationConfig, SamplingConfig
 from specdemo.drafters import ModelDrafter, NgramDrafter
 from specdemo.engine.timing import ForwardTimer
-from specdemo.measure.bench.report import build_report, markdown, write_outputs
+from specdemo.measure.bench.outputs import markdown, write_outputs
+from specdemo.measure.bench.report import build_report
 from specdemo.measure.bench.run import bench_prompt, parse_ks, parse_rules
 from specdemo.measure.bench.timing import target_modules
 from specdemo.measure.compare import Pair

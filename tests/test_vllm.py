@@ -17,7 +17,8 @@ from specdemo.__main__ import main as cli_main
 from specdemo.drafters import HybridDrafter, NgramDrafter
 from specdemo.measure.bench import main as bench_main
 from specdemo.measure.bench.cli import bench_config, parser
-from specdemo.measure.bench.report import build_report, html, markdown
+from specdemo.measure.bench.outputs import html, markdown
+from specdemo.measure.bench.report import build_report
 from specdemo.measure.bench.vllm import (
     DRIVER,
     PROTOCOL,

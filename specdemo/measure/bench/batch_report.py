@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .report import HONEST_BASELINE, fmt, md_table, write_outputs
+from .outputs import fmt, md_table, write_outputs
+from .report import HONEST_BASELINE
 
 
 def build_batch_report(config: dict, machine: dict, sweep: dict) -> dict:

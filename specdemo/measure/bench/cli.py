@@ -17,8 +17,9 @@ from ...drafters.registry import cli_help, names
 from ...engine import GenerationError
 from ...models.loading import ModelLoadError, TokenizerMismatchError
 from .batch_report import batch_baseline_warning
-from .report import baseline_warning
-from .run import BenchConfig, run_batch_bench, run_bench
+from .batch_run import run_batch_bench
+from .outputs import baseline_warning
+from .run import BenchConfig, run_bench
 from .vllm import VLLM_PYTHON_ENV, VllmOptions, VllmUnavailable
 
 ANCHORS = ("hf", "vllm")

@@ -36,7 +36,8 @@ from ..compare import Pair, first_mismatch, load_pair, pair_placement, warmup
 from ..spec_metrics import speculative_decoding, steps_of
 from ..tune_k import point, run_ar, run_sd, summarize, sweep
 from .anchors import assistant_k, hf_assistant, hf_generate, hf_kwargs, measure_hf
-from .report import build_report, write_outputs
+from .outputs import write_outputs
+from .report import build_report
 from .timing import drafter_modules, measure_ours, put, ratio, target_modules
 from .vllm import VllmOptions, require_python, run_vllm
 
@@ -349,80 +350,3 @@ def run_bench(bc: BenchConfig) -> dict:
 
 
 # ---- the batch-size sweep (--batch-size): batched AR and SD, and generate on the same padded batches ----
-
-def parse_batch_sizes(text: str) -> list[int]:
-    """'1,2,4,8,16' -> [1, 2, 4, 8, 16] (sorted, distinct, each at least 1)."""
-    try:
-        sizes = sorted({int(x) for x in text.replace(" ", "").split(",") if x})
-    except ValueError:
-        sizes = []
-    if not sizes or sizes[0] < 1:
-        raise ValueError(f"--batch-size must be positive integers like 1,2,4,8,16, got '{text}'")
-    return sizes
-
-
-def batch_k(text: str) -> int | None:
-    """--k for the batch sweep: one k for every batch size, or 'auto' (None: chosen per batch size)."""
-    ks = parse_ks(text)
-    if ks == "auto":
-        return None
-    if len(ks) != 1:
-        raise ValueError(f"with --batch-size, --k takes one value or 'auto', got '{text}'")
-    return ks[0]
-
-
-def run_batch_bench(bc: BenchConfig) -> dict:
-    """The batch-size sweep (specdemo.measure.batch_sizes) on the prompt set; returns the report, also written to bc.out."""
-    from tqdm.auto import tqdm
-
-    from ..batch_sizes import iter_batch_sweep, shared_rows
-    from .batch_report import build_batch_report, write_batch_outputs
-
-    items = read_prompts(bc.prompts, bc.limit)
-    if not items:
-        raise ValueError(f"no prompts in {bc.prompts}")
-    sizes, k = parse_batch_sizes(bc.batch_sizes or ""), batch_k(bc.k)
-    rules = parse_rules(bc.verification, bc.temperature)
-    if len(rules) > 1:
-        raise ValueError("with --batch-size, --verification takes one rule")
-    if bc.vllm:
-        raise ValueError("--anchors vllm compares at batch 1 and is not part of the batch sweep; use --anchors "
-                         "(transformers' generate on the same padded batches) with --batch-size")
-    kind = bc.drafter_kind
-    check_draft(kind, bc.draft)
-    config = GenerationConfig(max_new_tokens=bc.max_new_tokens,
-                              sampling=SamplingConfig(bc.temperature, verification=rules[0]), num_draft_tokens=k or 1,
-                              seed=bc.seed, use_chat_template=bc.chat_template)
-    config.validate()
-    pair = load_pair(bc.target, kind, bc.draft, bc.device, bc.dtype, bc.draft_device, runtime=bc.runtime,
-                     placement=bc.placement, suffix=bc.suffix, hybrid_lookup=bc.hybrid_lookup)
-    prompt_ids = [encode_prompt(pair.target.tokenizer, it.prompt, config.use_chat_template) for it in items]
-    rows = len(shared_rows(prompt_ids, sizes))
-    machine = machine_info(pair.target.device, pair.target.dtype)
-    total = len(sizes) + sum(min(rows // b, bc.max_batches or rows) for b in sizes)
-    sweep = None
-    # every batch size decodes the same rows: none leaves an answer in a suffix drafter's cache for another to draft
-    with tqdm(total=total, desc="bench", file=sys.stderr, disable=bc.quiet) as bar, paused(pair.drafter):
-        for sweep in iter_batch_sweep(pair, prompt_ids, sizes, config, k, bc.anchors,
-                                      on_run=lambda *_: bar.update(1), max_batches=bc.max_batches):
-            pass
-    if hasattr(os, "getloadavg"):
-        machine["load_average_end"] = list(os.getloadavg())
-    cfg = {
-        "prompts": str(bc.prompts), "limit": bc.limit, "num_prompts": len(items), "rows": rows,
-        "target": pair.target.name, "drafter": kind, "draft": pair.draft_name, "k_arg": bc.k,
-        "batch_sizes": sizes, "max_batches": bc.max_batches, "temperature": bc.temperature,
-        "verification": rules[0], "max_new_tokens": bc.max_new_tokens, "seed": bc.seed,
-        "anchors": bc.anchors, "chat_template": config.use_chat_template, "placement": pair_placement(pair),
-        "batching": "the prompt set in order, cut to a multiple of the largest batch size (cycled when smaller), "
-                    "B at a time: every batch size runs the same rows and no batch is partial",
-        "throughput": "all rows' new tokens / the wall seconds of every batch's run, per decoder",
-        "speedup": "speculative tokens/s / autoregressive tokens/s at the same batch size",
-        "mean_accepted": "tokens per row per verify pass, bonus/correction included",
-        "verify_cost": "seconds of a B x (k+1) target pass / a B x 1 pass (micro-benchmark at that batch size)",
-    }
-    if pair.calibration is not None:
-        cfg.update(pair.calibration.as_dict())
-    report = build_batch_report(cfg, machine, sweep.as_dict())
-    write_batch_outputs(report, Path(bc.out))
-    return report
