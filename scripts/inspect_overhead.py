@@ -46,7 +46,7 @@ def main() -> None:
     pair = load_pair("smollm2-135m", args.drafter, device="cpu")
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, num_draft_tokens=args.k)
     prompts = [encode_prompt(pair.target.tokenizer, p.prompt) for p in read_prompts(DEFAULT_PROMPTS, args.prompts)]
-    warmup(pair, prompts[0], config)
+    warmup(pair, prompts[:1], config)
     real = inspect_verify
     ms: dict[str, list[float]] = {"with": [], "without": []}
     for _ in range(args.repeats):

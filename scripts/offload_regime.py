@@ -36,10 +36,10 @@ WIDTHS = (1, 2, 4, 8)
 
 def regime(name: str, loaded, prompts: list[list[int]], ks: list[int], config: GenerationConfig) -> dict:
     """Pass costs, then per prompt AR once and SD per drafter and k; totals over the prompts."""
-    passes = forward_seconds(loaded.model, prompts[0], WIDTHS, repeats=2)
+    passes = forward_seconds(loaded.model, prompts[:1], WIDTHS, repeats=2)
     drafters = {kind: make_drafter(loaded, kind, None)[0] for kind in ("ngram", "model")}
     for kind, drafter in drafters.items():  # untimed: every code path once
-        warmup(Pair(loaded, drafter, kind, None), prompts[0], replace(config, num_draft_tokens=max(ks)))
+        warmup(Pair(loaded, drafter, kind, None), prompts[:1], replace(config, num_draft_tokens=max(ks)))
     ar_s, ar_tokens, sd = 0.0, 0, {}
     for ids in prompts:
         ar = run_ar(Pair(loaded, drafters["ngram"], "ngram", None), ids, config)

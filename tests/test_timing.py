@@ -10,7 +10,7 @@ from specdemo.measure.bench.timing import target_modules
 
 def test_forward_costs_are_relative_to_one_token(tiny_target):
     """forward_costs reports 1.0 for width 1 and leaves the cache usable (positive ratios for every width)."""
-    costs = forward_costs(tiny_target, [3, 5, 7, 3], [2, 5], repeats=1)
+    costs = forward_costs(tiny_target, [[3, 5, 7, 3]], [2, 5], repeats=1)
     assert costs[1] == 1.0 and set(costs) == {1, 2, 5}
     assert all(v > 0 for v in costs.values())
 
@@ -31,7 +31,7 @@ def test_forward_costs_survive_a_slow_spell(tiny_target, monkeypatch):
 
     handle = tiny_target.register_forward_pre_hook(simulated_pass, with_kwargs=True)
     try:
-        costs = forward_costs(tiny_target, [3, 5, 7, 3], [2, 3], repeats=3)
+        costs = forward_costs(tiny_target, [[3, 5, 7, 3]], [2, 3], repeats=3)
     finally:
         handle.remove()
     assert len(calls) == 1 + 4 * 3  # the prompt, then a warm-up round and 3 rounds of widths 1, 2, 3
@@ -79,7 +79,7 @@ def test_verify_costs_interpolate_between_measured_widths(monkeypatch):
         return {1: 0.5, **{w: 0.5 * (1.0 + 0.1 * (w - 1)) for w in widths}}  # linear in width
 
     monkeypatch.setattr(timing, "forward_seconds", fake_seconds)
-    costs = verify_costs_for(None, [1, 2], k_max=8)
+    costs = verify_costs_for(None, [[1, 2]], k_max=8)
     assert measured["widths"] == [2, 3, 4, 5, 7, 9]
     assert sorted(costs) == list(range(1, 9))
     assert all(abs(costs[k] - (1.0 + 0.1 * k)) < 1e-9 for k in costs)  # k + 1 tokens: 1 + 0.1 k, even where interpolated

@@ -158,7 +158,7 @@ def calibrate(model: Drafter, target, draft_name: str | None = None,
     memo = _measured.setdefault(target.model, {})
     costs = memo.get("verify")
     if costs is None:
-        measured = forward_costs(target.model, probe, [2, 3], repeats=3)
+        measured = forward_costs(target.model, [probe], [2, 3], repeats=3)
         costs = memo["verify"] = {w: round(v, 3) for w, v in measured.items()}
     key = ("draft", draft_name)
     if draft_name and key in memo:

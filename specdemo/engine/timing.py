@@ -95,18 +95,16 @@ class ForwardTimer:
 
 
 @torch.inference_mode()
-def forward_seconds(model, prompts: Sequence[list[int]] | list[int], widths: Sequence[int],
+def forward_seconds(model, prompts: Sequence[list[int]], widths: Sequence[int],
                     repeats: int = 3) -> dict[int, float]:
-    """{w: the best seconds of a B x w forward after the B prompts' cache} for each width and 1 (one prompt's ids
-    alone: B = 1). The pass-cost model every k choice reads: verify passes of k + 1 tokens per row.
+    """{w: the best seconds of a B x w forward after the B prompts' cache} for each width and 1 (B = 1: one prompt's
+    ids in a list). The pass-cost model every k choice reads: verify passes of k + 1 tokens per row.
 
     The widths take turns (a warm-up round, then `repeats` rounds of one pass each), so a slow spell of a shared
     machine slows one pass of every width rather than all of one width's (measured one width after the other, a busy
     spell could make a wider pass look cheaper than a 1-token one)."""
     from .kv import BatchKV, left_padded
 
-    if prompts and isinstance(prompts[0], int):
-        prompts = [prompts]
     kv = BatchKV(model, len(prompts))
     tokens, real = left_padded(prompts, kv.device)
     kv.forward(tokens, real, 1)
@@ -124,7 +122,7 @@ def forward_seconds(model, prompts: Sequence[list[int]] | list[int], widths: Seq
     return seconds
 
 
-def forward_costs(model, prompts: Sequence[list[int]] | list[int], widths: Sequence[int],
+def forward_costs(model, prompts: Sequence[list[int]], widths: Sequence[int],
                   repeats: int = 3) -> dict[int, float]:
     """Seconds of a `w`-token forward after the prompts' cache, over a 1-token forward: {w: ratio}.
 
@@ -152,7 +150,7 @@ def verify_costs(costs: dict[int, float], k_max: int) -> dict[int, float]:
     return out
 
 
-def verify_costs_for(model, prompts: Sequence[list[int]] | list[int], k_max: int = MAX_K,
+def verify_costs_for(model, prompts: Sequence[list[int]], k_max: int = MAX_K,
                      repeats: int = 2) -> dict[int, float]:
     """{k: cost of a (k+1)-token pass / a 1-token pass} for k = 1..k_max (a micro-benchmark, see forward_seconds)."""
     return verify_costs(forward_seconds(model, prompts, cost_widths(k_max), repeats), k_max)

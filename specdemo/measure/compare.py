@@ -55,16 +55,16 @@ def drafter_k(drafter: Drafter) -> int | None:
 
 
 def make_drafter(target: LoadedModel, kind: str, draft: str | None, device=None, dtype=None,
-                 trust_remote_code: bool = False, runtime: Runtime = Runtime(), *, suffix: SuffixConfig = SuffixConfig(),
-                 suffix_cache=None, hybrid_lookup: str = HYBRID_LOOKUP
+                 trust_remote_code: bool = False, runtime: Runtime = Runtime(), *,
+                 suffix: SuffixConfig = SuffixConfig(), suffix_cache=None, hybrid_lookup: str = HYBRID_LOOKUP
                  ) -> tuple[Drafter, str | None, HybridCalibration | None]:
     """Build a drafter of a registered kind (registry.get(kind).factory): prompt lookup, a draft (the shipped trained
     draft, an EAGLE-3 head, any causal LM sharing the tokenizer: drafts.resolve_draft says which), the hybrid of the
     two, or any kind registered since. `device` is a draft LM's (None: the default device); an EAGLE-3 head computes
     where the target's embeddings are. Suffix decoding takes its options and the SuffixCache of earlier answers its
     caller owns (None: a new one). Returns (drafter, draft name or None, the hybrid's calibration or None)."""
-    return get(kind).factory(target, draft, BuildOptions(device, dtype, trust_remote_code, runtime, suffix, suffix_cache,
-                                                         hybrid_lookup))
+    options = BuildOptions(device, dtype, trust_remote_code, runtime, suffix, suffix_cache, hybrid_lookup)
+    return get(kind).factory(target, draft, options)
 
 
 def load_pair(target: str, kind: str = "model", draft: str | None = None, device=None, dtype=None,
@@ -92,11 +92,10 @@ def pair_placement(pair: Pair) -> dict:
 WARMUP_TOKENS = 4
 
 
-def warmup(pair: Pair, prompts: list[int] | Sequence[list[int]], config: GenerationConfig) -> None:
-    """A few untimed steps of both runs, at this batch shape (one prompt's ids, or the rows of a batch), so one-off
-    allocation costs land on no clock. The one warm-up: compare, the sweeps and the bench call it. It leaves no answer
-    in a suffix drafter's cache (the timed run would draft its own start from it)."""
-    rows = [prompts] if prompts and isinstance(prompts[0], int) else list(prompts)
+def warmup(pair: Pair, rows: Sequence[list[int]], config: GenerationConfig) -> None:
+    """A few untimed steps of both runs, at this batch shape (the rows of a batch; one prompt's ids in a list), so
+    one-off allocation costs land on no clock. The one warm-up: compare, the sweeps and the bench call it. It leaves no
+    answer in a suffix drafter's cache (the timed run would draft its own start from it)."""
     short = GenerationConfig(max_new_tokens=WARMUP_TOKENS, num_draft_tokens=config.num_draft_tokens,
                              sampling=config.sampling)
     with paused(pair.drafter):
@@ -185,7 +184,7 @@ def _run_json(events: list[StepEvent], stats: RunStats) -> dict:
 def calibrate(pair: Pair, prompt_ids: list[int], config: GenerationConfig, tokens: int = 16) -> PassCosts:
     """Untimed: a warm-up, then both decoders on `tokens` new tokens taking turns; the medians of their passes (what a
     run's passes are compared with, metrics.cost_drift)."""
-    warmup(pair, prompt_ids, config)
+    warmup(pair, [prompt_ids], config)
     runs: dict[str, list[StepEvent]] = {"ar": [], "sd": []}
     for which, event in stream_pair(pair, prompt_ids, replace(config, max_new_tokens=tokens)):
         runs[which].append(event)
@@ -198,7 +197,7 @@ def iter_compare(pair: Pair, prompt_ids: list[int], config: GenerationConfig,
     Closing the generator stops the run in progress."""
     config.validate()
     if do_warmup:
-        warmup(pair, prompt_ids, config)
+        warmup(pair, [prompt_ids], config)
     runs: dict[str, list[StepEvent]] = {"ar": [], "sd": []}
     stream = stream_pair(pair, prompt_ids, config)
     try:

@@ -177,7 +177,7 @@ def iter_sweep(
     """
     ids = encode_all(pair, prompts, config)
     if do_warmup and ids:
-        warmup(pair, ids[0], config)
+        warmup(pair, ids[:1], config)
     ar_runs = []
     for i, p in enumerate(ids):
         ar_runs.append(run_ar(pair, p, config))
@@ -214,7 +214,7 @@ def sweep(
     costs = {}
     if measure_verify_costs:
         first = encode_all(pair, prompts, config)[0]
-        costs = verify_costs_for(pair.target.model, first, max([k_max] + list(ks)))
+        costs = verify_costs_for(pair.target.model, [first], max([k_max] + list(ks)))
     return summarize(points, costs, k_max)
 
 

@@ -219,7 +219,7 @@ def calibrate_k(pair: Pair, prompts: list[list[int]], config: GenerationConfig, 
 def warm(pair: Pair, prompt_ids: list[int], config: GenerationConfig, ks: list[int], anchors: bool) -> None:
     """Untimed runs of every code path before the clock starts."""
     for k in sorted(set(ks)):
-        warmup(pair, prompt_ids, replace(config, num_draft_tokens=k))
+        warmup(pair, [prompt_ids], replace(config, num_draft_tokens=k))
     if anchors:
         model, tok = pair.target.model, pair.target.tokenizer
         kwargs = hf_kwargs(config.sampling, 4, sorted(eos_ids(model, tok)))
@@ -320,7 +320,7 @@ def run_bench(bc: BenchConfig) -> dict:
         # the sweep module's view of the same runs: per-k alpha, c, verify cost, and the expected-speedup curve
         k_max = max([MAX_K] + ks)
         points = [point(k, [a for a, _ in runs[k]], [s for _, s in runs[k]]) for k in ks]
-        theory = summarize(points, verify_costs_for(pair.target.model, prompt_ids[0], k_max), k_max).as_dict()
+        theory = summarize(points, verify_costs_for(pair.target.model, prompt_ids[:1], k_max), k_max).as_dict()
     vllm_meta = None
     if bc.vllm:  # after all our timing: vLLM's processes never share the CPU with our decoders
         vllm_meta = vllm_anchor(bc, pair, items, prompt_ids, ks, config, rows, runs)
