@@ -60,6 +60,33 @@ class Verdict:
     target_hidden: torch.Tensor | None = None  # (num_accepted + 1, W) target features, for drafters that read them
 
 
+class Chains:
+    """Each row's draft chain as a drafter grows it one token per pass (a draft LM, an EAGLE-3 head): the tokens, the
+    q rows (sampling only), q of each token, and which rows still draft (a row stops at its k or at end of sequence).
+    """
+
+    def __init__(self, request: DraftRequest):
+        rows = len(request.ids)
+        self.ks, self.eos = request.ks, request.eos_token_ids
+        self.tokens: list[list[int]] = [[] for _ in range(rows)]
+        self.probs: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+        self.q_tokens: list[list[float]] = [[] for _ in range(rows)]
+        self.active = [k > 0 for k in request.ks]
+
+    def add(self, r: int, token: int, q: torch.Tensor | None = None) -> None:
+        """Row r drafts `token` (q: its full draft distribution when sampling)."""
+        self.tokens[r].append(token)
+        if q is not None:
+            self.probs[r].append(q)
+        self.active[r] = token not in self.eos and len(self.tokens[r]) < self.ks[r]
+
+    def proposals(self) -> list[Proposal]:
+        import torch
+
+        return [Proposal(t, torch.stack(p) if p else None, qt) for t, p, qt in zip(self.tokens, self.probs,
+                                                                                   self.q_tokens)]
+
+
 class Drafter(ABC):
     """Proposes tokens for the target to verify, for every row of a batch."""
 

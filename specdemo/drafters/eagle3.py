@@ -17,7 +17,7 @@ from ..engine.kv import PAD, Slots, gather_slots, left_padded
 from ..engine.verify import generator_on, logits_to_probs
 from ..models import kernels
 from ..models.eagle3 import load_head, locate_eagle3, recorded_k
-from .base import Drafter, DraftRequest, Proposal
+from .base import Chains, Drafter, DraftRequest, Proposal
 
 if TYPE_CHECKING:
     from ..models.eagle3 import Eagle3Head
@@ -126,26 +126,24 @@ class Eagle3Drafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, request: DraftRequest) -> list[Proposal]:
-        ids, ks, sampling, eos = request.ids, request.ks, request.sampling, request.eos_token_ids
+        ids, ks, sampling = request.ids, request.ks, request.sampling
         rows = len(ids)
-        tokens: list[list[int]] = [[] for _ in range(rows)]
-        probs: list[list[torch.Tensor]] = [[] for _ in range(rows)]
-        q_tokens: list[list[float]] = [[] for _ in range(rows)]
         self.confidences = [[] for _ in range(rows)]
         if max(ks, default=0) <= 0:
             return [Proposal([]) for _ in range(rows)]
+        chains = Chains(request)
         self._drop_drafted()
         feature = self._catch_up(ids, ks)
         subset = self.head.subset
         gens = None if sampling.greedy else [generator_on(g, self.device) for g in request.generators]
-        active = [k > 0 for k in ks]
         while True:
+            active = chains.active
             logits = self.head.logits(feature)  # (B, S)
             q_sub = torch.softmax(logits.float(), -1) if sampling.greedy else logits_to_probs(logits, sampling)
             peak, top = q_sub.max(-1)
             peak = peak.tolist()
             for r in range(rows):  # unsure: stop before this token, before drawing it
-                if active[r] and tokens[r] and peak[r] < self.min_confidence:
+                if active[r] and chains.tokens[r] and peak[r] < self.min_confidence:
                     active[r] = False
             if not any(active):
                 break
@@ -159,20 +157,20 @@ class Eagle3Drafter(Drafter):
             for r in range(rows):
                 if not active[r]:
                     continue
-                token = int(subset[index_l[r]])
                 self.confidences[r].append(peak[r])
-                q_tokens[r].append(chosen[r])
+                chains.q_tokens[r].append(chosen[r])
+                q = None
                 if not sampling.greedy:
                     q = torch.zeros(self.head.c.vocab_size, dtype=q_sub.dtype, device=q_sub.device)
-                    probs[r].append(q.index_copy_(0, subset, q_sub[r]))
-                tokens[r].append(token)
-                active[r] = token not in eos and len(tokens[r]) < ks[r]
-            if not any(active):
+                    q.index_copy_(0, subset, q_sub[r])
+                chains.add(r, int(subset[index_l[r]]), q)
+            if not any(chains.active):
                 break
-            step_tok = torch.tensor([[t[-1] if a else PAD] for t, a in zip(tokens, active)], device=self.device)
-            step_real = torch.tensor([[a] for a in active], device=self.device)
+            step_tok = torch.tensor([[t[-1] if a else PAD] for t, a in zip(chains.tokens, chains.active)],
+                                    device=self.device)
+            step_real = torch.tensor([[a] for a in chains.active], device=self.device)
             feature = self._pass(feature[:, None], step_tok, step_real)[:, -1]
-        return [Proposal(t, torch.stack(p) if p else None, qt) for t, p, qt in zip(tokens, probs, q_tokens)]
+        return chains.proposals()
 
     def update(self, verdicts) -> None:
         self._drop_drafted()

@@ -6,7 +6,7 @@ import torch
 
 from ..engine.kv import BatchKV, check_cache
 from ..engine.verify import generator_on, logits_to_probs
-from .base import Drafter, DraftRequest, Proposal
+from .base import Chains, Drafter, DraftRequest, Proposal
 
 
 class ModelDrafter(Drafter):
@@ -31,43 +31,36 @@ class ModelDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, request: DraftRequest) -> list[Proposal]:
-        ids, ks, sampling, eos = request.ids, request.ks, request.sampling, request.eos_token_ids
-        rows = len(ids)
-        tokens: list[list[int]] = [[] for _ in range(rows)]
-        probs: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+        ids, sampling = request.ids, request.sampling
+        if max(request.ks, default=0) <= 0:
+            return [Proposal([]) for _ in ids]
+        chains, rows = Chains(request), range(len(ids))
         q_steps: list[torch.Tensor] = []  # per drafting pass, (B,): q of each row's token, read back once at the end
         drafting: list[list[bool]] = []  # per drafting pass: which rows drafted in it
-        if max(ks, default=0) <= 0:
-            return [Proposal([]) for _ in range(rows)]
         gens = None if sampling.greedy else [generator_on(g, self.device) for g in request.generators]
-        active = [k > 0 for k in ks]
         logits = self.kv.step([row[n:] for row, n in zip(ids, self.kv.counts)])  # (B, V)
         while True:
+            active = chains.active
             if sampling.greedy:
                 q, index = torch.softmax(logits.float(), -1), logits.argmax(-1)  # (B, V), (B,)
                 choice = index.tolist()
             else:
                 q = logits_to_probs(logits, sampling)  # (B, V)
-                choice = [int(torch.multinomial(q[r], 1, generator=gens[r])) if active[r] else 0 for r in range(rows)]
+                choice = [int(torch.multinomial(q[r], 1, generator=gens[r])) if active[r] else 0 for r in rows]
                 index = torch.tensor(choice, device=q.device)
             q_steps.append(q.gather(1, index[:, None])[:, 0])
             drafting.append(list(active))
-            for r in range(rows):
-                if not active[r]:
-                    continue
-                if not sampling.greedy:
-                    probs[r].append(q[r].to(self.target_device))
-                tokens[r].append(choice[r])
-                active[r] = choice[r] not in eos and len(tokens[r]) < ks[r]
-            if not any(active):
+            for r in rows:
+                if active[r]:
+                    chains.add(r, choice[r], None if sampling.greedy else q[r].to(self.target_device))
+            if not any(chains.active):
                 break
-            logits = self.kv.step([[t[-1]] if a else [] for t, a in zip(tokens, active)])
-        q_tokens: list[list[float]] = [[] for _ in range(rows)]
+            logits = self.kv.step([[t[-1]] if a else [] for t, a in zip(chains.tokens, chains.active)])
         for values, was_active in zip(torch.stack(q_steps).tolist(), drafting):
-            for r in range(rows):
+            for r in rows:
                 if was_active[r]:
-                    q_tokens[r].append(values[r])
-        return [Proposal(t, torch.stack(p) if p else None, qt) for t, p, qt in zip(tokens, probs, q_tokens)]
+                    chains.q_tokens[r].append(values[r])
+        return chains.proposals()
 
     def update(self, verdicts) -> None:
         # the cache holds committed ids plus drafted tokens; keep the part the target agreed with (not its own token)
