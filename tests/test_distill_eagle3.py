@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import tiny_llama, tiny_tokenizer
 from test_distill_cli import TEMPLATE
-from test_distill_features import VOCAB, greedy_samples
+from test_distill_features import VOCAB, assert_drafts_losslessly, greedy_samples
 
 from specdemo.config import GenerationConfig
 from specdemo.drafters.eagle3 import load_eagle3
@@ -75,12 +75,7 @@ def test_eagle3_head_learns_the_target_and_its_checkpoint_drafts_losslessly(tmp_
     assert torch.allclose(ours, loaded, atol=0.05, rtol=0.01)  # fp16 weights in the checkpoint
     assert float((ours.argmax(-1) == loaded.argmax(-1)).float().mean()) > 0.95
 
-    config = GenerationConfig(max_new_tokens=24, num_draft_tokens=3)
-    prompt = samples[-1]["ids"][: samples[-1]["prompt_len"]]
-    ar = generated_ids(list(autoregressive(target, tok, prompt, config)))
-    events = list(speculative(target, tok, drafter, prompt, config))
-    assert generated_ids(events) == ar
-    assert sum(e.num_accepted for e in events if e.kind == "spec") > 0
+    assert_drafts_losslessly(target, tok, drafter, samples)
 
 
 def test_the_scale_is_folded_into_fc_exactly_and_restored():

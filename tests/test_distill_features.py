@@ -87,3 +87,17 @@ def test_plain_features_are_sliced_from_a_fused_cache(tmp_path, monkeypatch):
     assert len(grown["features"]) == 8 and grown["layers"] == ()
     assert all(torch.allclose(a.float(), b.float(), atol=1e-3) for a, b in zip(grown["features"], whole["features"]))
     assert tuple(torch.load(tmp_path / "features.pt")["layers"]) == ()
+
+
+def assert_drafts_losslessly(target, tok, drafter, samples) -> None:
+    """The trained head drafts for its target on the last sample's prompt: the target's own greedy output, and some
+    drafts accepted."""
+    from specdemo.config import GenerationConfig
+    from specdemo.engine import autoregressive, generated_ids, speculative
+
+    config = GenerationConfig(max_new_tokens=24, num_draft_tokens=3)
+    prompt = samples[-1]["ids"][: samples[-1]["prompt_len"]]
+    ar = generated_ids(list(autoregressive(target, tok, prompt, config)))
+    events = list(speculative(target, tok, drafter, prompt, config))
+    assert generated_ids(events) == ar
+    assert sum(e.num_accepted for e in events if e.kind == "spec") > 0

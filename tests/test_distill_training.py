@@ -5,11 +5,15 @@ import json
 
 import torch
 from conftest import tiny_llama, tiny_tokenizer
-from test_distill_features import AUX, VOCAB, eagle3_trainee, greedy_samples
+from test_distill_features import (
+    AUX,
+    VOCAB,
+    assert_drafts_losslessly,
+    eagle3_trainee,
+    greedy_samples,
+)
 
-from specdemo.config import GenerationConfig
 from specdemo.drafters.eagle3 import load_eagle3
-from specdemo.engine import autoregressive, generated_ids, speculative
 from specdemo.models.loading import LoadedModel
 from specdemo.train import cli, features, heads, training
 
@@ -39,12 +43,7 @@ def test_distill_learns_the_target_and_writes_a_lossless_draft(tmp_path):
     tok = tiny_tokenizer([f"w{i}" for i in range(1, VOCAB)])
     drafter = load_eagle3(tmp_path / "head", LoadedModel("tiny", target, tok, torch.device("cpu"), torch.float32,
                                                          "test"))
-    config = GenerationConfig(max_new_tokens=24, num_draft_tokens=3)
-    prompt = samples[-1]["ids"][: samples[-1]["prompt_len"]]
-    ar = generated_ids(list(autoregressive(target, tok, prompt, config)))
-    events = list(speculative(target, tok, drafter, prompt, config))
-    assert generated_ids(events) == ar
-    assert sum(e.num_accepted for e in events if e.kind == "spec") > 0
+    assert_drafts_losslessly(target, tok, drafter, samples)
 
 
 def test_held_out_split_prefers_self_written_instructions():
