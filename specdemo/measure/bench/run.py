@@ -16,11 +16,11 @@ from ...config import (
     BUNDLED_ID,
     MAX_K,
     MAX_K_ENGINE,
-    VERIFICATION_RULES,
     GenerationConfig,
     Placement,
     Runtime,
     SamplingConfig,
+    parse_verification,
 )
 from ...drafters.registry import check_draft
 from ...engine import encode_prompt, eos_ids
@@ -86,22 +86,6 @@ def parse_ks(text: str) -> list[int] | str:
     return ks
 
 
-def parse_rules(text: str, temperature: float) -> list[str]:
-    """'token,block' -> ['token', 'block'] (VERIFICATION_RULES); more than one only when sampling."""
-    rules = list(dict.fromkeys(x for x in text.replace(" ", "").lower().split(",") if x))
-    unknown = [r for r in rules if r not in VERIFICATION_RULES]
-    if not rules or unknown:
-        raise ValueError(f"--verification takes a comma list of {', '.join(VERIFICATION_RULES)}, got '{text}'")
-    if len(rules) > 1 and temperature <= 0:
-        raise ValueError("--verification lists several rules, but at temperature 0 every rule is greedy; "
-                         "add --temperature (for example 1.0)")
-    return rules
-
-
-def with_rule(config: GenerationConfig, rule: str) -> GenerationConfig:
-    return replace(config, sampling=replace(config.sampling, verification=rule))
-
-
 def machine_info(device: torch.device, dtype: torch.dtype) -> dict:
     """CPU model, cores, threads, library versions, device and dtype."""
     import transformers
@@ -141,7 +125,7 @@ def bench_prompt(pair, item: PromptItem, prompt_ids: list[int], ks: list[int], c
     rows = []
     rules = rules or (config.sampling.verification,)
     for k, rule in ((k, rule) for k in ks for rule in rules):
-        k_config = with_rule(replace(config, num_draft_tokens=k), rule)
+        k_config = replace(config, num_draft_tokens=k).with_verification(rule)
         sd = measure_ours(lambda: run_sd(pair, prompt_ids, k_config), timers)
         if rule == rules[0]:
             runs.setdefault(k, []).append((ar.run, sd.run))
@@ -255,7 +239,7 @@ def run_bench(bc: BenchConfig) -> dict:
     if not items:
         raise ValueError(f"no prompts in {bc.prompts}")
     ks = parse_ks(bc.k)
-    rules = parse_rules(bc.verification, bc.temperature)
+    rules = parse_verification(bc.verification, bc.temperature)
     kind = bc.drafter_kind
     check_draft(kind, bc.draft)
     config = GenerationConfig(max_new_tokens=bc.max_new_tokens, sampling=SamplingConfig(bc.temperature,
@@ -275,7 +259,7 @@ def run_bench(bc: BenchConfig) -> dict:
         log.info("calibrated k = %d", best)
     warm(pair, prompt_ids[0], config, ks, bc.anchors)
     for rule in rules[1:]:
-        warm(pair, prompt_ids[0], with_rule(config, rule), ks, False)
+        warm(pair, prompt_ids[0], config.with_verification(rule), ks, False)
 
     device = pair.target.device
     draft_mods = list({id(m): m for m in drafter_modules(pair.drafter)}.values())  # an assistant is one of these
@@ -359,7 +343,7 @@ def run_batch_bench(bc: BenchConfig) -> dict:
     if not items:
         raise ValueError(f"no prompts in {bc.prompts}")
     sizes, k = parse_batch_sizes(bc.batch_sizes or ""), batch_k(bc.k)
-    rules = parse_rules(bc.verification, bc.temperature)
+    rules = parse_verification(bc.verification, bc.temperature)
     if len(rules) > 1:
         raise ValueError("with --batch-size, --verification takes one rule")
     if bc.vllm:
