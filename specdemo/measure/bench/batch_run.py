@@ -7,13 +7,13 @@ import os
 import sys
 from pathlib import Path
 
-from ...config import GenerationConfig, SamplingConfig
+from ...config import GenerationConfig, SamplingConfig, parse_verification
 from ...drafters.registry import check_draft
 from ...drafters.suffix import paused
 from ...engine import encode_prompt
 from ...prompts import read_prompts
 from ..compare import load_pair, pair_placement
-from .run import BenchConfig, machine_info, parse_ks, parse_rules
+from .run import BenchConfig, machine_info, parse_ks
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -48,7 +48,7 @@ def run_batch_bench(bc: BenchConfig) -> dict:
     if not items:
         raise ValueError(f"no prompts in {bc.prompts}")
     sizes, k = parse_batch_sizes(bc.batch_sizes or ""), batch_k(bc.k)
-    rules = parse_rules(bc.verification, bc.temperature)
+    rules = parse_verification(bc.verification, bc.temperature)
     if len(rules) > 1:
         raise ValueError("with --batch-size, --verification takes one rule")
     if bc.vllm:

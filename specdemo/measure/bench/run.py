@@ -18,12 +18,12 @@ from ...config import (
     HYBRID_LOOKUP,
     MAX_K,
     MAX_K_ENGINE,
-    VERIFICATION_RULES,
     GenerationConfig,
     Placement,
     Runtime,
     SamplingConfig,
     SuffixConfig,
+    parse_verification,
 )
 from ...drafters.registry import check_draft
 from ...drafters.suffix import paused, suffix_cache_of
@@ -94,22 +94,6 @@ def parse_ks(text: str) -> list[int] | str:
     return ks
 
 
-def parse_rules(text: str, temperature: float) -> list[str]:
-    """'token,block' -> ['token', 'block'] (VERIFICATION_RULES); more than one only when sampling."""
-    rules = list(dict.fromkeys(x for x in text.replace(" ", "").lower().split(",") if x))
-    unknown = [r for r in rules if r not in VERIFICATION_RULES]
-    if not rules or unknown:
-        raise ValueError(f"--verification takes a comma list of {', '.join(VERIFICATION_RULES)}, got '{text}'")
-    if len(rules) > 1 and temperature <= 0:
-        raise ValueError("--verification lists several rules, but at temperature 0 every rule is greedy; "
-                         "add --temperature (for example 1.0)")
-    return rules
-
-
-def with_rule(config: GenerationConfig, rule: str) -> GenerationConfig:
-    return replace(config, sampling=replace(config.sampling, verification=rule))
-
-
 def machine_info(device: torch.device, dtype: torch.dtype) -> dict:
     """CPU model, cores, threads, library versions, device and dtype."""
     import transformers
@@ -156,7 +140,7 @@ def bench_prompt(pair, item: PromptItem, prompt_ids: list[int], ks: list[int], c
     rules = rules or (config.sampling.verification,)
     runs_of = [(k, rule) for k in ks for rule in rules]
     for k, rule in runs_of:
-        k_config = with_rule(replace(config, num_draft_tokens=k), rule)
+        k_config = replace(config, num_draft_tokens=k).with_verification(rule)
         with paused(pair.drafter) if (k, rule) != runs_of[-1] else contextlib.nullcontext():
             sd = measure_ours(lambda: run_sd(pair, prompt_ids, k_config), timers)
         if rule == rules[0]:
@@ -274,7 +258,7 @@ def run_bench(bc: BenchConfig) -> dict:
     if not items:
         raise ValueError(f"no prompts in {bc.prompts}")
     ks = parse_ks(bc.k)
-    rules = parse_rules(bc.verification, bc.temperature)
+    rules = parse_verification(bc.verification, bc.temperature)
     kind = bc.drafter_kind
     check_draft(kind, bc.draft)
     config = GenerationConfig(max_new_tokens=bc.max_new_tokens, sampling=SamplingConfig(bc.temperature,
@@ -294,7 +278,7 @@ def run_bench(bc: BenchConfig) -> dict:
         log.info("calibrated k = %d", best)
     warm(pair, prompt_ids[0], config, ks, bc.anchors)
     for rule in rules[1:]:
-        warm(pair, prompt_ids[0], with_rule(config, rule), ks, False)
+        warm(pair, prompt_ids[0], config.with_verification(rule), ks, False)
 
     device = pair.target.device
     draft_mods = list({id(m): m for m in drafter_modules(pair.drafter)}.values())  # an assistant is one of these
@@ -347,6 +331,3 @@ def run_bench(bc: BenchConfig) -> dict:
     report = build_report(cfg, machine, rows, theory)
     write_outputs(report, Path(bc.out))
     return report
-
-
-# ---- the batch-size sweep (--batch-size): batched AR and SD, and generate on the same padded batches ----
