@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from specdemo.app.handlers import compute
-from specdemo.app.race import AppLimits, drift_warning, make_request
+from specdemo.app.race import AppLimits, make_request
+from specdemo.app.summary import drift_warning
 from specdemo.app.ui import EXAMPLES
 from specdemo.config import Runtime
 from specdemo.measure.metrics import BUSY_RATIO, PassCosts, cost_drift

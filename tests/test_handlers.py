@@ -20,8 +20,9 @@ from specdemo.app.handlers import (
     SettingsOutputs,
     SweepOutputs,
 )
-from specdemo.app.race import AppLimits, Runs, drift_warning
+from specdemo.app.race import AppLimits, Runs
 from specdemo.app.render import COMMITTED, KINDS
+from specdemo.app.summary import drift_warning
 from specdemo.app.ui import EXAMPLES
 from specdemo.config import Placement, Runtime
 

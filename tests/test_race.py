@@ -15,7 +15,6 @@ from specdemo.app.race import (
     Throttle,
     UserError,
     check_prompt_tokens,
-    final_stats_markdown,
     is_local_path,
     make_request,
     preset_fields,
@@ -23,8 +22,8 @@ from specdemo.app.race import (
     prompt_token_limit,
     replay_frames,
     run_point,
-    sweep_table,
 )
+from specdemo.app.summary import final_stats_markdown, sweep_table
 from specdemo.config import BUNDLED_ID, PRESETS, TRAINED_DRAFT_ID
 from specdemo.engine import StepEvent
 from specdemo.measure.tune_k import SweepPoint, summarize

@@ -34,8 +34,6 @@ from .race import (
     check_fit,
     check_prompt_tokens,
     drafted_at,
-    drift_warning,
-    final_stats_markdown,
     flag,
     free_memory,
     friendly_error,
@@ -48,9 +46,9 @@ from .race import (
     preset_k,
     replay_frames,
     run_point,
-    sweep_table,
 )
 from .render import Segment, event_segments, panel_stats, segments_html
+from .summary import drift_warning, final_stats_markdown, sweep_table
 
 log = logging.getLogger(__name__)
 

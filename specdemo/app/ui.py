@@ -24,8 +24,9 @@ from ..drafters.resolve import trained_draft_path
 from ..measure import charts
 from .batch_tab import BATCH_NOTE, BATCH_SIZES, BatchHandlers, BatchOutputs
 from .handlers import Handlers, Outputs, RaceOutputs, SettingsOutputs, SweepOutputs
-from .race import RULE_NAMES, AppLimits, allowed, preset_fields, preset_k
+from .race import AppLimits, allowed, preset_fields, preset_k
 from .render import CSS, INSPECTOR_JS, inspector_html, legend_html, segments_html
+from .summary import RULE_NAMES
 
 CUSTOM = "Custom (type the ids below)"
 
