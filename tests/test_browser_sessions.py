@@ -4,8 +4,6 @@ answer, the inspector says so, and after Clear suffix cache it no longer does. S
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from test_app_client import server  # noqa: F401  (the shared app.py)
 from test_browser import STATUS, browser, run, set_number  # noqa: F401  (browser: one chromium)
@@ -16,6 +14,7 @@ CODE = "QUOKKA-7741-ZEPHYR"  # what A's answer repeats, and nothing of B's shoul
 A_PROMPT = f"Repeat this code word three times, separated by spaces: {CODE}"
 B_PROMPT = "Repeat this code word three times, separated by spaces: MARLIN-2290-DELTA"
 TOKENS = 24
+# three visitors (browser contexts): A, B with a related prompt, C with A's very prompt
 
 # every speculative step's inspector data on the panel: its draft source and its drafted texts
 STEPS = """() => [...document.querySelectorAll('#sd-panel span[data-info]')].map(s => JSON.parse(s.dataset.info))"""
@@ -44,15 +43,19 @@ def sources(steps: list[dict]) -> set[str]:
 
 
 def test_two_visitors_never_share_suffix_decodings_earlier_answers(server, browser):  # noqa: F811
-    a, b = visit(browser, server), visit(browser, server)
+    a, b, c = (visit(browser, server) for _ in range(3))
     first = race(a, A_PROMPT)
     assert "earlier" not in sources(first)  # nothing before it in this session
     assert "7741" in a.evaluate("document.querySelector('#sd-panel').innerText")  # A's answer holds the code word
-    for prompt in (A_PROMPT.replace(CODE, "MARLIN-2290-DELTA"), B_PROMPT):
-        steps = race(b, prompt)
-        assert "earlier" not in sources(steps), steps  # B's cache was empty: A's answer is not in it
-        page = b.content() + json.dumps(steps)
-        assert "7741" not in page and "QUOKKA" not in page and "ZEPHYR" not in page
+    steps = race(b, B_PROMPT)  # a related prompt
+    assert "earlier" not in sources(steps), steps  # B's cache holds no answer of A's
+    drafts = ["".join(d["text"] for d in s["drafted"]) for s in steps]  # rejected ones too
+    panel = b.evaluate("document.querySelector('#sd-panel').innerText")
+    assert not any(word in text for word in CODE.split("-") for text in [panel, *drafts]), (panel, drafts)
+    page = b.evaluate("document.body.innerText")  # the numbers of B's result may hold any digits
+    assert "QUOKKA" not in page and "ZEPHYR" not in page and "QUOKKA" not in b.content()
+    same = race(c, A_PROMPT)  # A's very prompt, where A's answer would be the best match of all
+    assert sources(same) and "earlier" not in sources(same), same
     again = race(a, A_PROMPT)
     assert "earlier" in sources(again), again  # A's own cache holds its first answer
     step = next(s for s in again if s["source"] == "earlier" and s["drafted"])
@@ -63,5 +66,5 @@ def test_two_visitors_never_share_suffix_decodings_earlier_answers(server, brows
     a.wait_for_function(f"{STATUS}.startsWith('Suffix cache cleared')", timeout=30_000)
     cleared = race(a, A_PROMPT)
     assert "earlier" not in sources(cleared), cleared
-    for page in (a, b):
+    for page in (a, b, c):
         page.context.close()
