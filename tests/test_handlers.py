@@ -25,6 +25,7 @@ from specdemo.app.render import COMMITTED, KINDS
 from specdemo.app.summary import drift_warning
 from specdemo.app.ui import EXAMPLES
 from specdemo.config import Placement, Runtime
+from specdemo.drafters.suffix import SuffixCache
 
 REWRITE = next(p for c, p in EXAMPLES if c == "rewrite")
 COMMITTED_CLASSES = tuple(KINDS[k][0] for k in COMMITTED)
@@ -69,7 +70,7 @@ def test_an_out_of_memory_error_is_a_status_message_and_releases_the_hardware(mo
     """torch's OutOfMemoryError from the compute step becomes a readable status; the next run can take the lock."""
     monkeypatch.setattr(race, "load_tokenizer", lambda name, runtime: (tiny_tok, 256))
 
-    def oom(request, limits, runtime, recalibrate=False):
+    def oom(request, limits, runtime, recalibrate=False, session=None):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         yield
 
@@ -101,6 +102,8 @@ def test_compare_frames_name_only_the_events_outputs_and_the_last_fills_them(tin
     assert outs[-1]["result_json"]["identical"] is True and outs[-1]["result_json"]["sd"]["tokens"] == 12
     assert committed_text(outs[-1]["sd_html"]) == outs[-1]["result_json"]["sd"]["text"]
     assert isinstance(outs[-1]["runs_state"], Runs) and outs[-1]["timeline_plot"].data
+    (cache,) = [load.pop("suffix_cache") for load in tiny_loads]  # the visitor's own (test_app_sessions.py)
+    assert isinstance(cache, SuffixCache)
     assert tiny_loads == [{"device": "cpu", "draft_device": None, "runtime": runtime,  # app.py's Runtime reaches it
                            "placement": Placement()}]
     assert not h.hardware.locked()

@@ -21,6 +21,7 @@ from .handlers import (
     Stopped,
     hold_hardware,
     session_key,
+    visitor_id,
 )
 from .race import (
     KNOWN_ERRORS,
@@ -31,6 +32,7 @@ from .race import (
     make_request,
     placement_for,
 )
+from .sessions import Session
 
 log = logging.getLogger(__name__)
 
@@ -94,17 +96,26 @@ def batch_table(sweep) -> str:
     return "\n".join(lines)
 
 
+def batch_sweep(request, device, runtime, placement, draft_device, loading,
+                session: Session = Session()) -> Iterator:
+    """batch_sweep.sweep_batches with suffix decoding drafting from the session's own earlier answers (app.sessions)
+    and adding none: every batch size decodes the same prompts, so none may draft from another's answers."""
+    from ..measure.batch_sizes import sweep_batches
+
+    cache = session.cache()
+    with cache.paused():
+        yield from sweep_batches(request, device, runtime, placement, draft_device, loading, suffix_cache=cache)
+
+
 class BatchHandlers:
     """The Batch tab's handlers; they share the race's Handlers: its hardware lock (no timed run overlaps another) and
     its Stop marks (a run ends at its next step and says "Stopped." itself)."""
 
     def __init__(self, outputs: BatchOutputs, examples: list[str], handlers: Handlers,
                  limits: AppLimits = AppLimits(), runtime: Runtime = Runtime(), gpu: Callable | None = None):
-        from ..measure.batch_sizes import sweep_batches
-
         self.outputs, self.examples, self.handlers = outputs, list(examples), handlers
         self.limits, self.runtime = limits, runtime
-        self.step = gpu(sweep_batches) if gpu else sweep_batches
+        self.step = gpu(batch_sweep) if gpu else batch_sweep
 
     def run(self, prompts_text, use_examples, target, drafter, draft, k, auto_k, temperature, top_p, new_tokens,
             largest, anchors, visitor: gr.Request = None) -> Iterator[dict]:
@@ -120,7 +131,7 @@ class BatchHandlers:
             try:
                 yield from ({out.table: s} for s in hold_hardware(h.hardware, stopped))
                 try:
-                    yield from self._sweep(request, stopped)
+                    yield from self._sweep(request, stopped, h.forgetting.session(visitor_id(visitor)))
                 finally:
                     h.hardware.release()
             except Stopped:
@@ -132,12 +143,12 @@ class BatchHandlers:
                 log.exception("batch sweep failed")
                 yield {out.table: f"**Error:** unexpected: {exc}"}
 
-    def _sweep(self, request, stopped: Callable[[], bool]) -> Iterator[dict]:
+    def _sweep(self, request, stopped: Callable[[], bool], session: Session = Session()) -> Iterator[dict]:
         out = self.outputs
         placement = placement_for(request.target, self.limits)  # as the race: the server's or the preset's device map
         estimate = check_fit(request, self.limits, self.runtime, placement) or ""
         with closing(self.step(request, self.limits.device, self.runtime, placement, self.limits.draft_device,
-                               estimate)) as steps:  # closing stops the decoders
+                               estimate, session)) as steps:  # closing stops the decoders
             last = None
             for item in steps:  # the sweep so far after each batch size: drawn only when all are timed
                 if stopped():

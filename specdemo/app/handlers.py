@@ -18,6 +18,7 @@ import gradio as gr
 
 from ..config import MAX_K, MIN_K, Runtime
 from ..drafters.registry import get
+from ..drafters.suffix import paused
 from ..engine import StepEvent, encode_prompt
 from ..measure import charts
 from ..measure.compare import calibrate, iter_compare, load_pair
@@ -48,12 +49,15 @@ from .race import (
     run_point,
 )
 from .render import Segment, event_segments, panel_stats, segments_html
+from .sessions import Forgetting, Session
 from .summary import drift_warning, final_stats_markdown, sweep_table
 
 log = logging.getLogger(__name__)
 
 RACING = ("Racing, timed: the two runs take turns on the hardware, one step at a time, and each clock counts only its "
           "own run's compute…")
+CLEARED = ("Suffix cache cleared: this session's next run drafts from no earlier answer (each browser session has a "
+           "cache of its own).")
 Component = Any  # a gradio component; the handlers use it only as a key of the dicts they return
 
 __all__ = ["AppLimits", "Handlers", "Outputs", "RaceOutputs", "SettingsOutputs", "SweepOutputs", "UserError",
@@ -119,23 +123,26 @@ class Outputs:
 Computed = str | tuple[str, StepEvent, list[Segment]] | dict
 
 
-def compute(request: RunRequest, limits: AppLimits, runtime: Runtime, recalibrate: bool = False) -> Iterator[Computed]:
+def compute(request: RunRequest, limits: AppLimits, runtime: Runtime, recalibrate: bool = False,
+            session: Session = Session()) -> Iterator[Computed]:
     """compare.iter_compare on the request (load, untimed warm-up, then AR and SD taking turns, never overlapping):
     status lines, then ("ar" | "sd", event, its display segments) as each decoder yields, then the result dict with
     `pass_costs`: the run's pass costs beside those calibrated when this pair and k first ran (or on `recalibrate`),
-    and how far they drifted (metrics.cost_drift; empty when the machine was as it was at calibration)."""
+    and how far they drifted (metrics.cost_drift; empty when the machine was as it was at calibration). Suffix
+    decoding drafts from `session`'s own earlier answers (app.sessions), and the timed run's answer joins them."""
     kind = get(request.drafter)
     label = (request.draft or "the default draft") if kind.needs_draft else kind.label
     label += " + prompt lookup" if request.drafter == "hybrid" else ""
     pair = yield from _load(request, limits, runtime, f"Loading {request.target} with {label} (cached after the first "
-                                                      "load)…")
+                                                      "load)…", session)
     config = request.config()
     prompt_ids = encode_prompt(pair.target.tokenizer, request.prompt, config.use_chat_template)
     key = (request.target, request.drafter, request.draft, request.k, request.dynamic_k, config.sampling.greedy)
     calibrating = recalibrate or key not in _CALIBRATED
     if calibrating:  # calibrate warms up first, so the run needs no warm-up of its own
         yield f"Measuring what each pass costs on {pair.target.device} while nothing else is drawn (untimed)…"
-        _CALIBRATED[key] = calibrate(pair, prompt_ids, config)
+        with paused(pair.drafter):  # its answer to this very prompt must not be drafted from by the timed run
+            _CALIBRATED[key] = calibrate(pair, prompt_ids, config)
     else:
         yield f"Warming up on {pair.target.device} (untimed)…"
     tok, step, events = pair.target.tokenizer, 0, {"ar": [], "sd": []}
@@ -158,24 +165,29 @@ def compute(request: RunRequest, limits: AppLimits, runtime: Runtime, recalibrat
 _CALIBRATED: dict[tuple, PassCosts] = {}
 
 
-def _load(request: RunRequest, limits: AppLimits, runtime: Runtime, status: str) -> Iterator[str]:
+def _load(request: RunRequest, limits: AppLimits, runtime: Runtime, status: str, session: Session) -> Iterator[str]:
     """Check the pair's memory against the limits (race.check_fit), yield status lines while loading; returns the
-    Pair. A target that needs a device map gets one (race.placement_for)."""
+    Pair, whose suffix drafter (if any) drafts from the session's own cache. A target that needs a device map gets one
+    (race.placement_for)."""
+    cache = session.cache()  # first: the marked sessions are forgotten even if this load fails
     placement = placement_for(request.target, limits)
     estimate = check_fit(request, limits, runtime, placement)
     yield status + (f" {estimate}" if estimate else "")
     return load_pair(request.target, request.drafter, request.draft, device=limits.device,
-                     draft_device=limits.draft_device, runtime=runtime, placement=placement)
+                     draft_device=limits.draft_device, runtime=runtime, placement=placement, suffix_cache=cache)
 
 
-def sweep_k(request: RunRequest, limits: AppLimits, runtime: Runtime, k_max: int) -> Iterator[str | Sweep]:
-    """sweep.iter_sweep_summaries on the current prompt, k = 1..k_max: status lines, then the Sweep after each k."""
-    pair = yield from _load(request, limits, runtime, f"Loading {request.target}…")
+def sweep_k(request: RunRequest, limits: AppLimits, runtime: Runtime, k_max: int,
+            session: Session = Session()) -> Iterator[str | Sweep]:
+    """sweep.iter_sweep_summaries on the current prompt, k = 1..k_max: status lines, then the Sweep after each k.
+    Suffix decoding drafts from the session's earlier answers and adds none: every k runs the same prompt."""
+    pair = yield from _load(request, limits, runtime, f"Loading {request.target}…", session)
     config = request.config()
     prompt_ids = encode_prompt(pair.target.tokenizer, request.prompt, config.use_chat_template)
     yield f"Timing the autoregressive baseline, then one speculative run per k up to {k_max}; the results are drawn " \
           "when the timed runs are over…"
-    yield from iter_sweep_summaries(pair, [prompt_ids], range(MIN_K, k_max + 1), config, k_max)
+    with paused(pair.drafter):
+        yield from iter_sweep_summaries(pair, [prompt_ids], range(MIN_K, k_max + 1), config, k_max)
 
 
 def blank_plots(out: RaceOutputs) -> dict:
@@ -203,9 +215,14 @@ class Stopped(Exception):
     """The visitor pressed Stop: the run ends at the next decoder step and says so itself."""
 
 
+def visitor_id(visitor: gr.Request | None) -> str | None:
+    """The visitor's gradio session (one browser tab, or one API client), None when gradio names none."""
+    return getattr(visitor, "session_hash", None)
+
+
 def session_key(visitor: gr.Request | None, tab: str) -> tuple[str | None, str]:
     """Whose run in which tab: what a Stop marks."""
-    return getattr(visitor, "session_hash", None), tab
+    return visitor_id(visitor), tab
 
 
 # ---- the handlers ----
@@ -228,6 +245,9 @@ class Handlers:
         # job.cancel() still closes the generator through gradio)
         self.running: set[tuple] = set()
         self.stopping: set[tuple] = set()
+        # each session's suffix cache lives where the drafters run; the server marks the sessions to forget and the
+        # next compute step applies the marks (app.sessions)
+        self.forgetting = Forgetting()
         # spaces.GPU (ZeroGPU) wraps only the compute steps; the race replay runs without holding a GPU
         self.compute_step = gpu(compute) if gpu else compute
         self.sweep_step = gpu(sweep_k) if gpu else sweep_k
@@ -254,11 +274,12 @@ class Handlers:
         runs = Runs()
         with self.session(visitor, "race") as stopped:
             yield from self._compare(runs, stopped, prompt, target, drafter, draft, k, dynamic_k, temperature, top_p,
-                                     max_new_tokens, hide_rejected, replay, recalibrate, verification)
+                                     max_new_tokens, hide_rejected, replay, recalibrate, verification,
+                                     visitor_id(visitor))
 
     def _compare(self, runs: Runs, stopped: Callable[[], bool], prompt, target, drafter, draft, k, dynamic_k,
                  temperature, top_p, max_new_tokens, hide_rejected, replay, recalibrate,
-                 verification="token") -> Iterator[dict]:
+                 verification="token", owner: str | None = None) -> Iterator[dict]:
         try:
             request = make_request(prompt, target, drafter, draft, k, dynamic_k, temperature, top_p,
                                     max_new_tokens, self.limits, verification)
@@ -267,7 +288,7 @@ class Handlers:
             try:
                 check_prompt_tokens(request, self.limits, self.runtime)  # the tokenizer only: no weights yet
                 yield self._reset()
-                yield from self._live(request, runs, hide, stopped, recalibrate)
+                yield from self._live(request, runs, hide, stopped, recalibrate, owner)
             finally:
                 self.hardware.release()
             yield from self._race(runs, hide, pace, stopped)
@@ -310,11 +331,12 @@ class Handlers:
                                     hide_rejected, replay, verification, visitor, recalibrate=True)
 
     def _live(self, request: RunRequest, runs: Runs, hide: bool, stopped: Callable[[], bool],
-              recalibrate: bool = False) -> Iterator[dict]:
+              recalibrate: bool = False, owner: str | None = None) -> Iterator[dict]:
         """Both runs' tokens as their decoders take turns producing them (throttled text frames; no plots while a run
         is timed, since drawing them takes the CPU the runs are timed on; the last frame always comes)."""
         out, throttle, shown = self.outputs.race, Throttle(), {"ar": 0, "sd": 0}
-        with closing(self.compute_step(request, self.limits, self.runtime, recalibrate)) as steps:
+        with closing(self.compute_step(request, self.limits, self.runtime, recalibrate,
+                                       self.forgetting.session(owner))) as steps:
             for item in steps:
                 if stopped():  # closing the steps stops the decoders
                     raise Stopped
@@ -406,7 +428,7 @@ class Handlers:
         with self.session(visitor, "sweep") as stopped:
             try:
                 yield from self._sweep(prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens,
-                                       stopped, verification)
+                                       stopped, verification, visitor_id(visitor))
             except Stopped:
                 yield {out.table: "Stopped."}
             except KNOWN_ERRORS as exc:
@@ -414,7 +436,7 @@ class Handlers:
                 yield {out.table: f"**Error:** {friendly_error(exc)}"}
 
     def _sweep(self, prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens,
-               stopped: Callable[[], bool], verification="token") -> Iterator[dict]:
+               stopped: Callable[[], bool], verification="token", owner: str | None = None) -> Iterator[dict]:
         out = self.outputs.sweep
         request = make_request(prompt, target, drafter, draft, MIN_K, False, temperature, top_p, max_new_tokens,
                                self.limits, verification)
@@ -425,7 +447,8 @@ class Handlers:
         try:
             check_prompt_tokens(request, self.limits, self.runtime)
             result = None
-            with closing(self.sweep_step(request, self.limits, self.runtime, k_max)) as steps:
+            with closing(self.sweep_step(request, self.limits, self.runtime, k_max,
+                                         self.forgetting.session(owner))) as steps:
                 for item in steps:  # the sweep so far after each k: drawn only when every k is timed
                     if stopped():
                         raise Stopped
@@ -441,6 +464,15 @@ class Handlers:
         yield {out.plot: fig, out.table: f"Done: best measured k = {best}.\n\n" + sweep_table(result)
                + (f"\n\n{hint}" if hint else ""), out.best: best,
                out.apply: gr.update(value=f"Use k = {best}", interactive=True)}
+
+    def clear_suffix_cache(self, visitor: gr.Request = None) -> dict:
+        """Forget this session's earlier answers (suffix decoding's cache; no other session's is touched)."""
+        self.forgetting.mark(visitor_id(visitor))
+        return {self.outputs.race.status: CLEARED}
+
+    def forget_session(self, visitor: gr.Request = None) -> None:
+        """The visitor closed or reloaded the page: their suffix cache goes with the next compute step."""
+        self.forgetting.mark(visitor_id(visitor))
 
     def stop_sweep(self, visitor: gr.Request = None) -> None:
         """Ask this visitor's sweep to stop at its next step."""

@@ -112,12 +112,25 @@ def _spec_segments(event: StepEvent, tokenizer, texts: list[str]) -> list[Segmen
     return out
 
 
+# where a step's draft came from (StepEvent.draft_source), in the inspector's words; the hybrid names its half, suffix
+# decoding the text its draft continues (drafters.suffix.SOURCES); None: a drafter with one source says nothing
+DRAFT_SOURCES = {
+    "model": "the draft model",
+    "lookup": "prompt lookup (the context's last tokens occurred before)",
+    "prompt": "the prompt (suffix decoding: this request's own text)",
+    "answer": "this answer, earlier in the text being written (suffix decoding)",
+    "earlier": "an earlier answer in this browser session (suffix decoding's cache; Clear suffix cache forgets them)",
+}
+SUFFIX_SOURCES = ("prompt", "answer", "earlier")
+
+
 def step_info(event: StepEvent, tokenizer, step: int, greedy: bool) -> dict:
     """What the inspector shows for one speculative step: each drafted token with p and q and whether it was kept,
     and at the first rejected position (or, after a full acceptance, the bonus position) the target's top tokens.
 
     p is the target's probability (softmax at temperature 1 when greedy; the distribution rejection sampling uses
-    otherwise), q the draft's (None: a deterministic drafter such as prompt lookup, q = 1).
+    otherwise), q the draft's (None: a deterministic drafter such as prompt lookup, q = 1). `source` is where the
+    draft came from (DRAFT_SOURCES names it in `from`), `model_free` the deterministic drafter's name.
     """
     n = len(event.drafted)
     at = event.num_accepted  # the first rejected position; n after a full acceptance
@@ -132,7 +145,9 @@ def step_info(event: StepEvent, tokenizer, step: int, greedy: bool) -> dict:
             "top": top, "gap": _at(event.target_top2_gap, at), "greedy": greedy, "deterministic": q is None,
             "committed": token_texts(tokenizer, [committed])[0] if committed is not None else None,
             "committed_kind": "correction" if event.correction is not None else "bonus" if n else "target",
-            "rule": event.verification or ("greedy" if greedy else "token")}
+            "rule": event.verification or ("greedy" if greedy else "token"), "source": event.draft_source,
+            "from": DRAFT_SOURCES.get(event.draft_source) if n else None,
+            "model_free": "suffix decoding" if event.draft_source in SUFFIX_SOURCES else "prompt lookup"}
 
 
 def _at(values: list | None, i: int):
@@ -201,8 +216,9 @@ INSPECTOR_JS = r"""
                    token: "token-wise rejection sampling (Leviathan et al.): each draft on its own",
                    block: "block verification (Sun et al.): the drafts judged together"};
     body.appendChild(el("div", `Decided by: ${rules[info.rule] || info.rule}`, "rule"));
+    if (info.from) body.appendChild(el("div", `Drafted from: ${info.from}`, "source"));
     const pName = info.greedy ? "p (target, softmax at temperature 1)" : "p (target, as sampled)";
-    const qName = info.deterministic ? "q (prompt lookup: 1)" : "q (draft)";
+    const qName = info.deterministic ? `q (${info.model_free || "prompt lookup"}: 1)` : "q (draft)";
     if (n) {
       const t = el("table", undefined, "drafted");
       t.appendChild(row(["#", "drafted", "outcome", pName, qName], "th"));

@@ -117,6 +117,7 @@ def build_demo(limits: AppLimits = AppLimits(), runtime: Runtime = Runtime(),
                         replay_btn = gr.Button("Replay race", elem_id="replay")
                         remeasure_btn = gr.Button("Re-measure", elem_id="remeasure")
                         stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
+                        clear_btn = gr.Button("Clear suffix cache", elem_id="clear-suffix", size="sm")
                     status = gr.Markdown("Ready.", elem_id="status")
                     with gr.Row():
                         with gr.Column():
@@ -180,6 +181,9 @@ def build_demo(limits: AppLimits = AppLimits(), runtime: Runtime = Runtime(),
         # Stop marks the run, which ends itself at its next step (handlers.Stopped); no gradio cancel, whose
         # in-flight frames could land after the "Stopped." line
         stop_btn.click(h.stop_race, None, None, queue=False, api_name=False)
+        # suffix decoding's earlier answers are this session's alone: Clear forgets them, and so does closing the tab
+        clear_btn.click(h.clear_suffix_cache, None, status, queue=False, api_name=False)
+        demo.unload(h.forget_session)
         hide_rejected.change(h.rerender, [runs_state, hide_rejected, sd_html], sd_html, api_name=False)
         sweep_btn.click(h.run_sweep, [prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens,
                                       verification],
