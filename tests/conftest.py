@@ -116,7 +116,7 @@ def _threads(request):
 def tiny_loads(monkeypatch, tiny_target, tiny_tok):
     """load_pair replaced by a tiny target with prompt lookup (where the race and the Batch tab call it), and the
     prompt check's tokenizer by the tiny one; records the keyword arguments of each load."""
-    from specdemo.app import handlers, race
+    from specdemo.app import compute, race
     from specdemo.drafters import NgramDrafter
     from specdemo.measure import compare
     from specdemo.measure.compare import Pair
@@ -129,7 +129,7 @@ def tiny_loads(monkeypatch, tiny_target, tiny_tok):
         loaded = LoadedModel("tiny", tiny_target, tiny_tok, torch.device("cpu"), torch.float32, "folder")
         return Pair(loaded, NgramDrafter(), kind, None)
 
-    monkeypatch.setattr(handlers, "load_pair", load_pair)
+    monkeypatch.setattr(compute, "load_pair", load_pair)
     monkeypatch.setattr(compare, "load_pair", load_pair)
     monkeypatch.setattr(race, "load_tokenizer", lambda name, runtime: (tiny_tok, 256))
     return calls

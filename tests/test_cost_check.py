@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from specdemo.app.handlers import compute
+from specdemo.app.compute import compute
 from specdemo.app.race import AppLimits, make_request
 from specdemo.app.summary import drift_warning
 from specdemo.app.ui import EXAMPLES

@@ -14,15 +14,8 @@ import gradio as gr
 from ..config import Runtime
 from ..measure import charts
 from ..models.placement import placement_line
-from .handlers import (
-    Component,
-    Handlers,
-    OrderedOutputs,
-    Stopped,
-    hold_hardware,
-    session_key,
-    visitor_id,
-)
+from .handlers import Handlers, Stopped, hold_hardware, session_key, visitor_id
+from .outputs import Component, OrderedOutputs
 from .race import (
     KNOWN_ERRORS,
     AppLimits,

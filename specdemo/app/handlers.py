@@ -1,8 +1,9 @@
 """The app's event handlers: widget values in, {component: value} dicts out. The runs are the CLI's
 (compare.iter_compare, sweep.iter_sweep_summaries). The two decoders take turns on the hardware by their own clocks,
 so both panels fill side by side as the tokens are computed; frames carry text only, and the plots are drawn when the
-timed work is over. "Replay race" plays both again from t = 0 at their measured pace. Request checks, text and
-pacing are in specdemo.app.race (no gradio); the layout is in specdemo.app.ui.
+timed work is over. "Replay race" plays both again from t = 0 at their measured pace. The compute steps they run are
+in specdemo.app.compute; request checks and pacing in specdemo.app.race and the text in specdemo.app.summary (no
+gradio); the layout is in specdemo.app.ui.
 """
 
 from __future__ import annotations
@@ -11,20 +12,17 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from dataclasses import asdict
 
 import gradio as gr
 
 from ..config import MAX_K, MIN_K, Runtime
-from ..drafters.registry import get
-from ..drafters.suffix import paused
-from ..engine import StepEvent, encode_prompt
+from ..engine import StepEvent
 from ..measure import charts
-from ..measure.compare import calibrate, iter_compare, load_pair
-from ..measure.metrics import PassCosts, cost_drift, pass_costs, run_stats
-from ..measure.tune_k import Sweep, iter_sweep_summaries
+from ..measure.metrics import run_stats
 from ..serve.export import serve_hint
+from .compute import compute, sweep_k
+from .outputs import Outputs, RaceOutputs, SettingsOutputs, SweepOutputs
 from .race import (
     KNOWN_ERRORS,
     AppLimits,
@@ -32,7 +30,6 @@ from .race import (
     Runs,
     Throttle,
     UserError,
-    check_fit,
     check_prompt_tokens,
     drafted_at,
     flag,
@@ -41,15 +38,14 @@ from .race import (
     make_request,
     number,
     passes,
-    placement_for,
     points,
     preset_fields,
     preset_k,
     replay_frames,
     run_point,
 )
-from .render import Segment, event_segments, panel_stats, segments_html
-from .sessions import Forgetting, Session
+from .render import Segment, panel_stats, segments_html
+from .sessions import Forgetting
 from .summary import drift_warning, final_stats_markdown, sweep_table
 
 log = logging.getLogger(__name__)
@@ -58,136 +54,9 @@ RACING = ("Racing, timed: the two runs take turns on the hardware, one step at a
           "own run's compute…")
 CLEARED = ("Suffix cache cleared: this session's next run drafts from no earlier answer (each browser session has a "
            "cache of its own).")
-Component = Any  # a gradio component; the handlers use it only as a key of the dicts they return
 
 __all__ = ["AppLimits", "Handlers", "Outputs", "RaceOutputs", "SettingsOutputs", "SweepOutputs", "UserError",
            "compute", "sweep_k"]
-
-
-# ---- the components the handlers update, built by ui.build_demo; field order is each event's outputs order ----
-
-class OrderedOutputs:
-    def order(self) -> list[Component]:
-        """The components in field order: the event's outputs list."""
-        return [getattr(self, f.name) for f in fields(self)]
-
-
-@dataclass(frozen=True)
-class RaceOutputs(OrderedOutputs):
-    """The Race tab, in the /compare event's outputs order (API clients read result_json as outputs[7])."""
-
-    ar_html: Component
-    sd_html: Component
-    tokens_plot: Component
-    speedup_plot: Component
-    hist_plot: Component
-    stats: Component
-    status: Component
-    result_json: Component
-    runs_state: Component  # the finished race.Runs, so "Replay race" and hiding rejected drafts need no new run
-    timeline_plot: Component
-    position_plot: Component
-
-
-@dataclass(frozen=True)
-class SweepOutputs(OrderedOutputs):
-    """The Tune-k tab, in the /sweep_k event's outputs order."""
-
-    plot: Component
-    table: Component  # status line, then the sweep table
-    best: Component  # state: the best measured k, for the apply button
-    apply: Component  # the "Use best k" button
-
-
-@dataclass(frozen=True)
-class SettingsOutputs:
-    """The settings a preset fills (target, drafter, draft) and "Use best k" sets (k)."""
-
-    target: Component
-    drafter: Component
-    draft: Component
-    k: Component
-
-
-@dataclass(frozen=True)
-class Outputs:
-    """Everything the handlers update, by tab."""
-
-    race: RaceOutputs
-    sweep: SweepOutputs
-    settings: SettingsOutputs
-
-
-# ---- the compute steps: wrapped in spaces.GPU on ZeroGPU, so what goes in and comes out is picklable data ----
-
-Computed = str | tuple[str, StepEvent, list[Segment]] | dict
-
-
-def compute(request: RunRequest, limits: AppLimits, runtime: Runtime, recalibrate: bool = False,
-            session: Session = Session()) -> Iterator[Computed]:
-    """compare.iter_compare on the request (load, untimed warm-up, then AR and SD taking turns, never overlapping):
-    status lines, then ("ar" | "sd", event, its display segments) as each decoder yields, then the result dict with
-    `pass_costs`: the run's pass costs beside those calibrated when this pair and k first ran (or on `recalibrate`),
-    and how far they drifted (metrics.cost_drift; empty when the machine was as it was at calibration). Suffix
-    decoding drafts from `session`'s own earlier answers (app.sessions), and the timed run's answer joins them."""
-    kind = get(request.drafter)
-    label = (request.draft or "the default draft") if kind.needs_draft else kind.label
-    label += " + prompt lookup" if request.drafter == "hybrid" else ""
-    pair = yield from _load(request, limits, runtime, f"Loading {request.target} with {label} (cached after the first "
-                                                      "load)…", session)
-    config = request.config()
-    prompt_ids = encode_prompt(pair.target.tokenizer, request.prompt, config.use_chat_template)
-    key = (request.target, request.drafter, request.draft, request.k, request.dynamic_k, config.sampling.greedy)
-    calibrating = recalibrate or key not in _CALIBRATED
-    if calibrating:  # calibrate warms up first, so the run needs no warm-up of its own
-        yield f"Measuring what each pass costs on {pair.target.device} while nothing else is drawn (untimed)…"
-        with paused(pair.drafter):  # its answer to this very prompt must not be drafted from by the timed run
-            _CALIBRATED[key] = calibrate(pair, prompt_ids, config)
-    else:
-        yield f"Warming up on {pair.target.device} (untimed)…"
-    tok, step, events = pair.target.tokenizer, 0, {"ar": [], "sd": []}
-    with closing(iter_compare(pair, prompt_ids, config, do_warmup=not calibrating)) as steps:  # closing it stops the engine loop
-        for which, item in steps:  # the engine's clock is paused while we are here
-            if which == "result":
-                run = pass_costs(events["ar"], events["sd"])
-                yield item | {"pass_costs": {"calibrated": _CALIBRATED[key].as_dict(), "run": run.as_dict(),
-                                             "drift": cost_drift(_CALIBRATED[key], run,
-                                                                 judge_draft=kind.steady_draft_cost)}}
-                continue
-            events[which].append(item)
-            step += which == "sd" and item.kind == "spec"
-            yield which, item, event_segments(item, tok, which == "sd", step if which == "sd" else 0,
-                                              config.sampling.greedy)
-
-
-# the pass costs measured when a pair and k first ran in this process, by (target, drafter, draft, k, dynamic k,
-# greedy): what later runs are compared with
-_CALIBRATED: dict[tuple, PassCosts] = {}
-
-
-def _load(request: RunRequest, limits: AppLimits, runtime: Runtime, status: str, session: Session) -> Iterator[str]:
-    """Check the pair's memory against the limits (race.check_fit), yield status lines while loading; returns the
-    Pair, whose suffix drafter (if any) drafts from the session's own cache. A target that needs a device map gets one
-    (race.placement_for)."""
-    cache = session.cache()  # first: the marked sessions are forgotten even if this load fails
-    placement = placement_for(request.target, limits)
-    estimate = check_fit(request, limits, runtime, placement)
-    yield status + (f" {estimate}" if estimate else "")
-    return load_pair(request.target, request.drafter, request.draft, device=limits.device,
-                     draft_device=limits.draft_device, runtime=runtime, placement=placement, suffix_cache=cache)
-
-
-def sweep_k(request: RunRequest, limits: AppLimits, runtime: Runtime, k_max: int,
-            session: Session = Session()) -> Iterator[str | Sweep]:
-    """sweep.iter_sweep_summaries on the current prompt, k = 1..k_max: status lines, then the Sweep after each k.
-    Suffix decoding drafts from the session's earlier answers and adds none: every k runs the same prompt."""
-    pair = yield from _load(request, limits, runtime, f"Loading {request.target}…", session)
-    config = request.config()
-    prompt_ids = encode_prompt(pair.target.tokenizer, request.prompt, config.use_chat_template)
-    yield f"Timing the autoregressive baseline, then one speculative run per k up to {k_max}; the results are drawn " \
-          "when the timed runs are over…"
-    with paused(pair.drafter):
-        yield from iter_sweep_summaries(pair, [prompt_ids], range(MIN_K, k_max + 1), config, k_max)
 
 
 def blank_plots(out: RaceOutputs) -> dict:
