@@ -115,7 +115,7 @@ t = load_model('$target', device='cpu'); torch.manual_seed(0); save_eagle3(build
   stage bench_eagle3 "${EAGLE3_CAP:-150}" $PY -m specdemo bench --target "$target" --draft "$head" --device "$DEV" \
     --k "${EAGLE3_KS:-1,3}" --limit "${EAGLE3_LIMIT:-5}" --max-new-tokens "${EAGLE3_TOKENS:-64}" --no-theory --quiet \
     --prompts "${PROMPTS:-specdemo/data/prompts/dev.jsonl}" --out "$R/bench-eagle3"
-  # the same head batched (batch_drafters.BatchEagle3): every row identical to batch 1, the crossover on the GPU
+  # the same head batched (the one engine): every row identical to batch 1, the crossover on the GPU
   stage bench_eagle3_batch "${EAGLE3_BATCH_CAP:-150}" $PY -m specdemo bench --target "$target" --draft "$head" \
     --device "$DEV" --batch-size "${EAGLE3_BATCHES:-1,4,16}" --k auto --limit "${EAGLE3_BATCH_LIMIT:-16}" \
     --max-new-tokens "${EAGLE3_TOKENS:-64}" --quiet --out "$R/bench-eagle3-batch"
@@ -134,8 +134,9 @@ if [ "${1:-basic}" != real ]; then
   [ "${1:-basic}" = keep ] && exit 0  # only that: a short first call when time is short
   # the one engine at every batch size (test_batch: rows, rollback, auto k, sampled rows) and B = 1 (test_engine)
   SPECDEMO_TEST_DEVICE=$DEV stage pytest_cuda 120 $PY -m pytest -q -p no:cacheprovider tests/test_engine.py tests/test_worker.py \
-    tests/test_verify.py tests/test_eagle3.py tests/test_batch.py -k "not shipped_draft and not bundled" \
-    -m "not slow"  # the shipped draft's tests need the real target; test_eagle3: tiny random EAGLE-3 heads
+    tests/test_verify.py tests/test_eagle3.py tests/test_batch.py tests/test_block.py tests/test_suffix.py \
+    -k "not shipped_draft and not bundled" -m "not slow"  # the shipped draft's tests need the real target;
+  # test_eagle3: tiny random EAGLE-3 heads; test_block: block verification's exact laws; test_suffix: the suffix tree
   QUICK=(--quick); [ "$DRY" = 1 ] && QUICK=(--quick --layers 2 --new 16)
   stage random_weights 90 $PY scripts/gpu_check.py --device "$DEV" "${QUICK[@]}"
   cp "$OUT/gpu_check.json" "$R/" 2>/dev/null
@@ -224,6 +225,15 @@ stage bench_hybrid 70 "${B[@]}" --drafter hybrid --k 8 --out "$R/bench-hybrid"
   stage bench_cuda_draft 70 "${B[@]}" --draft "$R/draft-cuda" --k 1,2 --out "$R/bench-cuda-draft"
 stage bench_fp32 70 "${B[@]}" --drafter model --k 3 --dtype fp32 --out "$R/bench-draft-fp32"  # greedy without bf16 ties
 eagle3_stage "${EAGLE3_TARGET:-smollm2-135m}"
+# --- stage: verification and suffix ---
+# block verification against token-wise rejection sampling at T = 1.0 with the shipped head (mean accepted length per
+# rule, docs/verification.md); suffix decoding against prompt lookup on the repetitive workload, its cache warm across
+# prompts (docs/suffix.md)
+stage bench_block 90 "${B[@]}" --drafter model --k 4 --temperature 1.0 --verification token,block \
+  --out "$R/bench-block"
+stage bench_suffix 90 $PY -m specdemo bench --prompts specdemo/data/prompts/repetitive.jsonl --limit "$N" \
+  --max-new-tokens "$TOKENS" --device "$DEV" --quiet --drafter suffix --k 16 --out "$R/bench-suffix"
+# --- end stage: verification and suffix ---
 # --- stage: batch ---
 # throughput and speedup against batch size on the GPU (the CPU's crossover comes at a few rows; here it should come
 # much later), prompt lookup and the trained draft at auto k, generate on the same padded batches as the baseline
