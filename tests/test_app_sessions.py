@@ -135,7 +135,7 @@ def test_the_sweep_and_the_batch_tab_add_no_answer_to_any_cache(tiny_models):
     batch = BatchHandlers(BatchOutputs("throughput_plot", "speedup_plot", "table"), [], h, AppLimits(device="cpu"),
                           gpu=through_a_process)
     frames = list(batch.run(f"{PROMPT}\n{OTHER}", False, "tiny", "suffix", "", 3, False, 0.0, 1.0, 8, 2, False,
-                            visitor("session-c")))
+                            visitor=visitor("session-c")))
     assert frames[-1]["table"].startswith("Done"), frames[-1]
     assert tiny_models.held("session-c") == 0 and tiny_models.held("session-a") == 1
     assert tiny_models.get("session-c").recording

@@ -32,9 +32,11 @@ def test_batch_request_checks_its_values():
     assert r.batch_sizes == (1, 2, 4) and r.k == 3 and r.config.max_new_tokens == 8
     assert request(auto_k=True).k is None and request(use_examples=True).prompts == ("an example",)
     assert request(largest=max(BATCH_SIZES)).batch_sizes == BATCH_SIZES
+    assert r.config.sampling.verification == "token"  # the race's rule reaches the sweep's sampling
+    assert request(temperature=0.8, verification="block").config.sampling.verification == "block"
     for bad, match in [(dict(prompts_text=" \n "), "No prompts"), (dict(largest=3), "largest batch size"),
                        (dict(new_tokens=65), "max new tokens"), (dict(drafter="magic"), "Unknown drafter"),
-                       (dict(prompts_text="p\n" * 65), "At most")]:
+                       (dict(prompts_text="p\n" * 65), "At most"), (dict(verification="tree"), "verification")]:
         with pytest.raises(UserError, match=match):
             request(**bad)
 

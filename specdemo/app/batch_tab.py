@@ -52,8 +52,9 @@ class BatchOutputs(OrderedOutputs):
 
 
 def make_batch_request(prompts_text, use_examples, examples, target, drafter, draft, k, auto_k, temperature, top_p,
-                       new_tokens, largest, anchors, limits: AppLimits):
-    """Validate the Batch tab's values (make_request's rules for the shared ones) into a batch_sweep.BatchRequest."""
+                       new_tokens, largest, anchors, limits: AppLimits, verification="token"):
+    """Validate the Batch tab's values (make_request's rules for the shared ones, the race's verification rule among
+    them) into a batch_sweep.BatchRequest."""
     from ..measure.batch_sizes import BatchRequest
 
     prompts = list(examples) if use_examples else [p.strip() for p in str(prompts_text or "").splitlines() if p.strip()]
@@ -61,7 +62,8 @@ def make_batch_request(prompts_text, use_examples, examples, target, drafter, dr
         raise UserError("No prompts: type one prompt per line, or use the examples.")
     if len(prompts) > BATCH_MAX_PROMPTS:
         raise UserError(f"At most {BATCH_MAX_PROMPTS} prompts here, got {len(prompts)}.")
-    single = make_request(prompts[0], target, drafter, draft, k, False, temperature, top_p, new_tokens, limits)
+    single = make_request(prompts[0], target, drafter, draft, k, False, temperature, top_p, new_tokens, limits,
+                          verification)
     try:
         largest = int(largest)
     except (TypeError, ValueError) as exc:
@@ -111,12 +113,14 @@ class BatchHandlers:
         self.step = gpu(batch_sweep) if gpu else batch_sweep
 
     def run(self, prompts_text, use_examples, target, drafter, draft, k, auto_k, temperature, top_p, new_tokens,
-            largest, anchors, visitor: gr.Request = None) -> Iterator[dict]:
-        """Sweep the batch sizes: throughput and speedup against batch size, crossover marked."""
+            largest, anchors, verification="token", visitor: gr.Request = None) -> Iterator[dict]:
+        """Sweep the batch sizes: throughput and speedup against batch size, crossover marked; sampled drafts are
+        verified by the race's rule (token-wise or block)."""
         out, h = self.outputs, self.handlers
         try:
             request = make_batch_request(prompts_text, use_examples, self.examples, target, drafter, draft, k,
-                                         auto_k, temperature, top_p, new_tokens, largest, anchors, self.limits)
+                                         auto_k, temperature, top_p, new_tokens, largest, anchors, self.limits,
+                                         verification)
         except KNOWN_ERRORS as exc:
             yield {out.table: f"**Error:** {friendly_error(exc)}"}
             return

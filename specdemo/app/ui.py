@@ -190,7 +190,8 @@ def build_demo(limits: AppLimits = AppLimits(), runtime: Runtime = Runtime(),
                         tune.order(), api_name="sweep_k", show_progress="hidden", preprocess=False)
         sweep_stop.click(h.stop_sweep, None, None, queue=False, api_name=False)
         apply_btn.click(h.apply_best_k, best_state, k, api_name=False)
-        batch_tab_events(batch_parts, h, [target, drafter, draft, k], [temperature, top_p], limits, runtime, gpu)
+        batch_tab_events(batch_parts, h, [target, drafter, draft, k], [temperature, top_p], verification, limits,
+                         runtime, gpu)
     return demo
 
 
@@ -231,13 +232,14 @@ def batch_tab_layout(limits: AppLimits) -> dict:
                 anchors=anchors, run_btn=run_btn, stop_btn=stop_btn, outputs=BatchOutputs(throughput, speedup, table))
 
 
-def batch_tab_events(parts: dict, h: Handlers, model_inputs: list, sampling_inputs: list, limits: AppLimits,
-                     runtime: Runtime, gpu: Callable | None) -> None:
-    """The Batch tab's events: it reads the shared target, drafter, draft, k, temperature and top-p, and shares the
-    race's hardware lock."""
+def batch_tab_events(parts: dict, h: Handlers, model_inputs: list, sampling_inputs: list, verification,
+                     limits: AppLimits, runtime: Runtime, gpu: Callable | None) -> None:
+    """The Batch tab's events: it reads the shared target, drafter, draft, k, temperature, top-p and verification
+    rule, and shares the race's hardware lock."""
     b = BatchHandlers(parts["outputs"], [p for _, p in EXAMPLES], h, limits, runtime, gpu)
     parts["run_btn"].click(b.run, [parts["prompts"], parts["use_examples"], *model_inputs, parts["auto_k"],
-                                   *sampling_inputs, parts["new_tokens"], parts["largest"], parts["anchors"]],
+                                   *sampling_inputs, parts["new_tokens"], parts["largest"], parts["anchors"],
+                                   verification],
                            parts["outputs"].order(), api_name=False, show_progress="hidden")
     parts["stop_btn"].click(b.stop, None, None, queue=False, api_name=False)  # the run itself writes "Stopped."
 
