@@ -96,7 +96,11 @@ def set_number(page, label: str, value: int) -> None:
     if not box.is_visible():  # folded away under "More settings"
         page.get_by_text("More settings").click()
     box.fill(str(value))
-    box.press("Enter")
+    box.press("Tab")  # blur: the slider clamps and releases its value
+    # The click on Run sends what the component holds, so wait until its range input shows the new value.
+    page.get_by_label(f"range slider for {label}").wait_for(state="attached")
+    page.wait_for_function("([label, value]) => document.querySelector(`input[aria-label='range slider for ${label}']`)"
+                           "?.value === String(value)", arg=[label, value])
 
 
 def run(page, timeout: float = 300_000) -> list[dict]:
