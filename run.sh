@@ -73,10 +73,20 @@ vllm_setup() {
   echo "vLLM is ready: $venv/bin/python (python -m specdemo bench --anchors vllm finds it; or set SPECDEMO_VLLM_PYTHON)"
 }
 
+run_tests() {
+  # With arguments: pytest as asked. Without: the suite in two parallel workers (whole files per worker, so a file's
+  # app server or browser is started once), then the tests that time themselves, alone on the machine.
+  if [ $# -gt 0 ]; then exec "$VENV/bin/python" -m pytest -q -ra "$@"; fi
+  local rc=0
+  "$VENV/bin/python" -m pytest -q -ra -n 2 --dist loadfile -m "not timed" || rc=$?
+  "$VENV/bin/python" -m pytest -q -ra -m timed || rc=$((rc ? rc : $?))
+  return "$rc"
+}
+
 cmd=${1:-app}; shift || true
 case "$cmd" in
   app)  setup; exec "$VENV/bin/python" app.py "$@" ;;
-  test) setup; browser; exec "$VENV/bin/python" -m pytest -q -ra "$@" ;;
+  test) setup; browser; run_tests "$@" ;;
   setup) setup ;;
   vllm) vllm_setup ;;
   *) echo "usage: bash run.sh app|test|vllm [args]" >&2; exit 2 ;;

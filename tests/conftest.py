@@ -102,8 +102,10 @@ def bundled():
 
 @pytest.fixture(autouse=True)
 def _threads(request):
-    """Tiny-model tests run on one thread: as fast, and immune to oversubscription when the CPU is shared."""
-    if request.node.get_closest_marker("slow"):
+    """Tiny-model tests run on one thread: as fast, and immune to oversubscription when the CPU is shared. So do
+    real-model tests in a parallel run (pytest-xdist's workers share the cores); alone they take torch's own count."""
+    parallel = "PYTEST_XDIST_WORKER" in os.environ
+    if request.node.get_closest_marker("slow") and (not parallel or request.node.get_closest_marker("timed")):
         yield
         return
     before = torch.get_num_threads()

@@ -316,6 +316,7 @@ def user_server():
         yield url
 
 
+@pytest.mark.timed
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_page_shows_the_engines_ratio_as_a_user_runs_it(user_server, browser, case):
     """app.py and chromium unpinned on this machine, the CLI on the same prompt and settings in the same test: after

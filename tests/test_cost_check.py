@@ -39,6 +39,7 @@ def run(request, recalibrate: bool = False) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timed
 def test_the_check_stays_quiet_on_a_quiet_machine_and_fires_under_a_cpu_hog():
     """Calibrated, then run on the same quiet machine: no drift. Then three busy processes (at most 90 s, killed at
     the end) take the two cores during a run: its target passes take well over 1.5x their calibrated time, the

@@ -155,9 +155,14 @@ def _bundled_folder(runtime: Runtime = Runtime()) -> Path:
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    if folder.exists():  # a half-written folder from an interrupted conversion
-        shutil.rmtree(folder)
-    tmp.replace(folder)
+    if folder.exists() and not (folder / "model.safetensors").exists():  # left by an interrupted conversion
+        shutil.rmtree(folder, ignore_errors=True)
+    try:
+        tmp.replace(folder)
+    except OSError:  # another process converted it meanwhile (a directory is not renamed onto a full one)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (folder / "model.safetensors").exists():
+            raise
     return folder
 
 
