@@ -74,11 +74,11 @@ vllm_setup() {
 }
 
 run_tests() {
-  # With arguments: pytest as asked. Without: the suite in three parallel workers (whole files per worker, so a file's
+  # With arguments: pytest as asked. Without: the suite in two parallel workers (whole files per worker, so a file's
   # app server or browser is started once), then the tests that time themselves, alone on the machine.
   if [ $# -gt 0 ]; then exec "$VENV/bin/python" -m pytest -q -ra "$@"; fi
   local rc=0
-  "$VENV/bin/python" -m pytest -q -ra -n "${SPECDEMO_TEST_WORKERS:-3}" --dist loadfile -m "not timed" || rc=$?
+  "$VENV/bin/python" -m pytest -q -ra -n "${SPECDEMO_TEST_WORKERS:-2}" --dist loadfile -m "not timed" || rc=$?
   "$VENV/bin/python" -m pytest -q -ra -m timed || rc=$((rc ? rc : $?))
   return "$rc"
 }

@@ -24,6 +24,7 @@ PROMPTS = [
     "Repeat exactly: red green blue, red green blue, red green blue.",
 ]
 KS = [1, 2, 4, 8]
+PERTURBED_KS = [2, 8]  # the app's default and the longest rollback; tiny-model tests cover every k exactly
 NEW = 24
 PERTURBED_LAYERS = 8
 SELF_DRAFT_PROMPTS = 4  # the target drafting for itself costs k target passes a step
@@ -79,7 +80,7 @@ def test_self_draft_is_lossless_and_accepts_everything(bundled, reference, k):
         assert all(e.num_accepted == len(e.drafted) for e in spec), prompt
 
 
-@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("k", PERTURBED_KS)
 def test_perturbed_draft_is_lossless_with_rejections(bundled, perturbed, reference, k):
     """A noisy copy gets rejected sometimes; rollback keeps the output exact and the target cache exact."""
     rejected = accepted = 0
