@@ -91,6 +91,14 @@ def fresh(page):
     return page
 
 
+VISIBLE_SLIDER_HOLDS = """([label, value]) => {
+  const boxes = [...document.querySelectorAll(`input[aria-label='number input for ${label}']`)]
+    .filter(e => e.offsetParent !== null);  // other tabs may have a slider of the same label
+  return boxes.length > 0 && boxes.every(
+    e => e.closest('.wrap')?.querySelector('input[type=range]')?.value === String(value));
+}"""
+
+
 def set_number(page, label: str, value: int) -> None:
     box = page.get_by_label(f"number input for {label}")
     if not box.is_visible():  # folded away under "More settings"
@@ -98,9 +106,7 @@ def set_number(page, label: str, value: int) -> None:
     box.fill(str(value))
     box.press("Tab")  # blur: the slider clamps and releases its value
     # The click on Run sends what the component holds, so wait until its range input shows the new value.
-    page.get_by_label(f"range slider for {label}").wait_for(state="attached")
-    page.wait_for_function("([label, value]) => document.querySelector(`input[aria-label='range slider for ${label}']`)"
-                           "?.value === String(value)", arg=[label, value])
+    page.wait_for_function(VISIBLE_SLIDER_HOLDS, arg=[label, value])
 
 
 def run(page, timeout: float = 300_000) -> list[dict]:

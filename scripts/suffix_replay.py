@@ -1,0 +1,118 @@
+"""Replay the target's greedy answers through model-free drafters: exact tokens per pass, and a speedup predicted
+from measured pass costs, for many drafter settings in seconds instead of one bench run each.
+
+Greedy speculative decoding commits exactly the target's greedy tokens, so a deterministic drafter's every step can be
+replayed from the answer alone: propose from the committed ids, keep the longest prefix that matches the answer, and
+commit one more token. The drafters are the real classes driven through their interface (begin, propose, update), and
+the suffix cache is carried across the prompts in order, as the bench carries it. The predicted speedup is
+
+    (answer tokens x cost of a 1-token pass) / sum over steps of the cost of a (drafted + 1)-token pass,
+
+with pass costs from timing.verify_costs_for on this machine (draft logic and verify bookkeeping are left out: they
+are under 1 % of a step for these drafters). The bench then times the chosen settings once.
+
+    python scripts/suffix_replay.py --prompts specdemo/data/prompts/repetitive.jsonl --out /tmp/replay.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specdemo.config import GenerationConfig, SamplingConfig, SuffixConfig  # noqa: E402
+from specdemo.drafters import NgramDrafter  # noqa: E402
+from specdemo.drafters.base import DraftRequest, Verdict  # noqa: E402
+from specdemo.drafters.suffix import SuffixCache, SuffixDrafter  # noqa: E402
+from specdemo.engine import autoregressive, encode_prompt, eos_ids, generated_ids  # noqa: E402
+from specdemo.engine.timing import verify_costs_for  # noqa: E402
+from specdemo.models.loading import load_model  # noqa: E402
+
+
+def answers(loaded, prompts: list[str], max_new_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, the target's greedy answer ids) per prompt, as the bench encodes them (chat template)."""
+    config = GenerationConfig(max_new_tokens=max_new_tokens)
+    out = []
+    for prompt in prompts:
+        ids = encode_prompt(loaded.tokenizer, prompt, True)
+        out.append((ids, generated_ids(list(autoregressive(loaded.model, loaded.tokenizer, ids, config)))))
+    return out
+
+
+def replay(drafter, pairs, k: int, eos: frozenset[int]) -> list[list[tuple[int, int]]]:
+    """Per prompt, each step's (drafted, accepted)."""
+    sampling = SamplingConfig()
+    steps_all = []
+    for prompt, answer in pairs:
+        drafter.begin([prompt])
+        ids, pos, steps = list(prompt), 0, []
+        while pos < len(answer):
+            left = len(answer) - pos
+            want = min(k, left - 1)  # the engine never drafts past the length
+            draft = drafter.propose(DraftRequest([ids], [want], sampling, [None], eos))[0].tokens if want > 0 else []
+            accepted = 0
+            while accepted < len(draft) and draft[accepted] == answer[pos + accepted]:
+                accepted += 1
+            steps.append((len(draft), accepted))
+            ids += answer[pos:pos + accepted + 1]
+            pos += accepted + 1
+            drafter.update([Verdict(accepted, list(ids))])
+        steps_all.append(steps)
+    return steps_all
+
+
+def predict(steps_all, costs: dict[int, float]) -> dict:
+    """Tokens per pass and the speedup the pass costs predict (costs[w]: a w-token pass over a 1-token pass)."""
+    steps = [s for st in steps_all for s in st]
+    tokens = sum(a + 1 for _, a in steps)
+    sd_cost = sum(costs[min(d + 1, max(costs))] for d, _ in steps)
+    drafted, accepted = sum(d for d, _ in steps), sum(a for _, a in steps)
+    per_prompt = [sum(a + 1 for _, a in st) / sum(costs[min(d + 1, max(costs))] for d, _ in st) for st in steps_all]
+    return {"tokens_per_pass": tokens / len(steps), "predicted_speedup": tokens / sd_cost, "passes": len(steps),
+            "drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else 0.0,
+            "per_prompt_speedup": [round(x, 3) for x in per_prompt]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", default="specdemo/data/prompts/repetitive.jsonl")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--k-max", type=int, default=32, help="widest pass to time and the largest k to replay")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    loaded = load_model("smollm2-135m", device="cpu")
+    prompts = [json.loads(line)["prompt"] for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    t0 = time.perf_counter()
+    pairs = answers(loaded, prompts, args.max_new_tokens)
+    print(f"answers: {sum(len(a) for _, a in pairs)} tokens in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    ratios = verify_costs_for(loaded.model, [p for p, _ in pairs[:3]], k_max=args.k_max)
+    costs = {1: 1.0} | {k + 1: r for k, r in ratios.items()}
+    eos = frozenset(eos_ids(loaded.model, loaded.tokenizer))
+
+    rows = []
+    for k in (4, 8):
+        rows.append({"drafter": "ngram", "k": k} | predict(replay(NgramDrafter(), pairs, k, eos), costs))
+    for k, factor, prob in itertools.product((8, 16, 32), (1.0, 2.0, 4.0), (0.0, 0.05, 0.1, 0.2, 0.3)):
+        if k > args.k_max:
+            continue
+        config = SuffixConfig(max_spec_factor=factor, min_token_prob=prob)
+        cache = SuffixCache(config.max_tree_depth, config.max_cached_requests)
+        rows.append({"drafter": "suffix", "k": k, "max_spec_factor": factor, "min_token_prob": prob}
+                    | predict(replay(SuffixDrafter(cache, config), pairs, k, eos), costs))
+    for row in rows:
+        print({key: (round(v, 3) if isinstance(v, float) else v) for key, v in row.items() if key != "per_prompt_speedup"})
+    if args.out:
+        Path(args.out).write_text(json.dumps({"pass_costs": costs, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()
