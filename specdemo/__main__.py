@@ -170,6 +170,9 @@ def _export_parser(sub) -> None:
                    help="num_speculative_tokens (default: the tuned k in --sweep, else the head's recorded k, else "
                         f"{G.num_draft_tokens})")
     p.add_argument("--sweep", metavar="JSON", help="a bench.json or sweep result: take its measured best k")
+    p.add_argument("--min-confidence", type=float, default=None,
+                   help="the confidence gate our EAGLE-3 drafter reads from the export (default: the head's own); "
+                        "vLLM and SGLang have none, so 0 makes ours draft what they draft")
     p.add_argument("--target", default=None, help="the target, for the printed serve commands and a speculators "
                                                   f"head's verifier (default: the one the head records, else {BUNDLED_ID})")
     p.add_argument("--format", choices=["eagle3", "speculators"], default="eagle3",
@@ -184,7 +187,8 @@ def run_export(args) -> int:
     k = args.k if args.k is not None else (k_from_report(args.sweep)[0] if args.sweep else None)
     if k is not None and not MIN_K <= k <= MAX_K_ENGINE:
         raise ValueError(f"k must be between {MIN_K} and {MAX_K_ENGINE}, got {k}")
-    result = export_eagle3(args.draft, args.out, k, args.target, runtime_from_env(os.environ), args.format)
+    result = export_eagle3(args.draft, args.out, k, args.target, runtime_from_env(os.environ), args.format,
+                           args.min_confidence)
     print(f"# wrote {result.folder} (EAGLE-3, {args.format} format, k = {result.k})")
     print(result.vllm_command)
     print("# SGLang:")

@@ -341,6 +341,15 @@ def test_export_cli_writes_checkpoint_and_flags_and_round_trips(target8, tmp_pat
 
     drafter, _, _ = make_drafter(loaded_target(target8, None), "model", str(out))
     assert drafter_k(drafter) == 3  # export's k is the exported head's recorded k
+    assert drafter.min_confidence == 0.0
+    gated = tmp_path / "gated"
+    assert cli_main(["export", "--draft", str(out), "--out", str(gated), "--min-confidence", "0.8"]) == 0
+    assert make_drafter(loaded_target(target8, None), "model", str(gated))[0].min_confidence == 0.8
+    assert cli_main(["export", "--draft", str(gated), "--out", str(tmp_path / "ungated"), "--min-confidence", "0"]) == 0
+    assert make_drafter(loaded_target(target8, None), "model", str(tmp_path / "ungated"))[0].min_confidence == 0.0
+    capsys.readouterr()
+    assert cli_main(["export", "--draft", str(out), "--out", str(tmp_path / "bad"), "--min-confidence", "1.5"]) != 0
+    assert "min_confidence must be in [0, 1), got 1.5" in capsys.readouterr().err
 
 
 def test_export_refuses_what_is_not_an_eagle3_head(target8, tmp_path):

@@ -66,11 +66,13 @@ def head_folder(draft: str, runtime: Runtime = Runtime()) -> Path:
 
 
 def export_eagle3(draft: str, out: str | Path, k: int | None = None, target: str | None = None,
-                  runtime: Runtime = Runtime(), fmt: str = "eagle3") -> Export:
+                  runtime: Runtime = Runtime(), fmt: str = "eagle3", min_confidence: float | None = None) -> Export:
     """Write DIR/config.json + model.safetensors (the head's own weights, normalised to the engines' layout),
     speculative_config.json and sglang.txt. k: given, else the head's recorded k, else the usual default.
     fmt "speculators": config.json and weight names in the speculators format instead, with the target as its
-    verifier, so `vllm serve DIR` alone serves target and head (specdemo.models.speculators)."""
+    verifier, so `vllm serve DIR` alone serves target and head (specdemo.models.speculators). min_confidence: the
+    confidence gate our drafter reads from specdemo.json (given, else the head's own; vLLM and SGLang have none, so
+    0 makes ours draft exactly what they draft)."""
     from safetensors.torch import save_file
 
     source = head_folder(draft, runtime)
@@ -93,6 +95,10 @@ def export_eagle3(draft: str, out: str | Path, k: int | None = None, target: str
         (out / CONFIG_FILE).write_text(json.dumps(config.to_json(dtype), indent=2) + "\n")
         if (source / "README.md").exists():
             shutil.copyfile(source / "README.md", out / "README.md")
+    if min_confidence is not None:
+        if not 0.0 <= min_confidence < 1.0:
+            raise ValueError(f"min_confidence must be in [0, 1), got {min_confidence}")
+        meta["min_confidence"] = min_confidence
     (out / META_FILE).write_text(json.dumps({**meta, "num_speculative_tokens": k}, indent=2) + "\n")
     model = str(out.resolve())
     spec = vllm_speculative_config("eagle3", k, model)
