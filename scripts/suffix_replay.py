@@ -70,14 +70,15 @@ def replay(drafter, pairs, k: int, eos: frozenset[int]) -> list[list[tuple[int, 
 
 def predict(steps_all, costs: dict[int, float]) -> dict:
     """Tokens per pass and the speedup the pass costs predict (costs[w]: a w-token pass over a 1-token pass)."""
+    widest = max(costs)
+    tokens = [sum(a + 1 for _, a in st) for st in steps_all]
+    cost = [sum(costs[min(d + 1, widest)] for d, _ in st) for st in steps_all]
     steps = [s for st in steps_all for s in st]
-    tokens = sum(a + 1 for _, a in steps)
-    sd_cost = sum(costs[min(d + 1, max(costs))] for d, _ in steps)
     drafted, accepted = sum(d for d, _ in steps), sum(a for _, a in steps)
-    per_prompt = [sum(a + 1 for _, a in st) / sum(costs[min(d + 1, max(costs))] for d, _ in st) for st in steps_all]
-    return {"tokens_per_pass": tokens / len(steps), "predicted_speedup": tokens / sd_cost, "passes": len(steps),
-            "drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else 0.0,
-            "per_prompt_speedup": [round(x, 3) for x in per_prompt]}
+    return {"tokens_per_pass": sum(tokens) / len(steps), "predicted_speedup": sum(tokens) / sum(cost),
+            "passes": len(steps), "drafted": drafted, "accepted": accepted,
+            "acceptance": accepted / drafted if drafted else 0.0,
+            "per_prompt_speedup": [round(t / c, 3) for t, c in zip(tokens, cost)]}
 
 
 def main() -> None:

@@ -41,9 +41,9 @@ def run(request, recalibrate: bool = False) -> dict:
 @pytest.mark.slow
 @pytest.mark.timed
 def test_the_check_stays_quiet_on_a_quiet_machine_and_fires_under_a_cpu_hog():
-    """Calibrated, then run on the same quiet machine: no drift (one recalibration allowed). Then three busy processes (at most 90 s, killed at
-    the end) take the two cores during a run: its target passes take well over 1.5x their calibrated time, the
-    result says so and the status line's warning offers Re-measure."""
+    """Calibrated, then run on the same quiet machine: no drift (one recalibration allowed). Then three busy
+    processes (at most 90 s, killed at the end) take the two cores during a run: its target passes take well over
+    1.5x their calibrated time, the result says so and the status line's warning offers Re-measure."""
     request = make_request(REWRITE, "smollm2-135m", "model", "", 2, False, 0.0, 1.0, 24, AppLimits(max_new_tokens=64))
     for _ in range(2):  # a shared machine's passing spell during the calibration is not what this test is about
         quiet = run(request, recalibrate=True)

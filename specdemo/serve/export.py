@@ -75,6 +75,8 @@ def export_eagle3(draft: str, out: str | Path, k: int | None = None, target: str
     0 makes ours draft exactly what they draft)."""
     from safetensors.torch import save_file
 
+    if min_confidence is not None and not 0.0 <= min_confidence < 1.0:  # before anything is written
+        raise ValueError(f"min_confidence must be in [0, 1), got {min_confidence}")
     source = head_folder(draft, runtime)
     config = Eagle3Config.from_json(read_config(source))  # refuses variants we would not run the same way
     out = Path(out)
@@ -96,8 +98,6 @@ def export_eagle3(draft: str, out: str | Path, k: int | None = None, target: str
         if (source / "README.md").exists():
             shutil.copyfile(source / "README.md", out / "README.md")
     if min_confidence is not None:
-        if not 0.0 <= min_confidence < 1.0:
-            raise ValueError(f"min_confidence must be in [0, 1), got {min_confidence}")
         meta["min_confidence"] = min_confidence
     (out / META_FILE).write_text(json.dumps({**meta, "num_speculative_tokens": k}, indent=2) + "\n")
     model = str(out.resolve())
