@@ -27,6 +27,7 @@ def test_hybrid_model_k_follows_the_verify_costs():
     assert hybrid_model_k({1: 1.0, 2: 1.01, 3: 1.02}, c=0.35) == 1
 
 
+@pytest.mark.timed  # asserts on a timed cost ratio
 def test_calibration_records_the_costs_it_chose_from(tiny_draft, tiny_tok):
     """The cap comes from verify passes timed at load; the costs it used are kept for the benchmark report."""
     # an 8-layer target, so that its passes cost more than a 1-layer draft's by compute, not only by overhead
@@ -50,6 +51,7 @@ def test_calibration_records_the_costs_it_chose_from(tiny_draft, tiny_tok):
 
 
 @pytest.mark.slow
+@pytest.mark.timed  # asserts on the draft's timed cost
 def test_shipped_draft_with_prompt_lookup_is_lossless(bundled):
     """The hybrid (lookup where the text repeats, the trained draft elsewhere) on the real pair: the target's output."""
     from specdemo.drafters.resolve import DRAFTS
