@@ -1,4 +1,7 @@
-"""The app as users' programs see it: `python app.py` on 127.0.0.1, driven by gradio_client (slow)."""
+"""The app as users' programs see it: `python app.py` on 127.0.0.1, driven by gradio_client (slow): the environment
+reaching the handlers, /compare streaming the CLI's JSON, a 200,000-character prompt refused within 5 s and the next
+run served, non-numeric values refused with a clear message, Stop, the verification rule, and two concurrent
+clients."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Suffix decoding's earlier answers in the app belong to one browser session: the session caches (app.sessions), and
 the handlers on a tiny model with the real suffix drafter, two visitors side by side: one never drafts from (nor
 shows) the other's answers, a visitor's own later runs do draft from its earlier ones, Clear and a closed tab forget
-them, and the calibration, the Tune-k sweep and the Batch tab add nothing. The browser's view: test_browser.py."""
+them, and the calibration, the Tune-k sweep and the Batch tab add nothing; the inspector names each draft's source.
+The browser's view: test_browser.py."""
 
 from __future__ import annotations
 

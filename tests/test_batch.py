@@ -1,5 +1,6 @@
-"""Batched decoders on tiny random llamas: per-row losslessness, per-row KV rollback against fresh prefills, rows
-that finish early, auto k, and the sampled distribution with several rows."""
+"""Batched decoders on tiny random llamas: per-row losslessness and each row's proposals equal to its single-sequence
+drafter's (an EAGLE-3 head's included), per-row KV rollback against fresh prefills, rows that finish early, auto k,
+and the sampled distribution with several rows (also through an EAGLE-3 head's draft vocabulary)."""
 
 import pytest
 import torch

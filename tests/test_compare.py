@@ -1,4 +1,5 @@
-"""Both decoders on one prompt: the order of events, the JSON result, and the hybrid's calibration in it."""
+"""Both decoders on one prompt: the order of events (the runs take turns by their own clocks), the JSON result, and
+the hybrid's calibration in it."""
 
 import torch
 

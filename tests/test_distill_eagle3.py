@@ -1,6 +1,8 @@
-"""distill on a tiny random llama: the EAGLE-3 head learns the target's answers from its aux layers' states, its
-checkpoint loads through specdemo.models.eagle3's loader and drafts losslessly, the per-channel scale it trains under is
-folded into fc exactly, and a whole `distill` run writes a vLLM-format head."""
+"""distill on a tiny random llama: the EAGLE-3 head learns the target's answers from its aux layers' states (held-out
+agreement from 0.03 to over 0.3), its checkpoint loads through specdemo.models.eagle3's loader with the trained
+module's logits and drafts losslessly, the per-channel scale it trains under is folded into fc exactly, --init-layer
+copies a target layer into the hidden half, and a whole `distill` run writes a vLLM-format head (no explicit aux ids)
+that drafts losslessly."""
 
 import json
 

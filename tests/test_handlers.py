@@ -1,4 +1,5 @@
-"""The handlers without a server: the {component: value} frames of a live run, its race and its replay, the sweep,
+"""The handlers without a server: the {component: value} frames of a live run, its race and its replay, the pass
+costs beside the calibrated ones and Re-measure, Stop, bad requests refused before the hardware is taken, the sweep,
 presets and errors, on a tiny model (milliseconds) and on the real bundled model (slow). The plain checks and text
 they use are tested in test_race.py."""
 

@@ -1,5 +1,7 @@
-"""The app's plain parts (specdemo.app.race, no gradio): request checks against the limits, the Space rules for model ids,
-the prompt-length guard, the summary text and the pacing of live frames and of the race."""
+"""The app's plain parts (specdemo.app.race, no gradio): request checks against the limits, the Space rules for model ids
+(the allowlist and local paths, as app.py's limits_from_env reads them), the prompt-length guard and the token cap,
+the summary text, the pacing of live frames (the throttle) and of the replay, and c and the verify cost as the sweep
+defines them."""
 
 from __future__ import annotations
 

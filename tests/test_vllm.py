@@ -1,5 +1,8 @@
-"""vLLM as an anchor and as the way out: --anchors parsing, the driver's JSON protocol, the report's anchors.vllm
-keys, serve-config's command lines; and, where vLLM is installed, its greedy ngram output against ours."""
+"""vLLM as an anchor and as the way out: --anchors parsing, the fail-fast errors (no vLLM python, sampling), the
+speculative configuration, serve-config's command lines (the JSON survives shell quoting) and its k from a
+bench.json; the driver's imports, per-request counter differences and JSON round trip under a python without vLLM;
+the report's anchors.vllm keys; and, where vLLM is installed (slow), its ngram proposer against ours on random
+sequences and its plain and ngram greedy output against ours on three prompts."""
 
 import ast
 import importlib.util
