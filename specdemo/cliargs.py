@@ -32,7 +32,7 @@ def placement_args(args: argparse.Namespace) -> Placement:
 
 def add_suffix_args(p: argparse.ArgumentParser) -> None:
     """--suffix-max-tree-depth, --suffix-max-cached-requests, --suffix-max-spec-factor, --suffix-min-token-prob:
-    vLLM's suffix_decoding_* options, with its defaults."""
+    vLLM's suffix_decoding_* options, with its defaults; and --suffix-cost-aware, ours."""
     d = SuffixConfig()
     p.add_argument("--suffix-max-tree-depth", type=int, default=d.max_tree_depth,
                    help="--drafter suffix: the longest match plus draft the trees hold (vLLM's "
@@ -46,11 +46,14 @@ def add_suffix_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suffix-min-token-prob", type=float, default=d.min_token_prob,
                    help="--drafter suffix: the least estimated probability of a drafted token "
                         "(suffix_decoding_min_token_prob; default %(default)s)")
+    p.add_argument("--suffix-cost-aware", action="store_true",
+                   help="--drafter suffix: cut each draft where its expected accepted tokens stop paying for a wider "
+                        "verify pass (pass costs timed at load, acceptance learned as it runs; ours, not vLLM's)")
 
 
 def suffix_args(args: argparse.Namespace) -> SuffixConfig:
     """The flags as a checked SuffixConfig (ValueError with vLLM's option names)."""
     config = SuffixConfig(args.suffix_max_tree_depth, args.suffix_max_cached_requests, args.suffix_max_spec_factor,
-                          args.suffix_min_token_prob)
+                          args.suffix_min_token_prob, getattr(args, "suffix_cost_aware", False))
     config.validate()
     return config

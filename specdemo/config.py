@@ -88,12 +88,16 @@ class SuffixConfig:
     how many earlier answers the cross-request tree keeps, oldest evicted first (0: none, drafting from the request
     alone); max_spec_factor: a match of L tokens drafts at most max_spec_factor * L tokens (and k); min_token_prob:
     a drafted token's estimated probability (the product of its path's frequency ratios) must reach this.
+    cost_aware is ours (vLLM has no such option, so serve-config leaves it out).
     """
 
     max_tree_depth: int = 24
     max_cached_requests: int = 10000
     max_spec_factor: float = 1.0
     min_token_prob: float = 0.1
+    # ours, not vLLM's: cut each draft where its expected accepted tokens stop paying for a wider verify pass (pass
+    # costs measured on the target at load, acceptance learned per cache; drafters.suffix.DraftValue)
+    cost_aware: bool = False
 
     def validate(self) -> None:
         """vLLM's checks, with its messages' option names."""

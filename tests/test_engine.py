@@ -2,6 +2,8 @@
 step inspector's data (p, q, top 5, top-2 gap) against direct passes of the target and the draft, greedy and
 sampled."""
 
+import itertools
+
 import pytest
 import torch
 from conftest import second_token_distribution, until_second_token
@@ -31,6 +33,8 @@ def run(gen):
 
 
 SUFFIX_CACHE = SuffixCache()  # carried across runs, as a process carries it: later runs draft from earlier answers
+COST_AWARE_CACHE = SuffixCache()
+COST_AWARE_TURN = itertools.count()
 
 
 def make(kind, draft):
@@ -41,13 +45,18 @@ def make(kind, draft):
         return NgramDrafter()
     if kind == "suffix":
         return SuffixDrafter(SUFFIX_CACHE)
+    if kind == "suffix-cost-aware":
+        # drafts cut by what the cache learned, where a wider pass costs 0.02 more per token (these drafts are never
+        # cut) or 0.1 more (most are cut, once the cache has seen them rejected), one drafter each in turn
+        extra = 0.02 if next(COST_AWARE_TURN) % 2 == 0 else 0.1
+        return SuffixDrafter(COST_AWARE_CACHE, pass_costs={n: 1.0 + extra * n for n in range(1, 65)})
     if kind == "hybrid-suffix":
         return HybridDrafter(ModelDrafter(draft), min_match=2, lookup=SuffixDrafter(SUFFIX_CACHE, min_match=2))
     return HybridDrafter(ModelDrafter(draft), min_match=2)
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-@pytest.mark.parametrize("kind", ["model", "ngram", "hybrid", "suffix", "hybrid-suffix"])
+@pytest.mark.parametrize("kind", ["model", "ngram", "hybrid", "suffix", "suffix-cost-aware", "hybrid-suffix"])
 def test_greedy_speculative_equals_autoregressive(tiny_target, tiny_draft, tiny_tok, k, kind):
     """Greedy speculative tokens are the target's own greedy tokens, for every drafter."""
     config = GenerationConfig(max_new_tokens=40, num_draft_tokens=k)
@@ -128,7 +137,7 @@ def test_same_seed_same_sample_other_seed_differs(tiny_target, tiny_draft, tiny_
     assert sample(7) != sample(8)
 
 
-@pytest.mark.parametrize("kind", ["model", "ngram", "hybrid", "suffix", "hybrid-suffix"])
+@pytest.mark.parametrize("kind", ["model", "ngram", "hybrid", "suffix", "suffix-cost-aware", "hybrid-suffix"])
 def test_sampled_distribution_matches_target(tiny_target, tiny_draft, tiny_tok, kind):
     """Speculative sampling draws the second token from the target's distribution, far from the draft's.
 

@@ -1,5 +1,6 @@
 """Suffix decoding: the trees' counts against brute force, the draft rule, the cache's ownership (eviction, clear,
-pause) and each draft's source; losslessness on the real bundled model."""
+pause) and each draft's source; the cost-aware cut (what it keeps, what it learns); losslessness on the real bundled
+model, cost-aware too, built through the registry as the CLI builds it."""
 
 import random
 
@@ -7,7 +8,9 @@ import pytest
 
 from specdemo.config import GenerationConfig, SamplingConfig, SuffixConfig
 from specdemo.drafters import DraftRequest, Verdict
+from specdemo.drafters.registry import BuildOptions, get
 from specdemo.drafters.suffix import (
+    DraftValue,
     SuffixCache,
     SuffixDrafter,
     SuffixTree,
@@ -176,6 +179,45 @@ def test_options_are_checked_with_vllms_names():
         "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1}
 
 
+def test_the_cost_aware_cut_keeps_the_length_its_estimated_acceptance_pays_for():
+    """Expected tokens per unit of pass cost decide the length: with no evidence a token's estimate is its frequency
+    ratio; evidence of rejections moves it down, and then nothing is worth a wider pass."""
+    costs = {1: 1.1, 2: 1.2, 3: 1.3, 4: 2.5}
+    value = DraftValue()
+    kinds = DraftValue.kinds("earlier", 3, [1.0, 1.0, 1.0, 1.0])
+    assert value.length(kinds, [1.0] * 4, costs) == 3  # (1 + 3) / 1.3 beats 2 / 1.1, 3 / 1.2 and 5 / 2.5
+    assert value.length(kinds[:1], [0.05], costs) == 0  # (1 + 0.05) / 1.1 < 1: a 1-token pass is worth more
+    for _ in range(40):  # the first token of such drafts is always rejected
+        value.record(kinds, 0)
+    assert value.counts[kinds[0]] == [0, 40] and kinds[1] not in value.counts  # only the first was tried
+    assert value.length(kinds, [1.0] * 4, costs) == 0  # estimate (0 + 4) / 44 for the first token
+    value.record(kinds, 2)  # two accepted, the third rejected, the fourth never tried
+    assert value.counts[kinds[0]] == [1, 41] and value.counts[kinds[1]] == [1, 1] and value.counts[kinds[2]] == [0, 1]
+
+
+def test_a_cost_aware_drafter_cuts_drafts_its_cache_learned_are_rejected():
+    """The drafter records each draft's outcome in its cache's DraftValue and drafts less once its drafts of a kind
+    keep failing; what it keeps is a prefix of what vLLM's rule drafts."""
+    prompt = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2]
+    costs = {n: 1.0 + 0.1 * n for n in range(1, 9)}
+    cache = SuffixCache()
+    drafter = SuffixDrafter(cache, SuffixConfig(max_spec_factor=2.0), pass_costs=costs)
+    plain = SuffixDrafter(SuffixCache(), SuffixConfig(max_spec_factor=2.0))
+    request = DraftRequest([prompt], [8], SamplingConfig(), [None], frozenset())
+    drafter.begin([prompt])
+    plain.begin([prompt])
+    first, full = drafter.propose(request)[0].tokens, plain.propose(request)[0].tokens
+    assert full[:3] == [3, 4, 5] and first and full[: len(first)] == first
+    for _ in range(30):  # the target rejects every draft, committing its own token 9 instead (not appended here)
+        drafter.update([Verdict(0, list(prompt))])
+        drafter.propose(request)
+    tried = sum(t for _, t in cache.value.counts.values())
+    assert 1 < tried < 31 and all(a == 0 for a, _ in cache.value.counts.values())  # it stopped drafting on the way
+    assert drafter.propose(request)[0].tokens == []
+    cache.clear()
+    assert cache.value.counts == {}
+
+
 @pytest.mark.slow
 def test_suffix_is_lossless_on_the_bundled_model_with_a_warm_cache(bundled):
     """Greedy suffix decoding is the target's output on the real model; the second request drafts from the first."""
@@ -190,3 +232,22 @@ def test_suffix_is_lossless_on_the_bundled_model_with_a_warm_cache(bundled):
         assert generated_ids(events) == ar
         sources |= {e.draft_source for e in events if e.kind == "spec" and e.drafted}
     assert "earlier" in sources and sources <= {"prompt", "answer", "earlier"}
+
+
+@pytest.mark.slow
+def test_cost_aware_suffix_from_the_registry_is_lossless_on_the_bundled_model(bundled):
+    """--drafter suffix --suffix-cost-aware as the CLI builds it: pass costs timed on the target at load (a wider
+    pass costs at least a little more), then greedy output equal to the target's own, with drafts of several
+    lengths."""
+    drafter, _, _ = get("suffix").factory(bundled, None, BuildOptions(suffix=SuffixConfig(cost_aware=True)))
+    assert drafter.pass_costs and set(drafter.pass_costs) == set(range(1, 17))
+    tok = bundled.tokenizer
+    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=16)
+    lengths = set()
+    for prompt in ("Convert to JSON: name=Ann, age=31, city=Oslo.", "Convert to JSON: name=Bob, age=45, city=Rome."):
+        ids = encode_prompt(tok, prompt)
+        ar = generated_ids(list(autoregressive(bundled.model, tok, ids, config)))
+        events = list(speculative(bundled.model, tok, drafter, ids, config))
+        assert generated_ids(events) == ar
+        lengths |= {len(e.drafted) for e in events if e.kind == "spec"}
+    assert len(lengths) > 1 and sum(t for _, t in drafter.cache.value.counts.values()) > 0

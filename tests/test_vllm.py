@@ -179,14 +179,20 @@ def test_suffix_maps_to_vllms_suffix_method_with_its_option_names(capsys):
     assert "--speculative-algorithm SUFFIX --speculative-num-draft-tokens 17" in out["sglang"]
     assert cli_main(["serve-config", "--drafter", "suffix", "--suffix-max-spec-factor", "-1"]) == 2
     assert "suffix_decoding_max_spec_factor=-1.0 must be >= 0" in capsys.readouterr().err
+    # our cost-aware cut has no vLLM option: the config is the same, and a note says so
+    assert cli_main(["serve-config", "--drafter", "suffix", "--k", "16", "--suffix-min-token-prob", "0.2",
+                     "--suffix-cost-aware", "--json"]) == 0
+    aware = json.loads(capsys.readouterr().out)
+    assert aware["speculative_config"] == out["speculative_config"]
+    assert any("no cost-aware cut" in note for note in aware["notes"]), aware
 
     from specdemo.config import SuffixConfig
 
     names = [(m["name"], m["k"]) for m in vllm_methods([8], Lookup(1, 8), suffix=SuffixConfig())]
     assert names == [("plain", None), ("ngram", 8), ("suffix", 8)]
-    bc = bench_config(parser().parse_args(["--drafter", "suffix", "--suffix-cold", "--suffix-max-tree-depth", "12"]),
-                      env={})
-    assert bc.suffix_cold and bc.suffix.max_tree_depth == 12
+    bc = bench_config(parser().parse_args(["--drafter", "suffix", "--suffix-cold", "--suffix-max-tree-depth", "12",
+                                           "--suffix-cost-aware"]), env={})
+    assert bc.suffix_cold and bc.suffix.max_tree_depth == 12 and bc.suffix.cost_aware
 
 
 # --- the driver's protocol ---------------------------------------------------------------------------------------------

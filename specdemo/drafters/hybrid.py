@@ -14,7 +14,7 @@ from statistics import median
 
 from ..config import MAX_K_ENGINE, GenerationConfig
 from ..engine.loop import speculative
-from ..engine.timing import forward_costs
+from ..engine.timing import forward_costs, verify_costs_for
 from .base import Drafter, DraftRequest, Proposal
 from .ngram import NgramDrafter
 
@@ -171,6 +171,18 @@ def calibrate(model: Drafter, target, draft_name: str | None = None,
     calibration = HybridCalibration(hybrid_model_k(costs, chain, DEFAULT_DRAFT_COST if c is None else c), costs, c)
     log.info("hybrid: %s", calibration.describe())
     return calibration
+
+
+def load_time_verify_costs(target, k_max: int) -> dict[int, float]:
+    """{n: an (n+1)-token target pass over a 1-token one} for n = 1..k_max, after PROBE_TEXT: timed at the first
+    load on this target (a few dozen short passes), remembered for the loaded model (cost-aware suffix decoding)."""
+    memo = _measured.setdefault(target.model, {})
+    key = ("verify_costs", k_max)
+    if key not in memo:
+        probe = target.tokenizer(PROBE_TEXT)["input_ids"]
+        memo[key] = {n: round(c, 3) for n, c in verify_costs_for(target.model, [probe], k_max, repeats=3).items()}
+        log.info("suffix decoding's pass costs: %s", memo[key])
+    return memo[key]
 
 
 def calibrated_hybrid(model: Drafter, target, draft_name: str | None = None, probe: list[int] | None = None,

@@ -128,10 +128,17 @@ def lookup_drafter(target: LoadedModel, draft: str | None, options: BuildOptions
 
 
 def suffix_drafter(target: LoadedModel, draft: str | None, options: BuildOptions) -> Built:
-    """Suffix decoding: no model; earlier answers come from options.suffix_cache."""
+    """Suffix decoding: no model; earlier answers come from options.suffix_cache. Cost-aware, it times the target's
+    verify passes at load."""
     from .suffix import SuffixDrafter
 
-    return SuffixDrafter(options.suffix_cache, options.suffix), None, None
+    costs = None
+    if options.suffix.cost_aware:
+        from ..config import MAX_K
+        from .hybrid import load_time_verify_costs
+
+        costs = load_time_verify_costs(target, MAX_K)
+    return SuffixDrafter(options.suffix_cache, options.suffix, pass_costs=costs), None, None
 
 
 def hybrid_drafter(target: LoadedModel, draft: str | None, options: BuildOptions) -> Built:

@@ -183,6 +183,49 @@ class SuffixTree:
         return best
 
 
+class DraftValue:
+    """What drafted tokens have been worth: per kind of token, how often the target accepted it, to cut a draft where
+    its expected accepted tokens stop paying for a wider verify pass (SuffixConfig.cost_aware).
+
+    A kind is (source, match length, position in the draft, the token's frequency ratio), each bucketed; until a kind
+    has been tried, its estimate is the tree's own ratio, which the counts overstate (deep nodes seen once give 1.0),
+    and PRIOR tries of evidence move it toward what the target actually accepted.
+    """
+
+    PRIOR = 4.0
+
+    def __init__(self):
+        self.counts: dict[tuple, list[int]] = {}  # kind -> [accepted, tried]
+
+    @staticmethod
+    def kinds(source: str, match_len: int, ratios: Sequence[float]) -> list[tuple]:
+        """The kind of each drafted token (ratios: each token's count over its parent's)."""
+        m = 0 if match_len <= 1 else 1 if match_len <= 2 else 2 if match_len <= 4 else 3 if match_len <= 8 else 4
+        return [(source, m, min(i, 2), 0 if r >= 0.99 else 1 if r >= 0.8 else 2 if r >= 0.5 else 3)
+                for i, r in enumerate(ratios)]
+
+    def length(self, kinds: Sequence[tuple], ratios: Sequence[float], pass_costs: dict[int, float]) -> int:
+        """How many of the draft's tokens to keep: the length that maximises expected tokens per unit of pass cost,
+        (1 + sum of each prefix's estimated acceptance) / pass_costs[length] (a 1-token pass costs 1; 0 keeps none)."""
+        best, keep, p, expected = 1.0, 0, 1.0, 1.0
+        widest = max(pass_costs)
+        for i, (kind, r) in enumerate(zip(kinds, ratios)):
+            accepted, tried = self.counts.get(kind, (0, 0))
+            p *= (accepted + self.PRIOR * r) / (tried + self.PRIOR)
+            expected += p
+            value = expected / pass_costs[min(i + 1, widest)]
+            if value > best:
+                best, keep = value, i + 1
+        return keep
+
+    def record(self, kinds: Sequence[tuple], num_accepted: int) -> None:
+        """The target kept num_accepted of a draft of these kinds: the first rejected one was tried too."""
+        for i, kind in enumerate(kinds[: num_accepted + 1]):
+            entry = self.counts.setdefault(kind, [0, 0])
+            entry[0] += i < num_accepted
+            entry[1] += 1
+
+
 class SuffixCache:
     """Earlier answers, for later requests to draft from: one suffix tree over at most max_cached_requests answers,
     the oldest evicted first. Whoever serves requests owns one (the CLI and the bench: one per process; the app: one
@@ -207,6 +250,7 @@ class SuffixCache:
         with self._lock:
             self._tree = SuffixTree(self.max_tree_depth)
             self._answers: dict[int, list[int] | None] = {}  # id -> pending tokens, None once in the tree; FIFO
+            self.value = DraftValue()  # what its drafts have been worth (cost-aware drafting)
 
     def __len__(self) -> int:
         """Answers held (in the tree or pending)."""
@@ -273,6 +317,7 @@ class _Row:
         self.prompt_len = self.seen = len(prompt)
         self.key = key
         self.done = False
+        self.kinds: list[tuple] = []  # the kinds of its last draft's tokens (cost-aware drafting)
 
     def sync(self, ids: Sequence[int], cache: SuffixCache, eos: frozenset[int]) -> None:
         """Take in the committed ids not yet seen (up to an EOS: nothing after it is the answer)."""
@@ -292,16 +337,20 @@ class SuffixDrafter(Drafter):
 
     Proposal.source: "earlier" from the cache; from the row's tree, "answer" where the drafted substring last occurred
     inside the answer so far, else "prompt". `min_match` drops matches shorter than that (the hybrid asks for 3).
-    Deterministic: q is one-hot on the drafted token, as for prompt lookup.
+    With `pass_costs` ({n: an (n+1)-token pass over a 1-token one}, measured on the target), each draft is cut to the
+    length its estimated acceptance pays for (DraftValue, kept in the cache). Deterministic: q is one-hot on the
+    drafted token, as for prompt lookup.
     """
 
     name = "suffix"
 
-    def __init__(self, cache: SuffixCache | None = None, config: SuffixConfig = SuffixConfig(), min_match: int = 1):
+    def __init__(self, cache: SuffixCache | None = None, config: SuffixConfig = SuffixConfig(), min_match: int = 1,
+                 pass_costs: dict[int, float] | None = None):
         config.validate()
         self.config = config
         self.cache = cache if cache is not None else SuffixCache(config.max_tree_depth, config.max_cached_requests)
         self.min_match = min_match
+        self.pass_costs = pass_costs
         self._rows: list[_Row] = []
         self._eos: frozenset[int] = frozenset()
 
@@ -324,6 +373,7 @@ class SuffixDrafter(Drafter):
         return out
 
     def _draft(self, row: _Row, ids: Sequence[int], k: int) -> Proposal:
+        row.kinds = []
         if k <= 0:
             return Proposal([])
         context = ids[-self.config.max_tree_depth :]
@@ -336,10 +386,19 @@ class SuffixDrafter(Drafter):
             draft, source = own, "answer" if start >= row.prompt_len else "prompt"
         else:
             draft, source = earlier, "earlier"
-        return Proposal(cut_at_eos(draft.tokens, self._eos), source=source)
+        tokens = cut_at_eos(draft.tokens, self._eos)
+        if self.pass_costs and tokens:
+            ratios = [p / q for p, q in zip(draft.probs, [1.0, *draft.probs])][: len(tokens)]
+            kinds = DraftValue.kinds(source, draft.match_len, ratios)
+            keep = self.cache.value.length(kinds, ratios, self.pass_costs)
+            tokens, row.kinds = tokens[:keep], kinds[:keep]
+        return Proposal(tokens, source=source)
 
     def update(self, verdicts) -> None:
         for row, verdict in zip(self._rows, verdicts):
+            if row.kinds:
+                self.cache.value.record(row.kinds, verdict.num_accepted)
+                row.kinds = []
             row.sync(verdict.ids, self.cache, self._eos)
 
     def select(self, rows) -> None:

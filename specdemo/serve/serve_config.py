@@ -150,6 +150,10 @@ BLOCK_NOTE = ("vLLM runs rejection_sample_method 'block' in its Model Runner V2 
               "greedy ones are unchanged. The SGLang line verifies token-wise: specdemo knows no SGLang flag for block")
 
 
+COST_AWARE_NOTE = ("vLLM's suffix method has no cost-aware cut (--suffix-cost-aware is ours): it drafts at the "
+                   "other settings shown")
+
+
 def plan(target: str, drafter: str, draft: str | None, k: int, runtime: Runtime = Runtime(),
          verification: str = "token", suffix: SuffixConfig = SuffixConfig()) -> ServePlan:
     """Map our target, drafter kind (the registry's methods), draft (drafts.resolve_draft, from the local hub cache
@@ -158,7 +162,8 @@ def plan(target: str, drafter: str, draft: str | None, k: int, runtime: Runtime 
     served, note = serve_target(target, runtime)
     kind = get(drafter)
     check_draft(drafter, draft)
-    notes = tuple(n for n in (note, kind.serve_note, BLOCK_NOTE if verification == "block" else None) if n)
+    cost_note = COST_AWARE_NOTE if suffix.cost_aware and kind.vllm_method == "suffix" else None
+    notes = tuple(n for n in (note, kind.serve_note, BLOCK_NOTE if verification == "block" else None, cost_note) if n)
     if not kind.needs_draft:
         lookup = Lookup.of() if kind.vllm_method == "ngram" else None
         return ServePlan(served, kind.vllm_method, k, lookup=lookup, notes=notes, sglang_method=kind.sglang_method,
