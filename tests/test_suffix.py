@@ -8,6 +8,7 @@ import pytest
 
 from specdemo.config import GenerationConfig, SamplingConfig, SuffixConfig
 from specdemo.drafters import DraftRequest, Verdict
+from specdemo.drafters.hybrid import nondecreasing
 from specdemo.drafters.registry import BuildOptions, get
 from specdemo.drafters.suffix import (
     DraftValue,
@@ -195,6 +196,12 @@ def test_the_cost_aware_cut_keeps_the_length_its_estimated_acceptance_pays_for()
     assert value.counts[kinds[0]] == [1, 41] and value.counts[kinds[1]] == [1, 1] and value.counts[kinds[2]] == [0, 1]
 
 
+def test_pass_costs_are_made_nondecreasing_by_pooling_the_dips():
+    assert nondecreasing([1.0, 1.2, 1.1, 1.3]) == pytest.approx([1.0, 1.15, 1.15, 1.3])
+    assert nondecreasing([1.3, 1.1, 1.0, 1.6]) == pytest.approx([3.4 / 3] * 3 + [1.6])
+    assert nondecreasing([1.0, 1.1]) == [1.0, 1.1]
+
+
 def test_a_cost_aware_drafter_cuts_drafts_its_cache_learned_are_rejected():
     """The drafter records each draft's outcome in its cache's DraftValue and drafts less once its drafts of a kind
     keep failing; what it keeps is a prefix of what vLLM's rule drafts."""
@@ -240,7 +247,8 @@ def test_cost_aware_suffix_from_the_registry_is_lossless_on_the_bundled_model(bu
     pass costs at least a little more), then greedy output equal to the target's own, with drafts of several
     lengths."""
     drafter, _, _ = get("suffix").factory(bundled, None, BuildOptions(suffix=SuffixConfig(cost_aware=True)))
-    assert drafter.pass_costs and set(drafter.pass_costs) == set(range(1, 17))
+    costs = drafter.pass_costs
+    assert set(costs) == set(range(1, 17)) and all(costs[n] <= costs[n + 1] for n in range(1, 16))
     tok = bundled.tokenizer
     config = GenerationConfig(max_new_tokens=40, num_draft_tokens=16)
     lengths = set()

@@ -173,14 +173,28 @@ def calibrate(model: Drafter, target, draft_name: str | None = None,
     return calibration
 
 
+def nondecreasing(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators): a wider pass never costs less
+    than a narrower one, so a dip in a few noisy timings is noise."""
+    blocks: list[list[float]] = []  # [mean, size]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(int(n))]
+
+
 def load_time_verify_costs(target, k_max: int) -> dict[int, float]:
     """{n: an (n+1)-token target pass over a 1-token one} for n = 1..k_max, after PROBE_TEXT: timed at the first
-    load on this target (a few dozen short passes), remembered for the loaded model (cost-aware suffix decoding)."""
+    load on this target (a few dozen short passes), made non-decreasing, remembered for the loaded model (cost-aware
+    suffix decoding)."""
     memo = _measured.setdefault(target.model, {})
     key = ("verify_costs", k_max)
     if key not in memo:
         probe = target.tokenizer(PROBE_TEXT)["input_ids"]
-        memo[key] = {n: round(c, 3) for n, c in verify_costs_for(target.model, [probe], k_max, repeats=3).items()}
+        measured = verify_costs_for(target.model, [probe], k_max, repeats=3)
+        memo[key] = {n: round(c, 3) for n, c in zip(measured, nondecreasing(list(measured.values())))}
         log.info("suffix decoding's pass costs: %s", memo[key])
     return memo[key]
 
