@@ -233,6 +233,10 @@ stage bench_block 90 "${B[@]}" --drafter model --k 4 --temperature 1.0 --verific
   --out "$R/bench-block"
 stage bench_suffix 90 $PY -m specdemo bench --prompts specdemo/data/prompts/repetitive.jsonl --limit "$N" \
   --max-new-tokens "$TOKENS" --device "$DEV" --quiet --drafter suffix --k 16 --out "$R/bench-suffix"
+# the cost-aware cut with the GPU's pass costs (about flat: it should cut next to nothing)
+stage bench_suffix_cost_aware 90 $PY -m specdemo bench --prompts specdemo/data/prompts/repetitive.jsonl --limit "$N" \
+  --max-new-tokens "$TOKENS" --device "$DEV" --quiet --drafter suffix --k 16 --suffix-cost-aware \
+  --out "$R/bench-suffix-cost-aware"
 # --- end stage: verification and suffix ---
 # --- stage: batch ---
 # throughput and speedup against batch size on the GPU (the CPU's crossover comes at a few rows; here it should come

@@ -104,13 +104,22 @@ VISIBLE_SLIDER_HOLDS = """([label, value]) => {
 
 
 def set_number(page, label: str, value: int) -> None:
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     box = page.get_by_label(f"number input for {label}")
     if not box.is_visible():  # folded away under "More settings"
         page.get_by_text("More settings").click()
-    box.fill(str(value))
-    box.press("Tab")  # blur: the slider clamps and releases its value
-    # The click on Run sends what the component holds, so wait until its range input shows the new value.
-    page.wait_for_function(VISIBLE_SLIDER_HOLDS, arg=[label, value])
+    # The click on Run sends what the component holds, so wait until its range input shows the new value. On a busy
+    # machine a value typed while the page still wires its components can be dropped: type it again.
+    for attempt in range(3):
+        box.fill(str(value))
+        box.press("Tab")  # blur: the slider clamps and releases its value
+        try:
+            page.wait_for_function(VISIBLE_SLIDER_HOLDS, arg=[label, value], timeout=15_000)
+            return
+        except PlaywrightTimeout:
+            if attempt == 2:
+                raise
 
 
 def run(page, timeout: float = 300_000) -> list[dict]:
