@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -39,18 +40,22 @@ def tiny_llama(vocab_size: int, seed: int, sharpness: float = 1.0, layers: int =
     return model.to(TEST_DEVICE)
 
 
-def until_second_token(gen):
-    """A run's events up to the one that commits its second new token (or its end), then the run is closed: the step
-    after it, which only decides the third token, is never computed. Its drafts would be none anyway (k is capped to
-    leave the last token to the target), so counts of drafted tokens are those of the whole run."""
-    events, n = [], 0
-    for event in gen:
-        events.append(event)
-        n += len(event.tokens)
-        if n >= 2:
-            break
-    gen.close()
-    return events
+def sampled_second_tokens(target, tokenizer, make_drafter, prompt, config, trials: int, rows: int = 40):
+    """Counts of the second new token over `trials` sampled runs of `prompt`, and the tokens drafted in them: batches
+    of `rows` rows, row i of batch b sampling from seed b * rows + i (the engine gives each row its own generator), a
+    fresh drafter from make_drafter() per batch. The samples of `trials` single runs at seeds 0..trials-1, in
+    rows-times fewer target passes. A row whose first token is EOS has no second token and is not counted."""
+    from specdemo.engine import decode, row_outputs
+
+    vocab = target.config.vocab_size
+    counts, drafted = torch.zeros(vocab), 0
+    for b in range(trials // rows):
+        events = list(decode(target, tokenizer, [prompt] * rows, replace(config, seed=b * rows), make_drafter()))
+        drafted += sum(len(d) for e in events for d in e.drafted)
+        for ids in row_outputs(events, rows):
+            if len(ids) >= 2:
+                counts[ids[1]] += 1
+    return counts, drafted
 
 
 def second_token_distribution(model, prompt, eos=0):

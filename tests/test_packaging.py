@@ -32,8 +32,10 @@ def test_pyproject_declares_what_requirements_txt_installs():
 @pytest.mark.slow
 def test_an_installed_copy_runs_generate_offline_with_the_shipped_draft(tmp_path):
     """`pip install .` (the package alone, built as pip builds it, from PyPI's setuptools; its dependencies come from
-    this environment through a .pth file rather than a second download of torch) into a new venv, then the `specdemo` command from a folder outside the clone: the
-    trained draft is package data there, and greedy output equals the target's own."""
+    this environment through a .pth file rather than a second download of torch) into a new venv, then the `specdemo`
+    command from a folder outside the clone: the trained draft is package data there, greedy output equals the
+    target's own, and the `--json` line has the documented keys (the suite's one `generate --json` outside the timed
+    browser test, which runs the clone's)."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = venv / "bin" / "python"
@@ -56,8 +58,14 @@ def test_an_installed_copy_runs_generate_offline_with_the_shipped_draft(tmp_path
                           "2", "--max-new-tokens", "16", "--json"], capture_output=True, text=True, cwd=tmp_path,
                          env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout[out.stdout.index("{"):])
+    result = json.loads(out.stdout.strip().splitlines()[-1])  # the last line: one JSON object, the documented keys
+    for key in ("target", "draft", "drafter", "k", "temperature", "device", "ar", "sd", "speedup", "identical"):
+        assert key in result
+    assert set(result["ar"]) >= {"text", "tokens", "seconds", "tokens_per_s"}
+    assert set(result["sd"]) >= {"text", "tokens", "seconds", "tokens_per_s", "acceptance_rate", "mean_accepted",
+                                 "steps"}
     assert result["draft"] == "smollm2-135m-draft" and result["identical"] is True and result["sd"]["tokens"] == 16
+    assert result["ar"]["text"] == result["sd"]["text"]
     where = subprocess.run([str(py), "-c", "import specdemo, sys; print(specdemo.__file__)"], capture_output=True,
                            text=True, cwd=tmp_path, env=env).stdout
     assert where.startswith(str(site)), where  # the installed copy ran, not the clone

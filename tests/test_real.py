@@ -1,6 +1,6 @@
-"""End to end on the real bundled SmolLM2-135M: greedy losslessness, rollback under rejections, stop strings, CLI."""
+"""End to end on the real bundled SmolLM2-135M: greedy losslessness, rollback under rejections, stop strings, the
+CLI's bad-input message (test_packaging runs `specdemo generate --json` itself)."""
 
-import json
 import subprocess
 import sys
 
@@ -27,6 +27,7 @@ KS = [1, 8]  # the bonus-token path and the longest rollback; tiny-model tests c
 # on this model in the perturbed-draft test and test_batch_real
 PERTURBED_KS = [2, 8]  # the app's default and the longest rollback; tiny-model tests cover every k exactly
 PERTURBED_NEW = 16  # of the reference's NEW tokens
+PERTURBED_PROMPTS = 4  # each step drafts k tokens with a quarter of the target: dearer than lookup's free drafts
 SELF_DRAFT_KS = [1, 8]
 NEW = 24
 PERTURBED_LAYERS = 8
@@ -87,7 +88,7 @@ def test_self_draft_is_lossless_and_accepts_everything(bundled, reference, k):
 def test_perturbed_draft_is_lossless_with_rejections(bundled, perturbed, reference, k):
     """A noisy copy gets rejected sometimes; rollback keeps the output exact and the target cache exact."""
     rejected = accepted = 0
-    for prompt, (ids, expected) in reference.items():
+    for prompt, (ids, expected) in list(reference.items())[:PERTURBED_PROMPTS]:
         events = _spec(bundled, ModelDrafter(perturbed), ids, k, PERTURBED_NEW)
         assert generated_ids(events) == expected[:PERTURBED_NEW], prompt
         n = len(ids)
@@ -112,23 +113,6 @@ def test_stop_string_ends_both_decoders_identically(bundled, reference):
     text = "".join(e.text for e in ar)
     assert ar[-1].finish_reason == sd[-1].finish_reason == "stop"
     assert stop in text and len(generated_ids(ar)) < len(expected)
-
-
-def test_cli_generate_json(bundled):
-    """The CLI's last line is one JSON object with the documented keys; greedy outputs are identical."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "specdemo", "generate", "--prompt", PROMPTS[7], "--drafter", "ngram", "--k", "3",
-         "--max-new-tokens", "16", "--device", "cpu", "--json"],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    for key in ("target", "draft", "drafter", "k", "temperature", "device", "ar", "sd", "speedup", "identical"):
-        assert key in result
-    assert set(result["ar"]) >= {"text", "tokens", "seconds", "tokens_per_s"}
-    assert set(result["sd"]) >= {"text", "tokens", "seconds", "tokens_per_s", "acceptance_rate", "mean_accepted",
-                                 "steps"}
-    assert result["identical"] is True and result["ar"]["tokens"] == 16 and result["ar"]["text"] == result["sd"]["text"]
 
 
 def test_cli_reports_bad_input_clearly():
