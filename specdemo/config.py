@@ -96,7 +96,7 @@ class SuffixConfig:
     max_spec_factor: float = 1.0
     min_token_prob: float = 0.1
     # ours, not vLLM's: cut each draft where its expected accepted tokens stop paying for a wider verify pass (pass
-    # costs measured on the target at load, acceptance learned per cache; drafters.suffix.DraftValue)
+    # costs measured on the target at load, acceptance learned per cache; drafters.draft_value.DraftValue)
     cost_aware: bool = False
 
     def validate(self) -> None:

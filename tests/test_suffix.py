@@ -8,10 +8,10 @@ import pytest
 
 from specdemo.config import GenerationConfig, SamplingConfig, SuffixConfig
 from specdemo.drafters import DraftRequest, Verdict
+from specdemo.drafters.draft_value import DraftValue
 from specdemo.drafters.hybrid import nondecreasing
 from specdemo.drafters.registry import BuildOptions, get
 from specdemo.drafters.suffix import (
-    DraftValue,
     SuffixCache,
     SuffixDrafter,
     SuffixTree,
