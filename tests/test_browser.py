@@ -110,15 +110,16 @@ def set_number(page, label: str, value: int) -> None:
     if not box.is_visible():  # folded away under "More settings"
         page.get_by_text("More settings").click()
     # The click on Run sends what the component holds, so wait until its range input shows the new value. On a busy
-    # machine a value typed while the page still wires its components can be dropped: type it again.
-    for attempt in range(3):
+    # machine a value typed while the page still wires its components can be dropped: type it again (every 5 s, for
+    # 30 s in all; typing the value a slow page already holds changes nothing).
+    for attempt in range(6):
         box.fill(str(value))
         box.press("Tab")  # blur: the slider clamps and releases its value
         try:
-            page.wait_for_function(VISIBLE_SLIDER_HOLDS, arg=[label, value], timeout=15_000)
+            page.wait_for_function(VISIBLE_SLIDER_HOLDS, arg=[label, value], timeout=5_000)
             return
         except PlaywrightTimeout:
-            if attempt == 2:
+            if attempt == 5:
                 raise
 
 
