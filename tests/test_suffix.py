@@ -225,37 +225,46 @@ def test_a_cost_aware_drafter_cuts_drafts_its_cache_learned_are_rejected():
     assert cache.value.counts == {}
 
 
-@pytest.mark.slow
-def test_suffix_is_lossless_on_the_bundled_model_with_a_warm_cache(bundled):
-    """Greedy suffix decoding is the target's output on the real model; the second request drafts from the first."""
-    tok = bundled.tokenizer
-    drafter = SuffixDrafter()
-    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=8)
-    sources = set()
-    for prompt in ("Convert to JSON: name=Ann, age=31, city=Oslo.", "Convert to JSON: name=Bob, age=45, city=Rome."):
-        ids = encode_prompt(tok, prompt)
-        ar = generated_ids(list(autoregressive(bundled.model, tok, ids, config)))
-        events = list(speculative(bundled.model, tok, drafter, ids, config))
+REQUESTS = ("Convert to JSON: name=Ann, age=31, city=Oslo.", "Convert to JSON: name=Bob, age=45, city=Rome.")
+
+
+@pytest.fixture(scope="module")
+def related(bundled):
+    """Two related requests on the bundled model: each one's ids and the target's own 40 greedy tokens."""
+    config = GenerationConfig(max_new_tokens=40)
+    out = []
+    for prompt in REQUESTS:
+        ids = encode_prompt(bundled.tokenizer, prompt)
+        out.append((ids, generated_ids(list(autoregressive(bundled.model, bundled.tokenizer, ids, config)))))
+    return out
+
+
+def suffix_steps(bundled, drafter, related, k: int) -> list:
+    """The requests decoded in order by one drafter (its cache carried across them); asserts each output is the
+    target's own; the spec steps."""
+    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=k)
+    steps = []
+    for ids, ar in related:
+        events = list(speculative(bundled.model, bundled.tokenizer, drafter, ids, config))
         assert generated_ids(events) == ar
-        sources |= {e.draft_source for e in events if e.kind == "spec" and e.drafted}
+        steps += [e for e in events if e.kind == "spec"]
+    return steps
+
+
+@pytest.mark.slow
+def test_suffix_is_lossless_on_the_bundled_model_with_a_warm_cache(bundled, related):
+    """Greedy suffix decoding is the target's output on the real model; the second request drafts from the first."""
+    sources = {e.draft_source for e in suffix_steps(bundled, SuffixDrafter(), related, 8) if e.drafted}
     assert "earlier" in sources and sources <= {"prompt", "answer", "earlier"}
 
 
 @pytest.mark.slow
-def test_cost_aware_suffix_from_the_registry_is_lossless_on_the_bundled_model(bundled):
+def test_cost_aware_suffix_from_the_registry_is_lossless_on_the_bundled_model(bundled, related):
     """--drafter suffix --suffix-cost-aware as the CLI builds it: pass costs timed on the target at load (a wider
     pass costs at least a little more), then greedy output equal to the target's own, with drafts of several
     lengths."""
     drafter, _, _ = get("suffix").factory(bundled, None, BuildOptions(suffix=SuffixConfig(cost_aware=True)))
     costs = drafter.pass_costs
     assert set(costs) == set(range(1, 17)) and all(costs[n] <= costs[n + 1] for n in range(1, 16))
-    tok = bundled.tokenizer
-    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=16)
-    lengths = set()
-    for prompt in ("Convert to JSON: name=Ann, age=31, city=Oslo.", "Convert to JSON: name=Bob, age=45, city=Rome."):
-        ids = encode_prompt(tok, prompt)
-        ar = generated_ids(list(autoregressive(bundled.model, tok, ids, config)))
-        events = list(speculative(bundled.model, tok, drafter, ids, config))
-        assert generated_ids(events) == ar
-        lengths |= {len(e.drafted) for e in events if e.kind == "spec"}
+    lengths = {len(e.drafted) for e in suffix_steps(bundled, drafter, related, 16)}
     assert len(lengths) > 1 and sum(t for _, t in drafter.cache.value.counts.values()) > 0
