@@ -54,6 +54,6 @@ def add_suffix_args(p: argparse.ArgumentParser) -> None:
 def suffix_args(args: argparse.Namespace) -> SuffixConfig:
     """The flags as a checked SuffixConfig (ValueError with vLLM's option names)."""
     config = SuffixConfig(args.suffix_max_tree_depth, args.suffix_max_cached_requests, args.suffix_max_spec_factor,
-                          args.suffix_min_token_prob, getattr(args, "suffix_cost_aware", False))
+                          args.suffix_min_token_prob, args.suffix_cost_aware)
     config.validate()
     return config

@@ -9,7 +9,6 @@ import pytest
 from specdemo.config import GenerationConfig, SamplingConfig, SuffixConfig
 from specdemo.drafters import DraftRequest, Verdict
 from specdemo.drafters.draft_value import DraftValue
-from specdemo.drafters.hybrid import nondecreasing
 from specdemo.drafters.registry import BuildOptions, get
 from specdemo.drafters.suffix import (
     SuffixCache,
@@ -19,6 +18,7 @@ from specdemo.drafters.suffix import (
     suffix_cache_of,
 )
 from specdemo.engine import autoregressive, encode_prompt, generated_ids, speculative
+from specdemo.engine.timing import nondecreasing
 
 
 def occurrences(seqs, s, depth):

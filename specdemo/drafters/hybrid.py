@@ -14,7 +14,7 @@ from statistics import median
 
 from ..config import MAX_K_ENGINE, GenerationConfig
 from ..engine.loop import speculative
-from ..engine.timing import forward_costs, verify_costs_for
+from ..engine.timing import forward_costs, nondecreasing, verify_costs_for
 from .base import Drafter, DraftRequest, Proposal
 from .ngram import NgramDrafter
 
@@ -171,18 +171,6 @@ def calibrate(model: Drafter, target, draft_name: str | None = None,
     calibration = HybridCalibration(hybrid_model_k(costs, chain, DEFAULT_DRAFT_COST if c is None else c), costs, c)
     log.info("hybrid: %s", calibration.describe())
     return calibration
-
-
-def nondecreasing(values: list[float]) -> list[float]:
-    """The closest non-decreasing sequence in least squares (pool adjacent violators): a wider pass never costs less
-    than a narrower one, so a dip in a few noisy timings is noise."""
-    blocks: list[list[float]] = []  # [mean, size]
-    for v in values:
-        blocks.append([v, 1.0])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
-            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
-    return [m for m, n in blocks for _ in range(int(n))]
 
 
 def load_time_verify_costs(target, k_max: int) -> dict[int, float]:

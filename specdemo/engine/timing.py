@@ -150,6 +150,18 @@ def verify_costs(costs: dict[int, float], k_max: int) -> dict[int, float]:
     return out
 
 
+def nondecreasing(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators): a wider pass never costs less
+    than a narrower one, so a dip in a few noisy timings is noise."""
+    blocks: list[list[float]] = []  # [mean, size]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(int(n))]
+
+
 def verify_costs_for(model, prompts: Sequence[list[int]], k_max: int = MAX_K,
                      repeats: int = 2) -> dict[int, float]:
     """{k: cost of a (k+1)-token pass / a 1-token pass} for k = 1..k_max (a micro-benchmark, see forward_seconds)."""
