@@ -16,6 +16,7 @@ from specdemo.app.render import (
     step_info,
 )
 from specdemo.engine import StepEvent
+from specdemo.engine.events import Inspection
 
 
 class WordTokenizer:
@@ -61,9 +62,9 @@ def test_segments_html_escapes_and_can_hide_rejected():
 
 TOK = WordTokenizer([" w0", " w1", " w2", " w3", " w4", " <&\"w5>"])
 REJECTED = StepEvent("spec", [1, 2, 5], " w1 w2 <&\"w5>", 0.1, 4, drafted=[1, 2, 3, 4], num_accepted=2, correction=5,
-                     k=4, target_top_ids=[[1, 0], [2, 0], [5, 3], [0, 1], [1, 2]],
-                     target_top_probs=[[0.9, 0.1], [0.8, 0.2], [0.7, 0.2], [0.5, 0.4], [0.6, 0.3]],
-                     target_top2_gap=[2.2, 1.4, 1.25, 0.2, 0.7], target_token_probs=[0.9, 0.8, 0.2, 0.05],
+                     k=4, inspection=Inspection(top_ids=[[1, 0], [2, 0], [5, 3], [0, 1], [1, 2]],
+                                                top_probs=[[0.9, 0.1], [0.8, 0.2], [0.7, 0.2], [0.5, 0.4], [0.6, 0.3]],
+                                                token_probs=[0.9, 0.8, 0.2, 0.05], top2_gap=[2.2, 1.4, 1.25, 0.2, 0.7]),
                      draft_token_probs=[0.95, 0.9, 0.6, 0.5])
 
 
@@ -82,8 +83,8 @@ def test_step_info_explains_the_first_rejection():
 def test_step_info_after_a_full_acceptance_shows_the_bonus_position():
     """All drafts kept: the top tokens are those at the bonus position; prompt lookup's q is None (q = 1)."""
     full = StepEvent("spec", [1, 2, 3], " w1 w2 w3", 0.1, 3, drafted=[1, 2], num_accepted=2, bonus=3, k=2,
-                     target_top_ids=[[1], [2], [3]], target_top_probs=[[0.9], [0.8], [0.6]],
-                     target_token_probs=[0.9, 0.8], draft_token_probs=None)
+                     inspection=Inspection([[1], [2], [3]], [[0.9], [0.8], [0.6]], [0.9, 0.8], []),
+                     draft_token_probs=None)
     info = step_info(full, TOK, step=1, greedy=False)
     assert info["full"] and info["position"] == 3 and info["top"] == [{"text": " w3", "p": 0.6}]
     assert info["deterministic"] and info["committed_kind"] == "bonus" and info["gap"] is None
@@ -93,7 +94,8 @@ def test_step_info_after_a_full_acceptance_shows_the_bonus_position():
 def test_step_info_names_the_rule_that_decided_the_step():
     """The inspector says which rule decided a step: the engine's StepEvent.verification."""
     block = StepEvent("spec", [1, 5], " w1 <&\"w5>", 0.1, 2, drafted=[1, 2], num_accepted=1, correction=5, k=2,
-                      target_token_probs=[0.5, 0.1], draft_token_probs=[0.6, 0.3], verification="block")
+                      inspection=Inspection([], [], [0.5, 0.1], []), draft_token_probs=[0.6, 0.3],
+                      verification="block")
     assert step_info(block, TOK, step=2, greedy=False)["rule"] == "block"
     assert step_info(REJECTED, TOK, step=1, greedy=True)["rule"] == "greedy"
     assert "Decided by" in INSPECTOR_JS and "block verification (Sun et al.)" in INSPECTOR_JS

@@ -1,10 +1,13 @@
-"""A draft causal LM over the batch, with its own KV cache (engine.kv.BatchKV) rolled back per row."""
+"""A draft causal LM over the batch, with its own KV cache (engine.graphs.new_kv: static or eager) rolled back per
+row."""
 
 from __future__ import annotations
 
 import torch
 
-from ..engine.kv import BatchKV, check_cache
+from ..engine import graphs
+from ..engine.kv import check_cache
+from ..engine.static import CAPACITY_STEP, needed_capacity
 from ..engine.verify import generator_on, logits_to_probs
 from .base import Chains, Drafter, DraftRequest, Proposal
 
@@ -23,11 +26,14 @@ class ModelDrafter(Drafter):
         self.model = model
         self.device = next(model.parameters()).device
         self.target_device = target_device or self.device
-        self.kv: BatchKV | None = None
+        self.kv = None  # the cache of the current batch (begin)
 
     def begin(self, prompts, target_hidden=None) -> None:
         check_cache(self.model, len(prompts))
-        self.kv = BatchKV(self.model, len(prompts))
+        if self.kv is not None:
+            graphs.release(self.kv)
+        # the model's runner's static cache (it grows if the answer outruns it) or the eager engine's
+        self.kv = graphs.new_kv(self.model, len(prompts), needed_capacity(prompts, CAPACITY_STEP, 0))
 
     @torch.inference_mode()
     def propose(self, request: DraftRequest) -> list[Proposal]:

@@ -21,6 +21,19 @@ class GenerationError(ValueError):
 
 
 @dataclass
+class Inspection:
+    """What the step inspector reads from one row's verify pass, at each verified position i = 0..len(drafted) (the
+    last one is where the bonus comes from), from the pass's own logits: the target's TOP_N tokens and their
+    probabilities p (the processed distribution that rejection sampling uses; softmax at temperature 1 when greedy),
+    p(x_i) of each drafted token, and when greedy the top-2 logit gap (empty when sampling)."""
+
+    top_ids: list[list[int]]
+    top_probs: list[list[float]]
+    token_probs: list[float]
+    top2_gap: list[float]
+
+
+@dataclass
 class StepEvent:
     """One row's part of one engine step. `elapsed` is the run's own compute time so far, excluding time paused at
     `yield`; draft_seconds and verify_seconds are the step's (shared by every row of a batch)."""
@@ -39,17 +52,26 @@ class StepEvent:
     k: int = 0  # k asked of the drafter for this row this step
     finish_reason: str | None = None  # "eos", "stop" or "length" on the row's last event
     target_cache_length: int = 0  # the row's positions in the target's KV cache after the step (rollback checks)
-    # spec, when the run inspects: per verified position i = 0..len(drafted) (the last one is where the bonus comes
-    # from), read from the verify pass's own logits: the target's TOP_N tokens and their probabilities p (the
-    # processed distribution that rejection sampling uses; softmax at temperature 1 when greedy), and when greedy the
-    # top-2 logit gap
-    target_top_ids: list[list[int]] = field(default_factory=list)
-    target_top_probs: list[list[float]] = field(default_factory=list)
-    target_top2_gap: list[float] = field(default_factory=list)
-    target_token_probs: list[float] = field(default_factory=list)  # spec: p(x_i) of each drafted token
+    inspection: Inspection | None = None  # spec, when the run inspects: what the verify pass said (Inspection)
     draft_token_probs: list[float] | None = None  # spec: q(x_i) of each drafted token; None: deterministic (q = 1)
     draft_source: str | None = None  # spec: where the proposal came from (Proposal.source)
     verification: str | None = None  # spec: the rule that decided the step: "greedy", "token" or "block"
+
+    @property
+    def target_top_ids(self) -> list[list[int]]:
+        return self.inspection.top_ids if self.inspection else []
+
+    @property
+    def target_top_probs(self) -> list[list[float]]:
+        return self.inspection.top_probs if self.inspection else []
+
+    @property
+    def target_top2_gap(self) -> list[float]:
+        return self.inspection.top2_gap if self.inspection else []
+
+    @property
+    def target_token_probs(self) -> list[float]:
+        return self.inspection.token_probs if self.inspection else []
 
     @property
     def rejected(self) -> list[int]:
@@ -71,7 +93,6 @@ class BatchEvent:
     verify_seconds: float = 0.0
     k: int = 0  # the largest k asked of the drafter this step (0: no speculation)
     width: int = 1  # tokens per row in the target pass (1 + the longest proposal)
-    target_kv: object = field(default=None, repr=False, compare=False)  # kv.BatchKV, for rollback checks only
 
     @property
     def tokens(self) -> list[list[int]]:

@@ -158,6 +158,14 @@ class BatchKV:
         # under a device map the head may compute elsewhere than the embeddings: bring the outputs to the inputs
         return logits.to(self.device), None if features is None else features.to(self.device)
 
+    def prefill(self, prompts: Sequence[list[int]], layers: tuple[int, ...] | None = None):
+        """Feed each prompt (left-padded); (logits (B, V) at each prompt's last token, per row features
+        (len(prompt), W) or None)."""
+        tokens, real = left_padded(prompts, self.device)
+        logits, features = self.forward(tokens, real, 1, layers)
+        hidden = None if features is None else [features[r, tokens.shape[1] - len(p):] for r, p in enumerate(prompts)]
+        return logits[:, -1], hidden
+
     def step(self, feeds: Sequence[Sequence[int]]) -> torch.Tensor:
         """Feed each row its own tokens (left-padded to one width; a row may feed none) and return the logits (B, V)
         at each row's newest token."""
@@ -187,12 +195,6 @@ class BatchKV:
                 layer.hold(keys, values)
             else:
                 layer.keys, layer.values = keys, values
-
-    def row_keys_values(self, row: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row `row`'s keys and values (H, n, D) at its valid slots, for checks against a fresh prefill."""
-        valid = self.slots.valid[row]
-        entry = self.cache.layers[layer]
-        return entry.keys[row][:, valid], entry.values[row][:, valid]
 
 
 def left_padded(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,8 +15,10 @@ import torch
 
 from ..config import MAX_K_ENGINE, GenerationConfig, SamplingConfig
 from ..drafters.base import Drafter, DraftRequest, Proposal, Verdict
-from .events import BatchEvent, Committer, StepEvent, check_request, eos_ids
-from .kv import BatchKV, check_cache, left_padded, right_padded
+from . import graphs
+from .events import BatchEvent, Committer, Inspection, StepEvent, check_request, eos_ids
+from .kv import check_cache, right_padded
+from .static import needed_capacity
 from .timing import Clock
 from .verify import (
     ACCEPT_RULES,
@@ -78,7 +80,7 @@ class _Verified:
 
     num_accepted: int
     next_token: int
-    inspected: dict
+    inspection: Inspection | None
 
 
 def _verify(logits: torch.Tensor, tokens: torch.Tensor, drafted: list[list[int]], proposals: list[Proposal],
@@ -97,46 +99,55 @@ def _verify(logits: torch.Tensor, tokens: torch.Tensor, drafted: list[list[int]]
             a, t = accept(tokens[r, 1 : 1 + n], q, probs[r, : n + 1], gens[r])
             accepted.append(a)
             nxt.append(t)
-    out = []
-    for r, n in enumerate(lengths):
-        seen = {}
-        if inspect:
-            seen = inspect_verify(logits[r, : n + 1], None if probs is None else probs[r, : n + 1],
-                                  tokens[r, 1 : 1 + n])
-        out.append(_Verified(accepted[r], nxt[r], seen))
-    return out
+    seen = [inspect_verify(logits[r, : n + 1], None if probs is None else probs[r, : n + 1], tokens[r, 1 : 1 + n])
+            if inspect else None for r, n in enumerate(lengths)]
+    return [_Verified(a, t, s) for a, t, s in zip(accepted, nxt, seen)]
 
 
-@torch.inference_mode()
-def decode(target, tokenizer, prompts: Sequence[list[int]], config: GenerationConfig, drafter: Drafter | None = None,
-           *, k_policy: KPolicy | None = None, inspect: bool = False, text: bool = True) -> Iterator[BatchEvent]:
-    """Decode every prompt; with a drafter, each row drafts up to k tokens and one target pass verifies every row's
-    drafts (B x (k+1) positions, padded for rows that drafted fewer), each row keeping its agreed prefix plus the
-    target's own next token. Without one, one target pass per token.
+class _Run:
+    """One decode's state: its rows, the target's cache, the clock, the drafter, each row's pending token (chosen,
+    not yet in the cache) and k."""
 
-    k is config.num_draft_tokens, or k_policy(rows still decoding) at every step when given; with config.dynamic_k
-    each row adapts its own k. `inspect` fills each spec StepEvent's target_* fields from the verify logits; `text`
-    gives each StepEvent its text delta (stop strings are honoured either way). Finished rows leave the batch after
-    the step that ends them.
-    """
-    check_request(prompts, config)
-    check_cache(target, len(prompts))
-    kv = BatchKV(target, len(prompts))
-    device = kv.device  # where the input ids go, under a device map too
-    clock = Clock(device)
-    eos = eos_ids(target, tokenizer)
-    sampling = config.sampling
-    rows = _Rows(tokenizer, prompts, config, eos, device, text)
-    layers = tuple(drafter.target_layers) if drafter is not None and drafter.needs_target_hidden else None
+    def __init__(self, target, tokenizer, prompts: Sequence[list[int]], config: GenerationConfig,
+                 drafter: Drafter | None, inspect: bool, text: bool):
+        check_request(prompts, config)
+        check_cache(target, len(prompts))
+        self.config, self.sampling, self.drafter, self.inspect = config, config.sampling, drafter, inspect
+        self.kv = graphs.new_kv(target, len(prompts), needed_capacity(prompts, config.max_new_tokens, MAX_K_ENGINE + 1))
+        self.device = self.kv.device  # where the input ids go, under a device map too
+        self.clock = Clock(self.device)
+        self.eos = eos_ids(target, tokenizer)
+        self.rows = _Rows(tokenizer, prompts, config, self.eos, self.device, text)
+        self.layers = tuple(drafter.target_layers) if drafter is not None and drafter.needs_target_hidden else None
+        self.chosen: list[int] = []
+        self.row_k = [config.num_draft_tokens] * len(prompts)
 
-    def event(kind: str, done, draft_seconds=0.0, verify_seconds=0.0, k=0, width=1, ks=None, drafted=None,
+    def warm(self, widths: Sequence[int]) -> None:
+        """Capture the passes of these widths before the clock runs, where a graph runner serves the target."""
+        runner = getattr(self.kv, "runner", None)
+        if runner is not None:
+            runner.warm(self.kv, len(self.rows), widths, self.layers)
+
+    def retire(self) -> bool:
+        """Let finished rows leave the batch (the cache, the drafter, the pending tokens); False when none is left."""
+        keep = self.rows.unfinished()
+        if keep and len(keep) < len(self.rows):
+            self.rows.select(keep)
+            self.kv.select(keep)
+            if self.drafter is not None:
+                self.drafter.select(keep)
+            self.row_k = [self.row_k[r] for r in keep]
+            self.chosen = [self.chosen[r] for r in keep]
+        return bool(keep)
+
+    def event(self, kind: str, done, draft_seconds=0.0, verify_seconds=0.0, k=0, width=1, ks=None, drafted=None,
               verified=None, proposals=None) -> BatchEvent:
         steps = []
         for r, (kept, delta) in enumerate(done):
-            out = rows.out[r]
-            step = StepEvent(kind, kept, delta, clock.total, out.num_generated, draft_seconds=draft_seconds,
+            out = self.rows.out[r]
+            step = StepEvent(kind, kept, delta, self.clock.total, out.num_generated, draft_seconds=draft_seconds,
                              verify_seconds=verify_seconds, finish_reason=out.finish_reason,
-                             target_cache_length=kv.counts[r])
+                             target_cache_length=self.kv.counts[r])
             if verified is not None:
                 d, v, p = drafted[r], verified[r], proposals[r]
                 full = v.num_accepted == len(d)
@@ -144,72 +155,86 @@ def decode(target, tokenizer, prompts: Sequence[list[int]], config: GenerationCo
                 step.correction = None if full else v.next_token
                 step.bonus = v.next_token if full and d else None
                 step.draft_token_probs = p.token_probs[: len(d)] if p.token_probs is not None else None
-                step.draft_source = p.source
-                step.verification = sampling.rule
-                for name, value in v.inspected.items():
-                    setattr(step, name, value)
+                step.draft_source, step.verification, step.inspection = p.source, self.sampling.rule, v.inspection
             steps.append(step)
-        return BatchEvent(kind, list(rows.index), steps, clock.total, rows.generated, draft_seconds, verify_seconds,
-                          k, width, kv)
+        return BatchEvent(kind, list(self.rows.index), steps, self.clock.total, self.rows.generated, draft_seconds,
+                          verify_seconds, k, width)
 
-    clock.start()  # prefill: each row's first token, the same with or without a drafter
-    tokens, real = left_padded(prompts, device)
-    logits, features = kv.forward(tokens, real, 1, layers)
-    chosen = _choose(logits[:, -1], sampling, rows.gens)
-    if drafter is not None:
-        hidden = None if features is None else [features[r, tokens.shape[1] - len(p):] for r, p in enumerate(prompts)]
-        drafter.begin(prompts, hidden)
-    done = rows.commit([[t] for t in chosen])
-    dt = clock.stop()
-    yield event("prefill", done, verify_seconds=dt)
-    row_k = [config.num_draft_tokens] * len(prompts)
-    while True:
-        clock.start()
-        keep = rows.unfinished()
-        if not keep:
-            clock.stop()
-            return
-        if len(keep) < len(rows):
-            rows.select(keep)
-            kv.select(keep)
-            if drafter is not None:
-                drafter.select(keep)
-            row_k = [row_k[r] for r in keep]
-            chosen = [chosen[r] for r in keep]
-        if drafter is None:  # autoregressive: feed each row's new token
-            x = torch.tensor(chosen, device=device)[:, None]
-            chosen = _choose(kv.forward(x, torch.ones_like(x, dtype=torch.bool), 1)[0][:, -1], sampling, rows.gens)
-            done = rows.commit([[t] for t in chosen])
-            dt = clock.stop()
-            yield event("ar", done, verify_seconds=dt)
-            continue
 
-        if k_policy is not None:
-            row_k = [k_policy(len(rows))] * len(rows)
-        ids = [out.ids for out in rows.out]  # ids[r][-1] is pending: not yet in the target's cache
-        ks = [max(0, min(k, config.max_new_tokens - out.num_generated - 1)) for k, out in zip(row_k, rows.out)]
-        proposals = (drafter.propose(DraftRequest(ids, ks, sampling, rows.gens, eos)) if max(ks) > 0
-                     else [Proposal([]) for _ in ks])
-        drafted = [p.tokens[:k] for p, k in zip(proposals, ks)]
-        draft_seconds = clock.stop()
+def _prefill(run: _Run, prompts: Sequence[list[int]]) -> BatchEvent:
+    """Each row's first token (the same with or without a drafter); the drafter begins with the prompts' features."""
+    run.clock.start()
+    last, hidden = run.kv.prefill(prompts, run.layers)
+    run.chosen = _choose(last, run.sampling, run.rows.gens)
+    if run.drafter is not None:
+        run.drafter.begin(prompts, hidden)
+    done = run.rows.commit([[t] for t in run.chosen])
+    return run.event("prefill", done, verify_seconds=run.clock.stop())
 
-        clock.start()
-        tokens, real = right_padded([[row[-1]] + d for row, d in zip(ids, drafted)], device)
-        width = tokens.shape[1]
-        before = list(kv.counts)
-        logits, features = kv.forward(tokens, real, width, layers)  # (B, W, V)
-        verified = _verify(logits, tokens, drafted, proposals, sampling, rows.gens, inspect)
-        kv.keep([n + 1 + v.num_accepted for n, v in zip(before, verified)])  # the pending token and accepted drafts
-        new = [d[: v.num_accepted] + [v.next_token] for d, v in zip(drafted, verified)]
-        drafter.update([Verdict(v.num_accepted, row + n, None if features is None else features[r, : v.num_accepted + 1])
-                        for r, (v, row, n) in enumerate(zip(verified, ids, new))])
-        done = rows.commit(new)
-        kv.compact()
-        verify_seconds = clock.stop()
-        yield event("spec", done, draft_seconds, verify_seconds, max(ks), width, ks, drafted, verified, proposals)
-        if config.dynamic_k and k_policy is None:  # transformers' heuristic per row: +2 after a full acceptance, else -1
-            row_k = [(min(k + 2, MAX_K_ENGINE) if v.num_accepted == len(d) == k else max(1, k - 1)) if d else k
-                     for k, v, d in zip(row_k, verified, drafted)]
+
+def _ar_step(run: _Run) -> BatchEvent:
+    """One target pass per row: feed each row's pending token, choose the next."""
+    x = torch.tensor(run.chosen, device=run.device)[:, None]
+    run.chosen = _choose(run.kv.forward(x, torch.ones_like(x, dtype=torch.bool), 1)[0][:, -1], run.sampling,
+                         run.rows.gens)
+    done = run.rows.commit([[t] for t in run.chosen])
+    return run.event("ar", done, verify_seconds=run.clock.stop())
+
+
+def _spec_step(run: _Run, k_policy: KPolicy | None) -> BatchEvent:
+    """Draft up to k per row, verify every row's drafts in one target pass (B x (k+1) positions, padded for rows that
+    drafted fewer), keep each row's agreed prefix plus the target's own next token, roll back the rest."""
+    config, rows, drafter = run.config, run.rows, run.drafter
+    if k_policy is not None:
+        run.row_k = [k_policy(len(rows))] * len(rows)
+    ids = [out.ids for out in rows.out]  # ids[r][-1] is pending: not yet in the target's cache
+    ks = [max(0, min(k, config.max_new_tokens - out.num_generated - 1)) for k, out in zip(run.row_k, rows.out)]
+    proposals = (drafter.propose(DraftRequest(ids, ks, run.sampling, rows.gens, run.eos)) if max(ks) > 0
+                 else [Proposal([]) for _ in ks])
+    drafted = [p.tokens[:k] for p, k in zip(proposals, ks)]
+    draft_seconds = run.clock.stop()
+
+    run.clock.start()
+    tokens, real = right_padded([[row[-1]] + d for row, d in zip(ids, drafted)], run.device)
+    before = list(run.kv.counts)
+    logits, features = run.kv.forward(tokens, real, tokens.shape[1], run.layers)  # (B, W, V)
+    verified = _verify(logits, tokens, drafted, proposals, run.sampling, rows.gens, run.inspect)
+    run.kv.keep([n + 1 + v.num_accepted for n, v in zip(before, verified)])  # the pending token and accepted drafts
+    new = [d[: v.num_accepted] + [v.next_token] for d, v in zip(drafted, verified)]
+    drafter.update([Verdict(v.num_accepted, row + n, None if features is None else features[r, : v.num_accepted + 1])
+                    for r, (v, row, n) in enumerate(zip(verified, ids, new))])
+    done = rows.commit(new)
+    run.kv.compact()
+    verify_seconds = run.clock.stop()
+    if config.dynamic_k and k_policy is None:  # transformers' heuristic per row: +2 after a full acceptance, else -1
+        run.row_k = [(min(k + 2, MAX_K_ENGINE) if v.num_accepted == len(d) == k else max(1, k - 1)) if d else k
+                     for k, v, d in zip(run.row_k, verified, drafted)]
+    return run.event("spec", done, draft_seconds, verify_seconds, max(ks), tokens.shape[1], ks, drafted, verified,
+                     proposals)
+
+
+@torch.inference_mode()
+def decode(target, tokenizer, prompts: Sequence[list[int]], config: GenerationConfig, drafter: Drafter | None = None,
+           *, k_policy: KPolicy | None = None, inspect: bool = False, text: bool = True) -> Iterator[BatchEvent]:
+    """Decode every prompt: prefill, then a speculative step per target pass with a drafter, else an autoregressive
+    one. k is config.num_draft_tokens, or k_policy(rows still decoding) at every step when given; with
+    config.dynamic_k each row adapts its own k. `inspect` fills each spec StepEvent's inspection from the verify
+    logits; `text` gives each StepEvent its text delta (stop strings are honoured either way). Finished rows leave the
+    batch after the step that ends them. The target's cache comes from its runner (engine.graphs): a static one,
+    graph-captured on CUDA, or the eager engine's.
+    """
+    run = _Run(target, tokenizer, prompts, config, drafter, inspect, text)
+    try:
+        run.warm([1] if drafter is None else range(1, config.num_draft_tokens + 2))
+        yield _prefill(run, prompts)
+        while True:
+            run.clock.start()
+            if not run.retire():
+                run.clock.stop()
+                return
+            yield _ar_step(run) if drafter is None else _spec_step(run, k_policy)
+    finally:
+        graphs.release(run.kv)
 
 
 def speculative(target, tokenizer, drafter: Drafter, prompt_ids: list[int], config: GenerationConfig,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..config import SamplingConfig
-from .events import TOP_N
+from .events import TOP_N, Inspection
 
 
 def logits_to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
@@ -180,8 +180,8 @@ def expected_accepted(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | No
 ACCEPT_RULES = {"token": rejection_accept, "block": block_accept}  # SamplingConfig.verification -> rule
 
 
-def inspect_verify(logits: torch.Tensor, target_probs: torch.Tensor | None, drafted: torch.Tensor) -> dict:
-    """StepEvent's target_* fields from one row of a verify pass: logits (k+1, V); target_probs (k+1, V) when
+def inspect_verify(logits: torch.Tensor, target_probs: torch.Tensor | None, drafted: torch.Tensor) -> Inspection:
+    """A StepEvent's Inspection from one row of a verify pass: logits (k+1, V); target_probs (k+1, V) when
     sampling, None when greedy (then p is the softmax at temperature 1); drafted (k,). One topk, no extra pass."""
     k, n = drafted.shape[0], min(TOP_N, logits.shape[-1])
     rows = torch.arange(k, device=logits.device)
@@ -196,6 +196,5 @@ def inspect_verify(logits: torch.Tensor, target_probs: torch.Tensor | None, draf
         top_probs, token_probs, gap = top.values, target_probs[rows, drafted], None
     floats = torch.cat([top_probs.flatten(), token_probs] + ([gap] if gap is not None else [])).tolist()
     m = top_probs.numel()
-    return {"target_top_ids": top.indices.tolist(),
-            "target_top_probs": [floats[i : i + n] for i in range(0, m, n)],
-            "target_token_probs": floats[m : m + k], "target_top2_gap": floats[m + k :]}
+    return Inspection(top.indices.tolist(), [floats[i : i + n] for i in range(0, m, n)], floats[m : m + k],
+                      floats[m + k :])

@@ -1,0 +1,219 @@
+"""The graph runner: a model's passes over static KV storages (engine.static), captured as CUDA graphs per batch size
+(padded to a ladder) and pass width, replayed with their inputs copied into static buffers. Chosen at load by
+`--graphs auto|on|off` (config.Runtime.graphs); anything it cannot take runs the eager engine (engine.kv), with one
+log line saying why. On a CPU, `on` runs the same static code uncaptured (what the tests check).
+
+The engine never knows which runner serves a model: it asks `new_kv` for a cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..models.placement import execution_device
+from .kv import BatchKV
+from .static import Storage, StaticKV
+
+log = logging.getLogger(__name__)
+
+GRAPH_MODES = ("auto", "on", "off")
+BATCH_LADDER = (1, 2, 4, 8, 16, 32, 64)  # captured batch sizes; a batch runs as the next one up (vLLM's way)
+MAX_GRAPH_WIDTH = 33  # the widest pass captured (k = 32 and the pending token); wider ones run eagerly
+MAX_STORAGES = 4  # free storages a runner keeps for reuse (each holds its graphs)
+
+
+@dataclass
+class Captured:
+    """One captured pass: the graph and the output tensors its replays overwrite."""
+
+    graph: object
+    logits: torch.Tensor
+    features: torch.Tensor | None
+
+
+@dataclass
+class Runner:
+    """How one model's passes run: `capture` (CUDA graphs) or not (the static code, eagerly), over storages it pools
+    (one per live decode: the race's two runs and a draft LM each hold their own). `reason` says why it captures
+    nothing, where it does not; capture_seconds and graphs count what capture cost."""
+
+    model: object
+    capture: bool
+    reason: str = ""
+    capture_seconds: float = 0.0
+    graphs: int = 0
+    storages: list[Storage] = field(default_factory=list)
+    pool: object = None  # the CUDA graphs' shared memory pool
+
+    def acquire(self, rows: int, capacity: int) -> Storage:
+        """A free storage with room for `rows` rows (padded to the ladder) of `capacity` positions; made if none."""
+        rows = padded_batch(rows) if self.capture else rows
+        for s in self.storages:
+            if not s.busy and s.rows >= rows and s.capacity >= capacity:
+                s.busy = True
+                return s
+        free = [s for s in self.storages if not s.busy]
+        if len(free) >= MAX_STORAGES:  # the smallest free one goes, with its graphs
+            self.storages.remove(min(free, key=lambda s: s.rows * s.capacity))
+        storage = Storage(self.model, rows, capacity)
+        storage.busy = True
+        self.storages.append(storage)
+        return storage
+
+    def release(self, storage: Storage) -> None:
+        storage.busy = False
+
+    def replay(self, storage: Storage, tokens: torch.Tensor, keep: int, layers: tuple[int, ...] | None,
+               graph: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One pass over `tokens` (b, T): a graph replay where it captures (b padded to the ladder, T at most
+        MAX_GRAPH_WIDTH; `graph` False for a prefill, which runs once), else the same code eagerly. Outputs are the
+        caller's own (copied off a graph, whose next replay overwrites its own)."""
+        b, t = tokens.shape
+        if not (self.capture and graph and t <= MAX_GRAPH_WIDTH):
+            storage.input_view(b, t).copy_(tokens)
+            return storage.run(b, t, keep, layers)
+        bp = padded_batch(b)
+        storage.input_view(bp, t)[:b].copy_(tokens)
+        done = self._captured(storage, (bp, t, keep, layers))
+        if done is None:  # capture failed: this runner now runs eagerly
+            return storage.run(b, t, keep, layers)
+        done.graph.replay()
+        return done.logits[:b].clone(), None if done.features is None else done.features[:b].clone()
+
+    def _captured(self, storage: Storage, key: tuple) -> Captured | None:
+        """The graph for key (b, T, keep, layers), captured now if new; None once capture has failed."""
+        if key not in storage.graphs and self.capture:
+            try:
+                storage.graphs[key] = self._capture(storage, *key)
+            except Exception as exc:  # noqa: BLE001 - whatever the forward does under capture, eager still works
+                self.capture, self.reason = False, f"its forward did not capture ({type(exc).__name__}: {exc})"
+                log.warning("graph runner: running %s eagerly: %s", type(self.model).__name__, self.reason)
+                storage.graphs.clear()
+        return storage.graphs.get(key)
+
+    def _capture(self, storage: Storage, b: int, t: int, keep: int, layers) -> Captured:
+        """Capture storage.run for this shape (after warm-up runs on a side stream, as CUDA graphs need). The runs
+        write only past each row's length, which no row reads, so capturing mid-decode changes nothing."""
+        start = time.perf_counter()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(device=storage.device)
+        side.wait_stream(torch.cuda.current_stream(storage.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                storage.run(b, t, keep, layers)
+        torch.cuda.current_stream(storage.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits, features = storage.run(b, t, keep, layers)
+        torch.cuda.synchronize(storage.device)
+        seconds = time.perf_counter() - start
+        self.capture_seconds += seconds
+        self.graphs += 1
+        log.debug("captured a %d x %d pass in %.3fs", b, t, seconds)
+        return Captured(graph, logits, features)
+
+    def warm(self, kv: StaticKV, rows: int, widths: Sequence[int], layers: tuple[int, ...] | None = None) -> float:
+        """Capture the passes a decode of `rows` rows will run (one graph per width), before it is timed; returns the
+        seconds spent. Nothing to do without capture."""
+        if not self.capture:
+            return 0.0
+        before = self.capture_seconds
+        bp = padded_batch(rows)
+        for t in sorted({w for w in widths if w <= MAX_GRAPH_WIDTH}, reverse=True):  # the widest first: the pool
+            self._captured(kv.storage, (bp, t, t, layers))  # then fits the rest
+        spent = self.capture_seconds - before
+        if spent:
+            log.info("graph runner: captured %d graphs (batch %d, widths %s) in %.2fs", self.graphs, bp,
+                     ",".join(map(str, sorted(set(widths)))), spent)
+        return spent
+
+    def describe(self) -> str:
+        """One line for the app's machine check and the logs."""
+        if self.capture:
+            return f"CUDA graphs ({self.graphs} captured in {self.capture_seconds:.1f}s)"
+        return f"static KV cache, no graphs ({self.reason})"
+
+
+def padded_batch(rows: int) -> int:
+    """The captured batch size a batch of `rows` runs as: the next rung of BATCH_LADDER (beyond it: itself)."""
+    return next((b for b in BATCH_LADDER if b >= rows), rows)
+
+
+_RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> Runner
+_WHY_EAGER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> why the eager engine serves it
+
+
+def why_not(model, mode: str) -> str | None:
+    """Why `mode` gives this model no static runner (None: it can have one)."""
+    if mode == "off":
+        return "--graphs off"
+    dev = execution_device(model)
+    if mode == "auto" and dev.type != "cuda":
+        return f"the model computes on {dev.type}: graphs are for CUDA (--graphs on runs the static cache uncaptured)"
+    if getattr(model, "hf_device_map", None):
+        return "a device map spreads the model over devices (offloaded parts stream in at every pass)"
+    types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+    if types != {"full_attention"}:
+        return f"{type(model).__name__} has {sorted(types)} layers (the static cache is for full attention)"
+    if model.config._attn_implementation not in ("sdpa", "eager"):
+        return f"attention '{model.config._attn_implementation}' takes no custom mask (sdpa or eager do)"
+    if not hasattr(model, "lm_head"):
+        return f"{type(model).__name__} has no lm_head"
+    return None
+
+
+def attach(model, mode: str = "auto") -> Runner | None:
+    """Choose how `model`'s passes run (at load), logging one line: a Runner (captured on CUDA) or None (eager)."""
+    if mode not in GRAPH_MODES:
+        raise ValueError(f"--graphs must be one of {', '.join(GRAPH_MODES)}, not {mode!r}")
+    reason = why_not(model, mode)
+    if reason is not None:
+        _RUNNERS.pop(model, None)
+        _WHY_EAGER[model] = reason
+        log.info("graph runner off for %s: %s", type(model).__name__, reason)
+        return None
+    capture = execution_device(model).type == "cuda"
+    runner = Runner(model, capture, "" if capture else "the model computes on the CPU")
+    _RUNNERS[model] = runner
+    _WHY_EAGER.pop(model, None)
+    log.info("graph runner on for %s: %s", type(model).__name__, runner.describe())
+    return runner
+
+
+def detach(model) -> None:
+    """Back to the eager engine (tests attach and detach a runner around a run)."""
+    _RUNNERS.pop(model, None)
+
+
+def runner_of(model) -> Runner | None:
+    return _RUNNERS.get(model)
+
+
+def describe(model) -> str:
+    """How the model's passes run, in one line: the runner's description, or why the eager engine serves it."""
+    runner = runner_of(model)
+    if runner is not None:
+        return runner.describe()
+    return f"eager ({_WHY_EAGER.get(model, 'no runner attached')})"
+
+
+def new_kv(model, rows: int, capacity: int) -> BatchKV | StaticKV:
+    """A KV cache for a decode of `rows` rows up to `capacity` positions: the model's runner's static storage when it
+    has one (release it when done), else the eager engine's BatchKV."""
+    runner = runner_of(model)
+    if runner is None:
+        return BatchKV(model, rows)
+    return StaticKV(runner, runner.acquire(rows, capacity), rows)
+
+
+def release(kv) -> None:
+    """Return a static storage to its runner (a BatchKV holds nothing to return)."""
+    if isinstance(kv, StaticKV):
+        kv.release()

@@ -1,0 +1,242 @@
+"""A static KV cache: each layer's keys and values in buffers allocated once, at fixed addresses, each row written at
+its own positions. The forwards that feed it are plain tensor code over those buffers, so a CUDA graph can capture
+them (engine.graphs); on a CPU the same code runs uncaptured.
+
+Row r holds its positions 0..lengths[r]-1 contiguously, with no holes: a pass writes row r's j-th entry at slot
+lengths[r] + j and attends to slots <= that one (explicit RoPE positions, a device-side mask). Rollback sets a row's
+length and copies nothing: what lies past it is never read and is overwritten by the next pass. Knows nothing of
+drafting, acceptance or graphs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from ..models.placement import execution_device
+from .kv import PAD, right_padded, target_features, with_cache
+
+CAPACITY_STEP = 256  # a storage's positions per row are a multiple of this, so nearby requests share one (and graphs)
+
+
+@functools.cache
+def _classes() -> tuple[type, type]:
+    """(RowLayer, RowCache), made on first use so that importing the engine does not import transformers."""
+    from transformers.cache_utils import Cache, CacheLayerMixin
+
+    class RowLayer(CacheLayerMixin):
+        """One layer's keys and values (rows, H, capacity, D); a pass writes each row at the storage's `write` slots
+        (b, T) and returns the first b rows' whole buffers (the mask says which slots a query reads)."""
+
+        is_compileable = True
+        is_sliding = False
+
+        def __init__(self, storage: Storage):
+            super().__init__()
+            self.storage = storage
+
+        def lazy_initialization(self, key_states, value_states) -> None:
+            s, (h, d), dv = self.storage, key_states.shape[1::2], value_states.shape[-1]
+            self.keys = key_states.new_zeros(s.rows, h, s.capacity, d)
+            self.values = value_states.new_zeros(s.rows, h, s.capacity, dv)
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(self.keys)  # fixed addresses: what a captured graph reads
+                torch._dynamo.mark_static_address(self.values)
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            b, h, t, d = key_states.shape
+            index = self.storage.write[:, None, :, None]  # (b, 1, T, 1): row r's j-th entry goes to its write slot
+            self.keys[:b].scatter_(2, index.expand(b, h, t, d), key_states)
+            self.values[:b].scatter_(2, index.expand(b, h, t, value_states.shape[-1]), value_states)
+            return self.keys[:b], self.values[:b]
+
+        def copy_rows(self, other, rows: int) -> None:
+            """Hold the first `rows` rows of another RowLayer (a smaller storage's), position for position."""
+            if not other.is_initialized:
+                return
+            if not self.is_initialized:
+                self.lazy_initialization(other.keys[:1, :, :1], other.values[:1, :, :1])
+            n = min(other.keys.shape[2], self.keys.shape[2])
+            self.keys[:rows, :, :n] = other.keys[:rows, :, :n]
+            self.values[:rows, :, :n] = other.values[:rows, :, :n]
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.storage.capacity, 0
+
+        def get_seq_length(self) -> int:
+            return 0  # positions are always given explicitly
+
+        def get_max_length(self) -> int:
+            return self.storage.capacity
+
+    class RowCache(Cache):
+        """transformers' Cache over RowLayers (so the model's attention calls `update` as with any cache)."""
+
+        def __init__(self, storage: Storage, num_layers: int):
+            super().__init__(layers=[RowLayer(storage) for _ in range(num_layers)])
+
+    return RowLayer, RowCache
+
+
+def num_cache_layers(model) -> int:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return config.num_hidden_layers
+
+
+class Storage:
+    """The static buffers of up to `rows` rows and `capacity` positions each: the cache, each row's length (a device
+    tensor that the passes read), the write slots of the current pass, and a flat token buffer the passes read their
+    input ids from. A graph captured over a Storage replays against these same addresses."""
+
+    def __init__(self, model, rows: int, capacity: int):
+        self.model, self.rows, self.capacity = model, rows, capacity
+        self.device = execution_device(model)
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=self.device)  # (rows,)
+        self.slots = torch.arange(capacity, device=self.device)  # (capacity,)
+        self.tokens = torch.full((rows * capacity,), PAD, dtype=torch.long, device=self.device)
+        self.write = self.lengths[:1, None]  # (b, T): set by each pass before the model runs
+        self.cache = _classes()[1](self, num_cache_layers(model))
+        self.cache_argument = with_cache(model, self.cache)  # once: nothing to look up inside a captured pass
+        self.eager_mask = model.config._attn_implementation == "eager"  # an additive float mask instead of a bool
+        self.busy = False  # held by one decode (or drafter) at a time
+        self.graphs: dict = {}  # (b, T, features) -> engine.graphs.Captured, kept with the addresses they read
+
+    def input_view(self, b: int, t: int) -> torch.Tensor:
+        """The (b, T) input ids a pass of that shape reads: the front of the flat token buffer."""
+        return self.tokens[: b * t].view(b, t)
+
+    def run(self, b: int, t: int, keep: int, layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One pass of the first b rows over input_view(b, t): logits (b, keep, V) and, with layers, features
+        (b, T, W). Straight-line tensor code over fixed buffers (what a graph captures); lengths are not moved."""
+        tokens = self.input_view(b, t)
+        self.write = self.lengths[:b, None] + self.slots[None, :t]  # (b, T): positions, and the slots written
+        allowed = self.slots[None, None, None, :] <= self.write[:, None, :, None]  # (b, 1, T, capacity)
+        if self.eager_mask:
+            dtype = self.model.dtype
+            allowed = torch.zeros((), dtype=dtype, device=self.device).masked_fill(~allowed, torch.finfo(dtype).min)
+        inputs = dict(input_ids=tokens, attention_mask=allowed, position_ids=self.write, use_cache=True,
+                      **self.cache_argument)
+        if layers is None:
+            return self.model(**inputs, logits_to_keep=keep).logits, None
+        last, features = target_features(self.model, layers, **inputs)
+        return self.model.lm_head(last[:, -keep:]), features
+
+    def data_ptrs(self) -> list[int]:
+        """Every cache buffer's address (a test checks they never move)."""
+        return [t.data_ptr() for layer in self.cache.layers if layer.is_initialized for t in (layer.keys, layer.values)]
+
+
+class StaticKV:
+    """engine.kv.BatchKV's interface over a Storage: the engine's and a draft LM's cache when a graph runner serves
+    the model (engine.graphs.Runner), captured passes where it captured them, the same code eagerly elsewhere.
+
+    Prefill runs each prompt but its last token as one right-padded pass, then the last tokens as a one-token pass,
+    so every row's first logits come from an ordinary decode-shaped pass.
+    """
+
+    def __init__(self, runner, storage: Storage, rows: int):
+        self.runner, self.storage = runner, storage
+        self.device = storage.device
+        self.counts = [0] * rows  # the host's copy of each row's length
+        storage.lengths.zero_()
+
+    @property
+    def rows(self) -> int:
+        return len(self.counts)
+
+    def _pass(self, tokens: torch.Tensor, keep: int, layers, graph: bool = True):
+        need = max(self.counts) + tokens.shape[1]
+        if need > self.storage.capacity:
+            self._grow(need)
+        return self.runner.replay(self.storage, tokens, keep, layers, graph)
+
+    def _grow(self, need: int) -> None:
+        """Move to a storage with room for `need` positions and more (one copy; a draft LM's cache, which is not
+        told the answer's length, may need it)."""
+        old = self.storage
+        self.storage = self.runner.acquire(self.rows, rounded_capacity(need + CAPACITY_STEP))
+        for mine, theirs in zip(self.storage.cache.layers, old.cache.layers):
+            mine.copy_rows(theirs, self.rows)
+        self.storage.lengths.zero_()
+        self.storage.lengths[: self.rows].copy_(torch.tensor(self.counts))
+        self.runner.release(old)
+
+    def _advance(self, fed: Sequence[int]) -> None:
+        self.counts = [c + n for c, n in zip(self.counts, fed)]
+        self.storage.lengths[: self.rows].copy_(torch.tensor(self.counts), non_blocking=True)
+
+    def prefill(self, prompts: Sequence[list[int]], layers: tuple[int, ...] | None = None):
+        """Feed each prompt; (logits (B, V) at each prompt's last token, per row features (len(prompt), W) or None)."""
+        head = [p[:-1] for p in prompts]
+        feats = None
+        if max(map(len, head)) > 0:
+            tokens, _ = right_padded(head, self.device)
+            _, feats = self._pass(tokens, 1, layers, graph=False)
+            self._advance([len(h) for h in head])
+        logits, last = self._pass(torch.tensor([[p[-1]] for p in prompts], device=self.device), 1, layers)
+        self._advance([1] * len(prompts))
+        if layers is None:
+            return logits[:, -1], None
+        hidden = [last[r] if feats is None else torch.cat([feats[r, : len(h)], last[r]]) for r, h in enumerate(head)]
+        return logits[:, -1], hidden
+
+    def forward(self, tokens: torch.Tensor, real: torch.Tensor, keep: int,
+                layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens (B, T), right-padded (`real` marks each row's first n entries): logits (B, keep, V) of the last
+        `keep` columns and, with layers, features (B, T, W); each row's length grows by its real entries."""
+        logits, features = self._pass(tokens, keep, layers)
+        self._advance(real.sum(1).tolist())
+        return logits, features
+
+    def step(self, feeds: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Feed each row its own tokens (a row may feed none); logits (B, V) at each row's newest token."""
+        tokens, real = right_padded(feeds, self.device)
+        if tokens.shape[1] == 0:
+            tokens, real = torch.full((len(feeds), 1), PAD, device=self.device), real.new_zeros(len(feeds), 1)
+        logits, _ = self._pass(tokens, tokens.shape[1], None)
+        last = torch.tensor([max(len(f) - 1, 0) for f in feeds], device=self.device)
+        self._advance([len(f) for f in feeds])
+        return logits[torch.arange(len(feeds), device=self.device), last]
+
+    def keep(self, counts: Sequence[int]) -> None:
+        """Roll each row back to its first counts[r] positions: a length moves, nothing is copied."""
+        counts = [min(a, b) for a, b in zip(self.counts, counts)]
+        if counts != self.counts:
+            self.counts = counts
+            self.storage.lengths[: self.rows].copy_(torch.tensor(counts), non_blocking=True)
+
+    def select(self, rows: Sequence[int]) -> None:
+        """Keep only these rows, in this order: gathered to the front of the same buffers (finished rows leave)."""
+        rows = list(rows)
+        if rows == list(range(self.rows)):
+            return
+        index = torch.tensor(rows, device=self.device)
+        for layer in self.storage.cache.layers:
+            if layer.is_initialized:
+                layer.keys[: len(rows)] = layer.keys.index_select(0, index)
+                layer.values[: len(rows)] = layer.values.index_select(0, index)
+        self.counts = [self.counts[r] for r in rows]
+        self.storage.lengths.zero_()  # rows past the batch: padding that writes at slot 0 and up, never past the end
+        self.storage.lengths[: self.rows].copy_(torch.tensor(self.counts), non_blocking=True)
+
+    def compact(self) -> None:
+        """Nothing to compact: rows hold no holes."""
+
+    def release(self) -> None:
+        """Hand the storage back to the runner (the decode or drafter that held it is done)."""
+        self.runner.release(self.storage)
+
+
+def needed_capacity(prompts: Sequence[list[int]], max_new_tokens: int, width: int) -> int:
+    """Positions a row may reach: the longest prompt, every new token, and one more pass's width past them."""
+    return rounded_capacity(max(map(len, prompts), default=0) + max_new_tokens + width + 1)
+
+
+def rounded_capacity(positions: int) -> int:
+    """`positions` rounded up to a multiple of CAPACITY_STEP."""
+    return -(-positions // CAPACITY_STEP) * CAPACITY_STEP

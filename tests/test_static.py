@@ -1,0 +1,145 @@
+"""The static KV cache and the graph runner's code on the CPU (engine.static, engine.graphs; captured on CUDA by
+scripts/gpu_check.sh): the eager engine's greedy tokens for every drafter and batch size, exact sampling, fixed
+cache addresses, rollback that writes nothing, rows that hold a fresh prefill, and a step function that compiles
+whole."""
+
+import pytest
+import torch
+from test_engine import make, test_dynamic_k_is_lossless_and_adapts, test_sampled_distribution_matches_target
+
+from specdemo.config import GenerationConfig
+from specdemo.drafters import ModelDrafter
+from specdemo.engine import decode, graphs, row_outputs
+from specdemo.engine.kv import with_cache
+from specdemo.engine.static import StaticKV
+
+PROMPTS = [[3, 5, 7, 3, 5, 9, 2], [4, 4, 1], [9, 8, 7, 6, 5, 4, 3, 2, 1, 2, 3, 4], [2]]
+KINDS = ["model", "ngram", "hybrid", "suffix", "suffix-cost-aware", "hybrid-suffix"]
+
+# the engine's own losslessness tests, run again here with the static runner on (see the `static` fixture)
+__all__ = ["test_dynamic_k_is_lossless_and_adapts", "test_sampled_distribution_matches_target"]
+
+
+@pytest.fixture(autouse=True)
+def static(tiny_target, tiny_draft):
+    """The tiny target and draft served by the static runner (uncaptured on the CPU) for the test's duration."""
+    assert graphs.attach(tiny_target, "on") is not None and graphs.attach(tiny_draft, "on") is not None
+    yield
+    graphs.detach(tiny_target)
+    graphs.detach(tiny_draft)
+
+
+def _eager(tiny_target, tiny_draft, fn):
+    graphs.detach(tiny_target)
+    graphs.detach(tiny_draft)
+    try:
+        return fn()
+    finally:
+        graphs.attach(tiny_target, "on")
+        graphs.attach(tiny_draft, "on")
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("kind", [None] + KINDS)
+def test_static_runner_gives_the_eager_engines_greedy_tokens(tiny_target, tiny_draft, tiny_tok, kind, k, rows):
+    """Every drafter (and none: AR), at k = 1, 2, 4, 8 and B = 1 and 4: the same greedy tokens as the eager engine,
+    and through a StaticKV."""
+    prompts, config = PROMPTS[:rows], GenerationConfig(max_new_tokens=40, num_draft_tokens=k)
+
+    def tokens():
+        return row_outputs(list(decode(tiny_target, tiny_tok, prompts, config, make(kind, tiny_draft) if kind
+                                       else None)), rows)
+
+    eager = _eager(tiny_target, tiny_draft, tokens)
+    assert isinstance(graphs.new_kv(tiny_target, 1, 256), StaticKV)
+    assert tokens() == eager
+
+
+def _buffers(kv: StaticKV) -> list[torch.Tensor]:
+    return [t for layer in kv.storage.cache.layers for t in (layer.keys, layer.values)]
+
+
+def test_cache_keeps_its_addresses_and_rollback_writes_nothing(tiny_target, tiny_draft, tiny_tok, monkeypatch):
+    """A 64-token run with rejections: the target's and the draft's cache buffers never move, and a rollback leaves
+    every buffer bit for bit as it was (it moves a row's length only)."""
+    made, rollbacks = [], []
+    new_kv, keep = graphs.new_kv, StaticKV.keep
+
+    def recording_new_kv(*args, **kwargs):
+        made.append(new_kv(*args, **kwargs))
+        return made[-1]
+
+    def checked_keep(self, counts):
+        before = [t.clone() for t in _buffers(self)]
+        moved = counts != self.counts
+        keep(self, counts)
+        assert all(torch.equal(a, b) for a, b in zip(before, _buffers(self)))
+        rollbacks.append(moved and self.counts == list(counts))
+
+    monkeypatch.setattr(graphs, "new_kv", recording_new_kv)
+    monkeypatch.setattr(StaticKV, "keep", checked_keep)
+    config = GenerationConfig(max_new_tokens=64, num_draft_tokens=4)
+    addresses = None
+    rejections = generated = 0
+    for event in decode(tiny_target, tiny_tok, PROMPTS[:1], config, ModelDrafter(tiny_draft)):
+        if event.kind == "spec":  # from the first draft on, both caches are allocated
+            now = [t.data_ptr() for kv in made for t in _buffers(kv)]
+            addresses = addresses or now
+            assert now == addresses
+        rejections += sum(s.num_accepted < len(s.drafted) for s in event.steps)
+        generated = event.num_generated
+    assert generated == 64 and addresses
+    assert rejections > 0 and any(rollbacks)
+    assert len(made) == 2 and all(isinstance(kv, StaticKV) for kv in made)  # the target's and the draft's
+
+
+def _fresh(model, ids):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids], device=model.device), **with_cache(model, cache), use_cache=True)
+    return cache
+
+
+def test_rows_hold_a_fresh_prefill_after_every_rollback(tiny_target, tiny_draft, tiny_tok, monkeypatch):
+    """Four rows accepting different lengths: after each step each row's first counts[r] positions equal a fresh
+    single-sequence prefill of its committed ids (the pending token aside), in the target's cache and the draft's."""
+    made = []
+    new_kv = graphs.new_kv
+    monkeypatch.setattr(graphs, "new_kv", lambda *a, **kw: made.append(new_kv(*a, **kw)) or made[-1])
+    config = GenerationConfig(max_new_tokens=24, num_draft_tokens=4)
+    ids = {i: list(p) for i, p in enumerate(PROMPTS)}
+    ragged = 0
+    for event in decode(tiny_target, tiny_tok, PROMPTS, config, ModelDrafter(tiny_draft)):
+        for i, t in zip(event.rows, event.tokens):
+            ids[i] += t
+        if event.kind != "spec" or event.finished:
+            continue
+        ragged += len(set(event.num_accepted)) > 1
+        for kv, model, upto in ((made[0], tiny_target, lambda r, i: len(ids[i]) - 1),
+                                (made[1], tiny_draft, lambda r, i: made[1].counts[r])):
+            for r, i in enumerate(event.rows):
+                n = upto(r, i)
+                assert kv.counts[r] == n
+                fresh = _fresh(model, ids[i][:n])
+                for mine, ref in zip(kv.storage.cache.layers, fresh.layers):
+                    assert torch.allclose(mine.keys[r, :, :n], ref.keys[0], atol=1e-5)
+                    assert torch.allclose(mine.values[r, :, :n], ref.values[0], atol=1e-5)
+    assert ragged > 0
+
+
+def test_the_step_function_compiles_whole(tiny_target):
+    """torch.compile(fullgraph=True) traces a verify-shaped pass over the static buffers without a graph break, and
+    the compiled pass gives the eager pass's logits."""
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        kv = graphs.new_kv(tiny_target, 2, 256)
+        kv.prefill([[3, 4, 5], [6, 7]])
+        storage = kv.storage
+        storage.input_view(2, 3).copy_(torch.tensor([[1, 2, 3], [4, 5, 6]]))
+        eager = storage.run(2, 3, 3, None)[0]
+        compiled = torch.compile(storage.run, fullgraph=True)(2, 3, 3, None)[0]
+    torch._dynamo.reset()
+    assert torch.allclose(compiled, eager, atol=1e-5)
