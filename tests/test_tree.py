@@ -10,7 +10,7 @@ import torch
 
 import specdemo.engine.tree as tree_mod
 from specdemo.engine.tree import TokenTree, TreeBatch, greedy_tree_accept, greedy_tree_accept_batch, sibling_rows
-from specdemo.engine.tree import tree_accept, tree_walk
+from specdemo.engine.tree import tree_accept, tree_accept_batch, tree_walk
 from specdemo.engine.verify import greedy_accept_batch, rejection_accept
 
 NEG = float("-inf")
@@ -363,3 +363,17 @@ def test_tree_batch_stacks_padded_rows():
     assert b.tokens.shape == (2, 6) and b.real.sum(1).tolist() == [6, 1]
     assert torch.equal(b.mask[0], BRANCHY.attention_mask()) and b.depths[1].tolist() == [0, 1, 0, 0, 0, 0, 0]
     assert torch.equal(b.mask[1, 2:], torch.eye(7, dtype=torch.bool)[2:])
+
+
+def test_tree_accept_batch_is_each_row_with_its_own_generator():
+    """Rows of different trees and padding: the same verdicts as each row alone from the same seed."""
+    gen = torch.Generator().manual_seed(2)
+    trees, rows = [BRANCHY, TokenTree.chain([1, 2]), TokenTree((), ())], []
+    target = torch.softmax(3 * torch.randn(3, 7, 8, generator=gen), -1)
+    for r, t in enumerate(trees):  # sampled draft rows for the branchy tree, one-hot for the others
+        rows.append(torch.softmax(torch.randn(len(t), 8, generator=gen), -1) if r == 0 else None)
+    for seed in range(20):
+        gens = [torch.Generator().manual_seed(seed + r) for r in range(3)]
+        alone = [tree_accept(t, q, target[r, : len(t) + 1], torch.Generator().manual_seed(seed + r))
+                 for r, (t, q) in enumerate(zip(trees, rows))]
+        assert tree_accept_batch(trees, rows, target, gens) == ([a for a, _ in alone], [b for _, b in alone])

@@ -252,3 +252,13 @@ def sibling_rows(tree: TokenTree, parent_probs: torch.Tensor, replacement: bool 
             q = q / q.sum()
         rows.append(q)
     return torch.stack(rows) if rows else parent_probs[:0]
+
+
+def tree_accept_batch(trees: Sequence[TokenTree], draft_probs: Sequence[torch.Tensor | None],
+                      target_probs: torch.Tensor, generators: Sequence[torch.Generator | None]
+                      ) -> tuple[list[list[int]], list[int]]:
+    """tree_accept for every row, each with its own generator: target_probs (B, W, V), W >= each tree's nodes + 1
+    -> (accepted nodes per row, next token per row)."""
+    out = [tree_accept(t, q, target_probs[r, : len(t) + 1], g)
+           for r, (t, q, g) in enumerate(zip(trees, draft_probs, generators))]
+    return [path for path, _ in out], [nxt for _, nxt in out]
