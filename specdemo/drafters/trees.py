@@ -1,0 +1,136 @@
+"""Draft trees from the model-free drafters, as pure functions of the context: prompt lookup's earlier matches as
+branches, suffix decoding's subtree of its match; and the node budget a tree gets from the target's pass costs.
+
+Knows token ids, the drafters' parameters and their trees; not the engine's loop. Every tree here is deterministic
+(one-hot q: engine/tree.py's tree_accept with draft_probs None), siblings distinct.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+
+from ..config import SuffixConfig
+from ..engine.tree import TokenTree
+from .base import cut_at_eos
+from .ngram import NgramDrafter
+from .suffix import SuffixTree, _f32
+
+
+def lookup_matches(drafter: NgramDrafter, ids: Sequence[int]) -> list[tuple[int, int]]:
+    """Every earlier match of ids' suffix as (length, end), ids[end-length+1 : end+1] == ids[-length:], best first:
+    longer first, then the drafter's tie-break (earliest, or most recent with latest=True). The first is
+    NgramDrafter.match's."""
+    n = len(ids)
+    if n == 0:
+        return []
+    last, found = ids[-1], []
+    for end in range(n - 1):  # end < n - 1: something follows the match
+        if ids[end] != last:
+            continue
+        length = 1
+        while length < drafter.max_ngram and end - length >= 0 and ids[end - length] == ids[n - 1 - length]:
+            length += 1
+        found.append((length, end))
+    return sorted(found, key=lambda m: (-m[0], -m[1] if drafter.latest else m[1]))
+
+
+def lookup_tree(drafter: NgramDrafter, ids: Sequence[int], k: int, branches: int,
+                eos: frozenset[int] = frozenset()) -> tuple[TokenTree, list[int]]:
+    """Prompt lookup as a tree: what followed each of the best `branches` matches (each as NgramDrafter.lookup copies
+    it: up to k tokens, up to the match's length for a short one, cut after an EOS), merged by common prefix.
+    Returns (tree, support): how many of the branches pass through each node. With branches = 1 it is the chain."""
+    if k <= 0 or branches <= 0:
+        return TokenTree((), ()), []
+    paths = []
+    for length, end in lookup_matches(drafter, ids):
+        if length < drafter.min_ngram or len(paths) == branches:
+            break
+        count = k if length >= drafter.full_ngram else min(k, length)
+        paths.append(cut_at_eos(list(ids[end + 1 : end + 1 + count]), eos))
+    tree = TokenTree.from_paths(paths)
+    support = [0] * len(tree)
+    for path in paths:
+        node = -1
+        for t in path:
+            node = next(c for c in tree.children(node) if tree.tokens[c] == t)
+            support[node] += 1
+    return tree, support
+
+
+def suffix_subtree(tree: SuffixTree, context: Sequence[int], max_tokens: int, config: SuffixConfig,
+                   min_match: int = 1) -> tuple[TokenTree, list[float], int]:
+    """Suffix decoding's tree draft (arctic_inference's _speculate_tree): for each match length m of context's
+    suffix, grow from the match's node best-first by estimated probability (the product of count ratios down from
+    it), children below min_token_prob left out, at most min(max_tokens, max_spec_factor * m) nodes; the match whose
+    nodes' probabilities sum highest wins (ties to the longer). Returns (tree, each node's probability, m)."""
+    context = list(context[-tree.max_depth :])
+    n = len(context)
+    best: tuple[float, TokenTree, list[float], int] = (0.0, TokenTree((), ()), [], 0)
+    factor, min_prob = _f32(config.max_spec_factor), _f32(config.min_token_prob)
+    for m in range(1, n):
+        node = tree.root
+        for token in context[n - m :]:
+            node = node.children.get(token) if node.children else None
+            if node is None:
+                return best[1], best[2], best[3]
+        if m < min_match:
+            continue
+        limit = max(0, min(max_tokens, int(_f32(m * factor) + 1e-6)))
+        tokens, parents, probs, score = _grow(node, limit, min_prob)
+        if tokens and score >= best[0]:
+            best = (score, TokenTree(tokens, parents), probs, m)
+    return best[1], best[2], best[3]
+
+
+def _grow(match, limit: int, min_prob: float) -> tuple[list[int], list[int], list[float], float]:
+    """Best-first growth from a suffix-tree node: (tokens, parents, probabilities, their float32 sum)."""
+    tokens, parents, probs, score = [], [], [], 0.0
+    heap: list = []  # (-probability, arrival, suffix-tree node, parent in the draft, probability)
+    arrival = itertools.count()  # equal probabilities: the first pushed first
+
+    def push(at, parent: int, prob: float) -> None:
+        for child in at.order or ():  # most frequent first: the rest are no more likely
+            p = _f32(prob * _f32(child.count / at.count))
+            if p < min_prob:
+                break
+            heapq.heappush(heap, (-p, next(arrival), child, parent, p))
+
+    push(match, -1, 1.0)
+    while heap and len(tokens) < limit:
+        _, _, child, parent, p = heapq.heappop(heap)
+        tokens.append(child.token)
+        parents.append(parent)
+        probs.append(p)
+        score = _f32(score + p)
+        push(child, len(tokens) - 1, p)
+    return tokens, parents, probs, score
+
+
+def tree_budget(values: Sequence[float], pass_costs: dict[int, float]) -> int:
+    """How many nodes a tree should keep: values are its nodes' estimated probabilities of being accepted, in the
+    order they would be kept; keeping N costs an (N+1)-token pass, pass_costs[N] (a 1-token pass costs 1) and is
+    expected to yield 1 + the sum of the first N values tokens. The N that maximises tokens per unit of pass cost
+    (0: none), never past the widest pass measured. DraftValue.length's rule for chains, for trees."""
+    best, keep, expected = 1.0, 0, 1.0
+    for n, v in enumerate(values[: max(pass_costs, default=0)], start=1):
+        expected += v
+        value = expected / pass_costs[n]
+        if value > best:
+            best, keep = value, n
+    return keep
+
+
+def best_subtree(tree: TokenTree, values: Sequence[float], pass_costs: dict[int, float]) -> tuple[TokenTree, list[int]]:
+    """The part of `tree` worth verifying on this machine: nodes taken best value first among those whose parent is
+    already taken (so the kept part is a tree: EAGLE-2's rerank), cut at tree_budget. Returns (tree, kept nodes)."""
+    order, frontier = [], [(-values[c], c) for c in tree.children(-1)]
+    heapq.heapify(frontier)
+    while frontier:
+        _, c = heapq.heappop(frontier)
+        order.append(c)
+        for g in tree.children(c):
+            heapq.heappush(frontier, (-values[g], g))
+    kept = sorted(order[: tree_budget([values[c] for c in order], pass_costs)])
+    return tree.select(kept), kept

@@ -1,0 +1,110 @@
+"""Tree drafts from the model-free drafters (drafters/trees.py): prompt lookup's matches as branches (one branch is the
+chain), suffix decoding's subtree of its match (a branchless history gives the chain's draft), and the node budget
+chosen from pass costs (flat costs keep the tree, steep ones fall back to less or nothing)."""
+
+import random
+
+import torch
+
+from specdemo.config import SuffixConfig
+from specdemo.drafters.ngram import NgramDrafter
+from specdemo.drafters.suffix import SuffixTree
+from specdemo.drafters.trees import best_subtree, lookup_matches, lookup_tree, suffix_subtree, tree_budget
+from specdemo.engine.tree import TokenTree, greedy_tree_accept
+
+def picks(choices: list[int], vocab: int = 10) -> torch.Tensor:
+    """Logits whose argmax at entry e is choices[e]."""
+    logits = torch.full((len(choices), vocab), float("-inf"))
+    logits[torch.arange(len(choices)), torch.tensor(choices)] = 10.0
+    return logits
+
+
+# "1 2 3" was followed by 9 9, then (after "0") 8 4, then (after "0") 9 5; the context ends in "0 1 2 3"
+IDS = [1, 2, 3, 9, 9, 0, 1, 2, 3, 8, 4, 0, 1, 2, 3, 9, 5, 0, 1, 2, 3]
+
+
+def test_lookup_matches_put_the_chains_match_first():
+    """On random short-alphabet histories the best match is NgramDrafter.match's, for either tie-break."""
+    rng = random.Random(0)
+    for latest in (False, True):
+        drafter = NgramDrafter(latest=latest)
+        for _ in range(200):
+            ids = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
+            found = lookup_matches(drafter, ids)
+            assert (found[0] if found else (0, -1)) == drafter.match(ids)
+
+
+def test_lookup_tree_merges_the_matches_by_prefix():
+    """Three earlier matches, the two of length 4 first (the earlier first): branches 8 -> 4 and 9 -> (5, 9), the
+    shared 9 counted twice; one branch is the chain NgramDrafter.lookup proposes; an EOS cuts a branch."""
+    drafter = NgramDrafter()
+    tree, support = lookup_tree(drafter, IDS, k=2, branches=3)
+    assert tree == TokenTree((8, 4, 9, 5, 9), (-1, 0, -1, 2, 2)) == TokenTree.from_paths([[8, 4], [9, 5], [9, 9]])
+    assert support == [1, 1, 2, 1, 1]
+    chain, _ = lookup_tree(drafter, IDS, k=2, branches=1)
+    assert chain == TokenTree.chain(drafter.lookup(IDS, 2, frozenset()))
+    assert lookup_tree(drafter, IDS, k=2, branches=3, eos=frozenset({9}))[0] == TokenTree.from_paths([[8, 4], [9]])
+    assert len(lookup_tree(drafter, [5, 6, 7], k=4, branches=3)[0]) == 0
+
+
+def test_a_lookup_tree_accepts_where_the_chain_fails():
+    """The target continues like the second match (9 5): greedy over the tree keeps both, the chain (8 4) none."""
+    tree, _ = lookup_tree(NgramDrafter(), IDS, k=2, branches=3)
+    by_entry = [9, 0, 0, 5, 6, 0]  # the target's argmax after the root and after each node
+    assert greedy_tree_accept(tree, picks(by_entry, 10)) == ([2, 3], 6)
+    chain, _ = lookup_tree(NgramDrafter(), IDS, k=2, branches=1)
+    assert greedy_tree_accept(chain, picks([9, 0, 0], 10)) == ([], 9)
+
+
+def test_suffix_subtree_grows_its_match_best_first():
+    """After "1 2" (4 times): 3 4 1 2 twice (0.5 each), then the 0.25s in the order they were reached: the 5 under
+    the match, 3 and 5 after "1 2" again, 6 under the first 5; each node's probability is its path's product of
+    count ratios, and min_token_prob cuts the rarer branches."""
+    seq = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 5, 6, 1, 2]
+    tree = SuffixTree(24)
+    tree.extend(0, seq)
+    draft, probs, m = suffix_subtree(tree, seq, 8, SuffixConfig(max_spec_factor=8))
+    assert draft == TokenTree((3, 4, 1, 2, 5, 3, 5, 6), (-1, 0, 1, 2, -1, 3, 3, 4)) and m == 2
+    assert probs == [0.5] * 4 + [0.25] * 4
+    cut = suffix_subtree(tree, seq, 8, SuffixConfig(max_spec_factor=8, min_token_prob=0.3))[0]
+    assert cut == draft.select(range(4)) == TokenTree.chain([3, 4, 1, 2])
+    assert suffix_subtree(tree, seq, 8, SuffixConfig(max_spec_factor=1))[0] == TokenTree.chain([3, 4])
+
+
+def test_suffix_subtree_without_branches_is_the_chain():
+    """A history with one continuation of each match: the tree draft is speculate's chain draft."""
+    rng = random.Random(1)
+    config = SuffixConfig(max_spec_factor=2)
+    for _ in range(30):
+        base = rng.sample(range(50), 12)  # no repeated token: every match has one continuation
+        seq = base + base[: rng.randrange(2, 10)]
+        tree = SuffixTree(24)
+        tree.extend(0, seq)
+        chain = tree.speculate(seq, 6, config)
+        draft, probs, m = suffix_subtree(tree, seq, 6, config)
+        assert len(draft) >= 2 and (draft, m) == (TokenTree.chain(chain.tokens), chain.match_len)
+        assert probs == chain.probs
+
+
+COSTS = {1: 1.1, 2: 1.3, 3: 1.6, 4: 2.0}
+
+
+def test_the_budget_maximises_tokens_per_pass_cost():
+    """(1 + sum of kept values) / cost: 1.9 / 1.1, 2.4 / 1.3 (best), 2.8 / 1.6; flat costs keep every node; a steep
+    curve keeps none; never past the widest pass measured."""
+    values = [0.9, 0.5, 0.4, 0.1]
+    assert tree_budget(values, COSTS) == 2
+    assert tree_budget(values, dict.fromkeys(range(1, 9), 1.0)) == 4
+    assert tree_budget(values, {1: 2.0, 2: 3.0, 3: 4.0, 4: 5.0}) == 0
+    assert tree_budget([0.9] * 8, dict.fromkeys(range(1, 4), 1.0)) == 3
+
+
+def test_best_subtree_keeps_a_tree_of_the_best_nodes():
+    """Nodes are taken best first among those whose parent is in (a likely child of an unlikely node waits for it),
+    up to the budget; a GPU-like flat curve keeps the whole tree, a steep one none."""
+    tree = TokenTree((1, 2, 3, 4, 5), (-1, -1, 0, 1, 3))
+    values = [0.5, 0.3, 0.45, 0.1, 0.9]
+    kept_tree, kept = best_subtree(tree, values, COSTS)
+    assert kept == [0, 2] and kept_tree == TokenTree((1, 3), (-1, 0))
+    assert best_subtree(tree, values, dict.fromkeys(range(1, 6), 1.0))[0] == tree
+    assert best_subtree(tree, values, {1: 3.0, 2: 4.0})[1] == []
