@@ -10,7 +10,7 @@ import os
 import sys
 from dataclasses import replace
 
-from .cliargs import add_placement_args, add_suffix_args, placement_args, suffix_args
+from .cliargs import add_placement_args, add_runtime_args, add_suffix_args, placement_args, runtime_args, suffix_args
 from .config import (
     BUNDLED_ID,
     DEFAULT_DRAFTER,
@@ -48,6 +48,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=G.seed)
     p.add_argument("--device", default=None, help="auto (default), cpu, cuda, cuda:1, mps")
     add_placement_args(p)
+    add_runtime_args(p)
     add_suffix_args(p)
     p.add_argument("--dtype", default=None, help="fp32, bf16, fp16 (default: bf16/fp16 on GPU, fp32 on CPU)")
     p.add_argument("--no-chat-template", action="store_true")
@@ -71,7 +72,7 @@ def run_generate(args) -> int:
     if not args.prompt.strip():
         raise ValueError("the prompt is empty; type something for the model to continue")
     pair = load_pair(args.target, kind, args.draft, args.device, args.dtype, args.draft_device, args.trust_remote_code,
-                     runtime=runtime_from_env(os.environ), placement=placement_args(args), suffix=suffix_args(args))
+                     runtime=runtime_args(args, os.environ), placement=placement_args(args), suffix=suffix_args(args))
     if args.k is None and drafter_k(pair.drafter):
         config = replace(config, num_draft_tokens=drafter_k(pair.drafter))
         config.validate()

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import argparse
 
-from .config import DEVICE_MAPS, Placement, SuffixConfig, placement_from
+from collections.abc import Mapping
+from dataclasses import replace
+
+from .config import DEVICE_MAPS, GRAPH_MODES, Placement, Runtime, SuffixConfig, placement_from, runtime_from_env
 
 
 def add_placement_args(p: argparse.ArgumentParser) -> None:
@@ -23,6 +26,20 @@ def add_placement_args(p: argparse.ArgumentParser) -> None:
                    help="the draft model's device, e.g. cpu beside a cuda target, or cuda:1 (default: the target's "
                         "device; an EAGLE-3 head, the shipped draft among them, computes where the target's "
                         "embeddings are)")
+
+
+def add_runtime_args(p: argparse.ArgumentParser) -> None:
+    """--graphs."""
+    p.add_argument("--graphs", choices=GRAPH_MODES, default=None,
+                   help="how the target's and a draft model's passes run: 'auto' (the default, or SPECDEMO_GRAPHS) "
+                        "captures them as CUDA graphs over a static KV cache on a GPU and runs the eager engine "
+                        "elsewhere; 'on' runs the static cache on a CPU too (uncaptured); 'off' always eager")
+
+
+def runtime_args(args: argparse.Namespace, env: Mapping[str, str]) -> Runtime:
+    """The environment's Runtime (config.runtime_from_env) with --graphs where given."""
+    runtime = runtime_from_env(env)
+    return replace(runtime, graphs=args.graphs) if args.graphs else runtime
 
 
 def placement_args(args: argparse.Namespace) -> Placement:

@@ -20,6 +20,7 @@ MIN_K = 1
 MAX_K = 16  # UI range; the engine refuses anything above MAX_K_ENGINE
 MAX_K_ENGINE = 64
 AUTO_K_MAX = 8  # the largest k that auto k (batches) considers
+GRAPH_MODES = ("auto", "on", "off")  # --graphs: CUDA graphs where the model is on CUDA / always the static runner / never
 VERIFICATION_RULES = ("token", "block")  # when sampling: token-wise (Leviathan et al.) or block (Sun et al.)
 
 
@@ -240,6 +241,7 @@ class Runtime:
     cudnn_sdpa: bool = False  # keep cuDNN among CUDA's attention backends (see kernels.plan_free_attention)
     hub_offline: bool = False  # never try the model hub
     hub_endpoint: str = "https://huggingface.co"
+    graphs: str = "auto"  # how passes run (engine.graphs): auto (CUDA graphs on CUDA, else eager), on, off
 
 
 def _flag(value: str | None, default: bool) -> bool:
@@ -250,9 +252,10 @@ def _flag(value: str | None, default: bool) -> bool:
 
 def runtime_from_env(env: Mapping[str, str]) -> Runtime:
     """SPECDEMO_CACHE (else XDG_CACHE_HOME/specdemo), SPECDEMO_FAST_LINEAR=0, SPECDEMO_CUDNN_SDPA=1, HF_HUB_OFFLINE,
-    HF_ENDPOINT."""
+    HF_ENDPOINT, SPECDEMO_GRAPHS (auto, on or off)."""
     cache = env.get("SPECDEMO_CACHE") or (f"{env['XDG_CACHE_HOME']}/specdemo" if env.get("XDG_CACHE_HOME") else None)
     return Runtime(cache_dir=cache, fast_linear=_flag(env.get("SPECDEMO_FAST_LINEAR"), True),
                    cudnn_sdpa=_flag(env.get("SPECDEMO_CUDNN_SDPA"), False),
                    hub_offline=_flag(env.get("HF_HUB_OFFLINE"), False),
-                   hub_endpoint=env.get("HF_ENDPOINT") or Runtime.hub_endpoint)
+                   hub_endpoint=env.get("HF_ENDPOINT") or Runtime.hub_endpoint,
+                   graphs=(env.get("SPECDEMO_GRAPHS") or Runtime.graphs).strip().lower())

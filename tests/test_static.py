@@ -143,3 +143,56 @@ def test_the_step_function_compiles_whole(tiny_target):
         compiled = torch.compile(storage.run, fullgraph=True)(2, 3, 3, None)[0]
     torch._dynamo.reset()
     assert torch.allclose(compiled, eager, atol=1e-5)
+
+
+def test_a_forward_that_will_not_capture_falls_back_with_one_line(tiny_target, tiny_tok, caplog):
+    """A runner asked to capture a forward that cannot be captured (here: no CUDA at all) says why once, runs the
+    same static code eagerly from then on, and decodes the eager engine's tokens."""
+    config = GenerationConfig(max_new_tokens=12, num_draft_tokens=2)
+    eager = _eager(tiny_target, tiny_target, lambda: row_outputs(list(decode(tiny_target, tiny_tok, PROMPTS[:2],
+                                                                             config, make("ngram", None))), 2))
+    runner = graphs.runner_of(tiny_target)
+    runner.capture = True
+    with caplog.at_level("WARNING", logger="specdemo.engine.graphs"):
+        got = row_outputs(list(decode(tiny_target, tiny_tok, PROMPTS[:2], config, make("ngram", None))), 2)
+    assert got == eager
+    assert not runner.capture and "did not capture" in runner.reason
+    assert len([r for r in caplog.records if "eagerly" in r.message]) == 1
+    assert graphs.describe(tiny_target).startswith("static KV cache, no graphs (its forward did not capture")
+
+
+def test_graphs_setting_chooses_the_runner(tiny_target):
+    """auto: eager on a CPU, saying why; on: the static runner; off: eager; the same mode again keeps the runner
+    (and its graphs); an unknown mode is refused; SPECDEMO_GRAPHS and --graphs set it."""
+    import argparse
+
+    from specdemo.cliargs import add_runtime_args, runtime_args
+
+    assert graphs.attach(tiny_target, "auto") is None
+    assert "computes on cpu" in graphs.describe(tiny_target)
+    runner = graphs.attach(tiny_target, "on")
+    assert runner is not None and graphs.attach(tiny_target, "on") is runner
+    assert graphs.attach(tiny_target, "off") is None and graphs.describe(tiny_target) == "eager (--graphs off)"
+    with pytest.raises(ValueError, match="--graphs must be one of auto, on, off"):
+        graphs.attach(tiny_target, "sometimes")
+    p = argparse.ArgumentParser()
+    add_runtime_args(p)
+    assert runtime_args(p.parse_args([]), {}).graphs == "auto"
+    assert runtime_args(p.parse_args([]), {"SPECDEMO_GRAPHS": "Off"}).graphs == "off"
+    assert runtime_args(p.parse_args(["--graphs", "on"]), {"SPECDEMO_GRAPHS": "off"}).graphs == "on"
+
+
+def test_baseline_check_takes_the_faster_transformers_decoding():
+    """On a GPU the bench also times generate() with a static compiled cache; the baseline check compares our AR
+    with whichever of the two ran faster, and names it."""
+    from specdemo.measure.bench.outputs import baseline_warning
+    from specdemo.measure.bench.report import anchors_summary
+
+    row = {"ar_tokens": 100, "ar_seconds": 1.0, "hf_generate_tokens": 100, "hf_generate_seconds": 1.25,
+           "hf_generate_identical": True}
+    plain = anchors_summary([row])
+    assert plain["baseline"] == "generate" and plain["ar_vs_hf_generate"] == pytest.approx(1.25)
+    fast = anchors_summary([{**row, "hf_static_tokens": 100, "hf_static_seconds": 0.5}])
+    assert fast["baseline"] == "generate, static cache, compiled"
+    assert fast["ar_vs_hf_generate"] == pytest.approx(0.5) and fast["hf_static_tokens_per_s"] == pytest.approx(200)
+    assert "static cache, compiled" in baseline_warning(fast) and baseline_warning(plain) == ""

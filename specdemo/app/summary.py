@@ -36,6 +36,8 @@ def final_stats_markdown(result: dict, c: float | None = None, verify_cost: floa
         lines.append(f"- placement: {placement_line(result['placement'])}")
     if result.get("pass_costs"):
         lines.append(f"- {pass_costs_line(result['pass_costs'])}")
+    if result.get("runner"):
+        lines.append(f"- {runner_line(result['runner'])}")
     return "\n".join(lines + _hybrid_lines(result))
 
 
@@ -59,6 +61,12 @@ def pass_costs_line(costs: dict) -> str:
             parts.append(f"{label} {now * 1000:.1f} ms (calibrated {was * 1000:.1f})")
     verdict = "as calibrated" if not costs.get("drift") else "**not as calibrated**"
     return f"machine check, {verdict}: " + ", ".join(parts)
+
+
+def runner_line(runner: dict) -> str:
+    """How the passes ran (result["runner"], engine.graphs.describe): CUDA graphs and what capturing them cost, the
+    static cache uncaptured, or the eager engine and why."""
+    return "passes: target " + runner["target"] + (f"; draft {runner['draft']}" if runner.get("draft") else "")
 
 
 def drift_warning(result: dict) -> str:

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config import GRAPH_MODES
 from ..models.placement import execution_device
 from .kv import BatchKV
 from .static import Storage, StaticKV
 
 log = logging.getLogger(__name__)
 
-GRAPH_MODES = ("auto", "on", "off")
 BATCH_LADDER = (1, 2, 4, 8, 16, 32, 64)  # captured batch sizes; a batch runs as the next one up (vLLM's way)
 MAX_GRAPH_WIDTH = 33  # the widest pass captured (k = 32 and the pending token); wider ones run eagerly
 MAX_STORAGES = 4  # free storages a runner keeps for reuse (each holds its graphs)
@@ -45,6 +45,7 @@ class Runner:
 
     model: object
     capture: bool
+    mode: str = "on"  # the --graphs setting it was attached with
     reason: str = ""
     capture_seconds: float = 0.0
     graphs: int = 0
@@ -170,17 +171,22 @@ def why_not(model, mode: str) -> str | None:
 
 
 def attach(model, mode: str = "auto") -> Runner | None:
-    """Choose how `model`'s passes run (at load), logging one line: a Runner (captured on CUDA) or None (eager)."""
+    """Choose how `model`'s passes run (at load), logging one line: a Runner (captured on CUDA) or None (eager). The
+    same mode again keeps what was chosen, and the graphs captured so far."""
     if mode not in GRAPH_MODES:
         raise ValueError(f"--graphs must be one of {', '.join(GRAPH_MODES)}, not {mode!r}")
+    if model in _RUNNERS and _RUNNERS[model].mode == mode:
+        return _RUNNERS[model]
+    if _WHY_EAGER.get(model, ("",))[0] == mode:
+        return None
     reason = why_not(model, mode)
     if reason is not None:
         _RUNNERS.pop(model, None)
-        _WHY_EAGER[model] = reason
+        _WHY_EAGER[model] = (mode, reason)
         log.info("graph runner off for %s: %s", type(model).__name__, reason)
         return None
     capture = execution_device(model).type == "cuda"
-    runner = Runner(model, capture, "" if capture else "the model computes on the CPU")
+    runner = Runner(model, capture, mode, "" if capture else "the model computes on the CPU")
     _RUNNERS[model] = runner
     _WHY_EAGER.pop(model, None)
     log.info("graph runner on for %s: %s", type(model).__name__, runner.describe())
@@ -190,6 +196,7 @@ def attach(model, mode: str = "auto") -> Runner | None:
 def detach(model) -> None:
     """Back to the eager engine (tests attach and detach a runner around a run)."""
     _RUNNERS.pop(model, None)
+    _WHY_EAGER.pop(model, None)
 
 
 def runner_of(model) -> Runner | None:
@@ -201,7 +208,7 @@ def describe(model) -> str:
     runner = runner_of(model)
     if runner is not None:
         return runner.describe()
-    return f"eager ({_WHY_EAGER.get(model, 'no runner attached')})"
+    return f"eager ({_WHY_EAGER.get(model, ('', 'no runner attached'))[1]})"
 
 
 def new_kv(model, rows: int, capacity: int) -> BatchKV | StaticKV:

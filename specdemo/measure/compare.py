@@ -23,6 +23,7 @@ from ..drafters import Drafter
 from ..drafters.hybrid import HybridCalibration
 from ..drafters.registry import BuildOptions, get
 from ..drafters.suffix import paused
+from ..engine import graphs
 from ..engine import (
     StepEvent,
     autoregressive,
@@ -32,7 +33,7 @@ from ..engine import (
     speculative,
 )
 from ..models.loading import LoadedModel, load_model
-from ..models.placement import drafter_device
+from ..models.placement import draft_lm, drafter_device
 from .metrics import PassCosts, RunStats, pass_costs, run_stats, speedup
 from .spec_metrics import speculative_decoding, steps_of
 
@@ -75,10 +76,13 @@ def load_pair(target: str, kind: str = "model", draft: str | None = None, device
     given (else `device`; an EAGLE-3 head: where the target's embeddings are). Models are cached between calls."""
     loaded = load_model(target or BUNDLED_ID, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
                         runtime=runtime, placement=placement)
+    graphs.attach(loaded.model, runtime.graphs)
     draft_device = draft_device or (None if placement.active else device)  # `device` names no device under a map
     drafter, draft_name, calibration = make_drafter(loaded, kind, draft, draft_device, dtype, trust_remote_code,
                                                     runtime, suffix=suffix, suffix_cache=suffix_cache,
                                                     hybrid_lookup=hybrid_lookup)
+    if draft_lm(drafter) is not None:
+        graphs.attach(draft_lm(drafter), runtime.graphs)
     return Pair(loaded, drafter, kind, draft_name, calibration)
 
 
@@ -87,6 +91,16 @@ def pair_placement(pair: Pair) -> dict:
     return {"target": pair.target.where(),
             "draft": {"name": pair.draft_name, "kind": type(pair.drafter).__name__,
                       "device": drafter_device(pair.drafter)}}
+
+
+def runner_info(pair: Pair) -> dict:
+    """How the target's passes (and a draft LM's) run: CUDA graphs, the static cache uncaptured, or eager, and why
+    (engine.graphs.describe); the result JSON's `runner`."""
+    out = {"target": graphs.describe(pair.target.model)}
+    draft = draft_lm(pair.drafter)
+    if draft is not None:
+        out["draft"] = graphs.describe(draft)
+    return out
 
 
 WARMUP_TOKENS = 4
@@ -160,6 +174,7 @@ def result_dict(pair: Pair, config: GenerationConfig, ar_events: list[StepEvent]
         "device": str(pair.target.device),
         "dtype": str(pair.target.dtype).replace("torch.", ""),
         "placement": pair_placement(pair),
+        "runner": runner_info(pair),
         "ar": _run_json(ar_events, ar),
         "sd": {**_run_json(sd_events, sd), "acceptance_rate": sd.acceptance_rate, "mean_accepted": sd.mean_accepted,
                "steps": sd.steps, "drafted": sd.drafted, "accepted": sd.accepted,

@@ -134,6 +134,14 @@ def drafter_device(drafter) -> str | None:
     return None
 
 
+def draft_lm(drafter) -> nn.Module | None:
+    """A drafter's draft causal LM (the hybrid's too); None for an EAGLE-3 head or prompt lookup."""
+    inner = getattr(drafter, "model", None)
+    if inner is not None and not isinstance(inner, nn.Module):  # the hybrid: its model drafter
+        return draft_lm(inner)
+    return inner if isinstance(inner, nn.Module) else None
+
+
 def placement_line(placement: dict) -> str:
     """One line for people: where the target's parts and the draft live (from pair_placement's dict)."""
     t, d = placement["target"], placement.get("draft") or {}

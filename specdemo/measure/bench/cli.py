@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from ...cliargs import add_placement_args, add_suffix_args, placement_args, suffix_args
-from ...config import HYBRID_LOOKUPS, runtime_from_env
+from ...cliargs import add_placement_args, add_runtime_args, add_suffix_args, placement_args, runtime_args, suffix_args
+from ...config import HYBRID_LOOKUPS
 from ...drafters.registry import cli_help, names
 from ...engine import GenerationError
 from ...models.loading import ModelLoadError, TokenizerMismatchError
@@ -75,6 +75,7 @@ def parser() -> argparse.ArgumentParser:
                                                 "(default %(default)s, git-ignored)")
     p.add_argument("--device", default=D.device)
     add_placement_args(p)
+    add_runtime_args(p)
     p.add_argument("--dtype", default=D.dtype)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-chat-template", action="store_true")
@@ -109,7 +110,7 @@ def bench_config(args: argparse.Namespace, env=os.environ) -> BenchConfig:
                        vllm="vllm" in anchors, vllm_options=vllm, out=args.out,
                        device=args.device, dtype=args.dtype, chat_template=not args.no_chat_template,
                        placement=placement_args(args), draft_device=args.draft_device,
-                       theory=not args.no_theory, quiet=args.quiet, runtime=runtime_from_env(env),
+                       theory=not args.no_theory, quiet=args.quiet, runtime=runtime_args(args, env),
                        batch_sizes=args.batch_sizes, max_batches=args.max_batches, suffix=suffix_args(args),
                        suffix_cold=args.suffix_cold, hybrid_lookup=args.hybrid_lookup)
 

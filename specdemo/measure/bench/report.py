@@ -53,10 +53,19 @@ def anchors_summary(rows: list[dict]) -> dict:
     hf_s = sum(r["hf_generate_seconds"] for r in have)
     hf_tok = sum(r["hf_generate_tokens"] for r in have)
     ar_tps = ratio(sum(r["ar_tokens"] for r in have), sum(r["ar_seconds"] for r in have))
+    best, baseline = ratio(hf_tok, hf_s), "generate"
+    static = [r for r in have if "hf_static_seconds" in r]
+    static_tps = None
+    if static:  # on a GPU: generate() with a static cache and a compiled forward; the check takes the faster one
+        static_tps = ratio(sum(r["hf_static_tokens"] for r in static), sum(r["hf_static_seconds"] for r in static))
+        if static_tps is not None and (best is None or static_tps > best):
+            best, baseline = static_tps, "generate, static cache, compiled"
     out = {
         "hf_generate_tokens_per_s": ratio(hf_tok, hf_s),
+        "hf_static_tokens_per_s": static_tps,
         "ar_tokens_per_s": ar_tps,
-        "ar_vs_hf_generate": ratio(ar_tps, ratio(hf_tok, hf_s)),
+        "baseline": baseline,  # what the baseline check compares our AR with: transformers' faster plain decoding
+        "ar_vs_hf_generate": ratio(ar_tps, best),
         "hf_generate_identical_fraction": ratio(sum(bool(r["hf_generate_identical"]) for r in have), len(have)),
         "hf_assisted_speedup": None,
         "hf_prompt_lookup_speedup": None,

@@ -27,7 +27,7 @@ from ...config import (
 )
 from ...drafters.registry import check_draft
 from ...drafters.suffix import paused, suffix_cache_of
-from ...engine import encode_prompt, eos_ids
+from ...engine import encode_prompt, eos_ids, graphs
 from ...engine.timing import ForwardTimer, verify_costs_for
 from ...models.eagle3 import eagle3_export
 from ...prompts import DEFAULT_PROMPTS, PromptItem, read_prompts
@@ -35,7 +35,15 @@ from ...serve.serve_config import Lookup, serve_target
 from ..compare import Pair, first_mismatch, load_pair, pair_placement, warmup
 from ..spec_metrics import speculative_decoding, steps_of
 from ..tune_k import point, run_ar, run_sd, summarize, sweep
-from .anchors import assistant_k, hf_assistant, hf_generate, hf_kwargs, measure_hf
+from .anchors import (
+    assistant_k,
+    has_static_anchor,
+    hf_assistant,
+    hf_generate,
+    hf_kwargs,
+    measure_hf,
+    measure_hf_static,
+)
 from .outputs import write_outputs
 from .report import build_report
 from .timing import drafter_modules, measure_ours, put, ratio, target_modules
@@ -136,6 +144,8 @@ def bench_prompt(pair, item: PromptItem, prompt_ids: list[int], ks: list[int], c
     model, tok = pair.target.model, pair.target.tokenizer
     kwargs = hf_kwargs(config.sampling, config.max_new_tokens, sorted(eos_ids(model, tok)))
     hf = measure_hf(model, prompt_ids, kwargs, timers, config.seed) if anchors else None
+    hf_static = (measure_hf_static(model, prompt_ids, kwargs, timers, config.seed)
+                 if anchors and has_static_anchor(model) else None)
     rows = []
     rules = rules or (config.sampling.verification,)
     runs_of = [(k, rule) for k in ks for rule in rules]
@@ -160,6 +170,7 @@ def bench_prompt(pair, item: PromptItem, prompt_ids: list[int], ks: list[int], c
             "draft_seconds": s.draft_seconds, "verify_seconds": s.verify_seconds,
             "ar_engine_seconds": a.seconds, "sd_engine_seconds": s.seconds,
             "speculative_decoding": speculative_decoding(steps_of(sd.run.events), k),  # vLLM's names
+            "runner": graphs.describe(model),  # how our passes ran: CUDA graphs, static uncaptured, or eager (why)
         }
         put(row, "ar", ar)
         put(row, "sd", sd)
@@ -172,6 +183,8 @@ def bench_prompt(pair, item: PromptItem, prompt_ids: list[int], ks: list[int], c
             row["mismatch"] = first_mismatch(pair.target, prompt_ids, ar.ids, sd.ids)
         if hf is not None and rule == rules[0]:
             put(row, "hf_generate", hf, ar.ids)
+            if hf_static is not None:
+                put(row, "hf_static", hf_static, ar.ids)
             run_anchors(row, pair, prompt_ids, kwargs, k, timers, config.seed, ar.ids)
         rows.append(row)
         if progress is not None:
