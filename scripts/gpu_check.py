@@ -5,7 +5,9 @@ SmolLM2-135M's exact shapes (seeded random weights; `--model DIR` uses real weig
 1. greedy losslessness in bf16 on CUDA (self-draft, perturbed draft, prompt lookup), reporting the target's
    top-2 logit gap at the first differing token of any mismatch;
 2. timings: our AR loop vs transformers' generate, the verify-pass cost for k + 1 tokens, and the hybrid's model cap
-   that those costs give (hybrid.hybrid_model_k).
+   that those costs give (hybrid.hybrid_model_k);
+3. both again under the graph runner (engine.graphs: CUDA graphs over the static KV cache; `--graphs off` skips it),
+   with its capture time, the AR loop at batch 1 and 32, and greedy output against the eager engine's.
 Writes a JSON report to $OUT/gpu_check.json (or ./gpu_check.json).
 """
 
@@ -23,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specdemo import kernels  # noqa: E402
+from specdemo.engine import decode, graphs  # noqa: E402
+from specdemo.models import kernels  # noqa: E402
 from specdemo.config import GenerationConfig, runtime_from_env  # noqa: E402
 from specdemo.drafters import ModelDrafter, NgramDrafter  # noqa: E402
 from specdemo.drafters.hybrid import hybrid_model_k  # noqa: E402
@@ -71,6 +74,23 @@ def timed(fn):
     return out, time.perf_counter() - t
 
 
+def ar_timing(target, tok, ids: list[int], new: int, cfg: GenerationConfig) -> dict:
+    """Our AR loop (best of 3, after warm-up runs) against transformers' generate on the same ids, greedy, `new`
+    tokens; and our AR at batch 32 (tokens per second over all rows)."""
+    x = torch.tensor([ids], device=target.device)
+    for _ in range(2):
+        list(autoregressive(target, tok, ids, cfg))
+        target.generate(x, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    ours = min(list(autoregressive(target, tok, ids, cfg))[-1].elapsed for _ in range(3))
+    hf = min(timed(lambda: target.generate(x, max_new_tokens=new, min_new_tokens=new, do_sample=False))[1]
+             for _ in range(3))
+    batch = [ids] * 32
+    list(decode(target, tok, batch, cfg, text=False))
+    wide = min(list(decode(target, tok, batch, cfg, text=False))[-1].elapsed for _ in range(2))
+    return {"ar_tokens_per_s": new / ours, "hf_generate_tokens_per_s": new / hf, "ar_vs_hf_generate": hf / ours,
+            "ar_b32_tokens_per_s": 32 * new / wide, "b32_vs_b1": (32 * new / wide) / (new / ours)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="a local model folder with real weights (optional)")
@@ -78,6 +98,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cuda (the point of this check); cpu only for a dry run")
     ap.add_argument("--layers", type=int, default=30, help="fewer layers for a quick dry run")
     ap.add_argument("--quick", action="store_true", help="two prompts and k = 1, 4 for the losslessness part")
+    ap.add_argument("--graphs", default="on", choices=["on", "off"], help="also check the graph runner (default on)")
     args = ap.parse_args()
     dev = torch.device(args.device)
     if dev.type == "cuda":
@@ -100,30 +121,37 @@ def main() -> int:
     report = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else str(dev), "dtype": str(dtype), "torch": torch.__version__,
               "weights": args.model or "random (SmolLM2-135M shapes)", "lossless": [], "timing": {}}
     cfg = GenerationConfig(max_new_tokens=args.new, num_draft_tokens=4)
-    for i, ids in enumerate(prompts[:2] if args.quick else prompts):
-        ar_events = list(autoregressive(target, tok, ids, cfg))
-        ar = generated_ids(ar_events)
-        for name, drafter in (("self", ModelDrafter(target)), ("perturbed", ModelDrafter(perturbed)),
-                              ("ngram", NgramDrafter())):
-            for k in (1, 4) if args.quick else (1, 4, 8):
-                c = GenerationConfig(max_new_tokens=args.new, num_draft_tokens=k)
-                sd = generated_ids(list(speculative(target, tok, drafter, ids, c)))
-                row = {"prompt": i, "drafter": name, "k": k, "identical": sd == ar}
-                if sd != ar:
-                    row["mismatch"] = first_mismatch(loaded, ids, ar, sd)
-                report["lossless"].append(row)
-    # timing: our AR loop vs transformers' generate, same model, greedy, args.new tokens
+    runners = ["eager"] + (["graphs"] if args.graphs == "on" else [])
+    reference = {}
+    for runner in runners:
+        if runner == "graphs":
+            start = time.perf_counter()
+            graphs.attach(target, "on")
+            graphs.attach(perturbed, "on")
+        for i, ids in enumerate(prompts[:2] if args.quick else prompts):
+            ar = generated_ids(list(autoregressive(target, tok, ids, cfg)))
+            reference.setdefault(i, ar)
+            for name, drafter in (("self", ModelDrafter(target)), ("perturbed", ModelDrafter(perturbed)),
+                                  ("ngram", NgramDrafter())):
+                for k in (1, 4) if args.quick else (1, 4, 8):
+                    c = GenerationConfig(max_new_tokens=args.new, num_draft_tokens=k)
+                    sd = generated_ids(list(speculative(target, tok, drafter, ids, c)))
+                    row = {"runner": runner, "prompt": i, "drafter": name, "k": k, "identical": sd == ar,
+                           "ar_as_eager": ar == reference[i]}
+                    if sd != ar:
+                        row["mismatch"] = first_mismatch(loaded, ids, ar, sd)
+                    report["lossless"].append(row)
+        if runner == "graphs":
+            report["timing"]["graphs_first_runs_seconds"] = time.perf_counter() - start  # captures included
+            report["timing"]["graphs_runner"] = graphs.describe(target)
+        report["timing"][runner] = ar_timing(target, tok, prompts[1], args.new, cfg)
+    for runner in runners[1:]:
+        report["timing"][f"{runner}_vs_eager_ar"] = (report["timing"][runner]["ar_tokens_per_s"]
+                                                     / report["timing"]["eager"]["ar_tokens_per_s"])
+    graphs.detach(target)
+    graphs.detach(perturbed)
     ids = prompts[1]
     x = torch.tensor([ids], device=dev)
-    for _ in range(2):
-        list(autoregressive(target, tok, ids, cfg))
-        target.generate(x, max_new_tokens=8, do_sample=False, min_new_tokens=8)
-    ours = min(list(autoregressive(target, tok, ids, cfg))[-1].elapsed for _ in range(3))
-    hf = min(timed(lambda: target.generate(x, max_new_tokens=args.new, min_new_tokens=args.new,
-                                           do_sample=False))[1] for _ in range(3))
-    report["timing"]["ar_tokens_per_s"] = args.new / ours
-    report["timing"]["hf_generate_tokens_per_s"] = args.new / hf
-    report["timing"]["ar_vs_hf_generate"] = hf / ours
     from transformers import DynamicCache
 
     costs = {}

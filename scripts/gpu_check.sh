@@ -20,6 +20,12 @@
 #                                    device stages (a CPU draft beside the GPU target, the target split over
 #                                    GPU and CPU, the target offloaded to CPU memory: SPLIT_MEM, OFFLOAD_MEM;
 #                                    ONLY_DEVICES=1 runs only those)
+#   bash scripts/gpu_check.sh graphs the graph runner's targets (issue 49, docs/gpu.md) on the real target, each with
+#                                    both runners (--graphs on / off) and both anchors (generate, and generate with a
+#                                    static compiled cache): AR and the trained head at k = 1, 2, 4 (LIMIT prompts),
+#                                    prompt lookup at k = 4 on the extractive prompts, the batch sweep 1..64, an fp32
+#                                    run, and the race's first token with the capture time (scripts/race_first_token.py);
+#                                    the first call (`keep`) also runs the CUDA unit tests of the static runner
 #   EAGLE3_HEAD=DIR EAGLE3_TARGET=T  either mode, also the benchmark of that EAGLE-3 head (e.g. a published one) with
 #                                    its target on CUDA: identical greedy output and acceptance (bench-eagle3; `real`
 #                                    defaults EAGLE3_TARGET to the bundled model, e.g. for a head from distill)
@@ -65,6 +71,8 @@ if [ "${1:-basic}" = prepare ]; then
   echo "device call 2 (carry out/gpu/b): GGUF_PARTS=\"out/gpu/a/gguf.part1 out/gpu/b/gguf.part2\" GGUF_SHA256=$SUM" \
        "EXTRA_PYTHONPATH=\$PWD/out/gpu/b/site PROMPTS=out/gpu/b/dev.jsonl$S BUDGET=... bash scripts/gpu_check.sh real"
   [ -n "$S" ] && echo "(without SAMPLES, distill generates its data on the GPU, which no run has timed yet)"
+  echo "the graph runner's check instead (two calls of at most 8 minutes): call 1 as above with GRAPH_TESTS=1 (its" \
+       "CUDA tests), call 2 as above with 'graphs' for 'real' and BUDGET=470"
   exit 0
 fi
 
@@ -127,14 +135,19 @@ note "gpu_check ${1:-basic} on $(hostname) at $(date -u +%FT%TZ), DRY=$DRY"
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
   | tee -a "$OUT/stages.log"
 
-if [ "${1:-basic}" != real ]; then
+if [ "${1:-basic}" != real ] && [ "${1:-basic}" != graphs ]; then
   if [ -n "${GGUF_PARTS:-}" ]; then  # the first half of the GGUF, kept for the next call
     mkdir -p "$KEEP/parts" && cp $GGUF_PARTS "$KEEP/parts/" && note "kept $(ls "$KEEP/parts")"
   fi
-  [ "${1:-basic}" = keep ] && exit 0  # only that: a short first call when time is short
   # the one engine at every batch size (test_batch: rows, rollback, auto k, sampled rows) and B = 1 (test_engine)
-  SPECDEMO_TEST_DEVICE=$DEV stage pytest_cuda 120 $PY -m pytest -q -p no:cacheprovider tests/test_engine.py tests/test_worker.py \
-    tests/test_verify.py tests/test_eagle3.py tests/test_batch.py tests/test_block.py tests/test_suffix.py \
+  if [ "${1:-basic}" = keep ]; then  # the graph runner's CUDA tests while the second half is on its way
+    [ -n "${GRAPH_TESTS:-}" ] && SPECDEMO_TEST_DEVICE=$DEV stage pytest_graphs_cuda "${GRAPH_TESTS_CAP:-150}" $PY -m pytest \
+      -q -x -p no:cacheprovider tests/test_static.py tests/test_tree.py -m "not slow"
+    exit 0
+  fi
+  SPECDEMO_TEST_DEVICE=$DEV stage pytest_cuda 120 $PY -m pytest -q -p no:cacheprovider tests/test_static.py \
+    tests/test_engine.py tests/test_worker.py tests/test_verify.py tests/test_eagle3.py tests/test_batch.py \
+    tests/test_block.py tests/test_suffix.py \
     -k "not shipped_draft and not bundled" -m "not slow"  # the shipped draft's tests need the real target;
   # test_eagle3: tiny random EAGLE-3 heads; test_block: block verification's exact laws; test_suffix: the suffix tree
   QUICK=(--quick); [ "$DRY" = 1 ] && QUICK=(--quick --layers 2 --new 16)
@@ -158,8 +171,10 @@ if [ -n "${GGUF_SHA256:-}" ] && ! echo "$GGUF_SHA256  $GGUF" | sha256sum -c --qu
 fi
 export PYTHONPATH=$KEEP/pkg${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}${PYTHONPATH:+:$PYTHONPATH}
 export SPECDEMO_CACHE=$KEEP/cache
-stage convert 120 $PY -c "from specdemo.models.loading import load_model; m = load_model('smollm2-135m', device='cpu'); \
-print(m.source, round(m.load_seconds, 1), 's')" || exit 1
+# with the runtime the later stages read (SPECDEMO_CACHE), so they find this conversion rather than make another
+stage convert 120 $PY -c "import os; from specdemo.config import runtime_from_env; from specdemo.models.loading import \
+load_model; m = load_model('smollm2-135m', device='cpu', runtime=runtime_from_env(os.environ)); \
+print(m.source, round(m.load_seconds, 1), 's', m.model.config.name_or_path)" || exit 1
 
 # the evaluation prompts, categories interleaved, so that --limit N keeps every category in proportion
 $PY - "${PROMPTS:-specdemo/data/prompts/dev.jsonl}" "$R/prompts.jsonl" <<'EOF'
@@ -180,7 +195,8 @@ EOF
 N=${LIMIT:-$($PY - "$KEEP/results/gpu_check.json" <<'EOF'
 import json, sys
 try:
-    tps = json.load(open(sys.argv[1]))["timing"]["ar_tokens_per_s"]
+    timing = json.load(open(sys.argv[1]))["timing"]
+    tps = timing.get("eager", timing)["ar_tokens_per_s"]
 except Exception:
     tps = 60.0
 # the shipped draft's benchmark: AR, generate and k = 1, 2, 4, about 4.7 AR-times a prompt, in about 150 s
@@ -197,6 +213,35 @@ mkdir -p "$KEEP/distill-cache"
 [ -n "${SAMPLES:-}" ] && cp "$SAMPLES"/*.jsonl "$KEEP/distill-cache/"
 note "prompts per benchmark: $N, new tokens: $TOKENS, k: $KS, distill data: ${SAMPLES:-generated here}"
 B=($PY -m specdemo bench --prompts "$R/prompts.jsonl" --limit "$N" --max-new-tokens "$TOKENS" --device "$DEV" --quiet)
+# --- stage: graphs (issue 49; docs/gpu.md, "The graph runner") ---
+# Each measurement with both runners, in one call: on = CUDA graphs over the static KV cache, off = the eager engine.
+# Targets: AR at B = 1 >= 300 tok/s and >= 1.0x generate's best (static, compiled); the head at k = 2 >= 1.5x and lookup
+# k = 4 on extractive prompts >= 2.0x over graphed AR; B = 32 AR tok/s >= 8x B = 1's; capture <= 10 s; the race's
+# first token <= 1 s warm; fp32 greedy identical. GN: prompts per bench (default 6); GRAPHS_CAP: seconds per stage.
+if [ "${1:-basic}" = graphs ]; then
+  GN=${LIMIT:-6}; GC=${GRAPHS_CAP:-75}; GB=(--batch-size 1,2,4,8,16,32,64 --max-new-tokens 64 --max-batches 1)
+  [ "$DRY" = 1 ] && GN=1 && GB=(--batch-size 1,2 --max-new-tokens 8 --max-batches 1)
+  $PY -c "import json,sys; rows=[json.loads(l) for l in open(sys.argv[1])]; \
+open(sys.argv[2],'w').write(''.join(json.dumps(r)+'\n' for r in rows if r.get('category')=='extractive'))" \
+    "$R/prompts.jsonl" "$R/extractive.jsonl"
+  G=($PY -m specdemo bench --prompts "$R/prompts.jsonl" --limit "$GN" --max-new-tokens "$TOKENS" --device "$DEV" --quiet)
+  stage race_first_token 60 $PY scripts/race_first_token.py --device "$DEV" --graphs on --k 2 \
+    --max-new-tokens "$TOKENS" --out "$R/race-first-token.json"
+  for g in on off; do
+    stage "bench_head_graphs_$g" "$GC" "${G[@]}" --drafter model --k 1,2,4 --anchors --graphs "$g" \
+      --out "$R/graphs-$g/head"
+    stage "bench_lookup_graphs_$g" "$GC" "${G[@]}" --prompts "$R/extractive.jsonl" --drafter ngram --k 4 --anchors \
+      --graphs "$g" --out "$R/graphs-$g/lookup-extractive"
+  done
+  for g in on off; do
+    stage "bench_batch_graphs_$g" "$GC" $PY -m specdemo bench --prompts "$R/prompts.jsonl" --device "$DEV" --quiet \
+      "${GB[@]}" --drafter ngram --k 4 --anchors --graphs "$g" --out "$R/graphs-$g/batch-lookup"
+  done
+  stage bench_fp32_graphs 60 "${G[@]}" --limit 3 --drafter model --k 2 --dtype fp32 --graphs on \
+    --out "$R/graphs-on/head-fp32"
+  exit 0
+fi
+# --- end stage: graphs ---
 # --- stage: devices (docs/devices.md) ---
 # the target and the draft on different devices: a GPU target with the trained draft head on the CPU; the target split
 # across the GPU and CPU memory by accelerate's device map (SPLIT_MEM: most layers on the GPU, the rest streamed over
