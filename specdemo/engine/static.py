@@ -189,8 +189,9 @@ class StaticKV:
                 layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Tokens (B, T), right-padded (`real` marks each row's first n entries): logits (B, keep, V) of the last
         `keep` columns and, with layers, features (B, T, W); each row's length grows by its real entries."""
+        fed = real.sum(1).tolist()  # before the pass is queued: reading it after would wait for the whole pass
         logits, features = self._pass(tokens, keep, layers)
-        self._advance(real.sum(1).tolist())
+        self._advance(fed)
         return logits, features
 
     def step(self, feeds: Sequence[Sequence[int]]) -> torch.Tensor:
