@@ -185,11 +185,12 @@ def test_non_numeric_values_through_the_api_get_a_clear_message(client):
     """k = "abc" or max new tokens = "lots" come back as a readable status, not gradio's opaque error."""
     bad_k = (REWRITE, "smollm2-135m", "ngram", "", "abc", False, 0.0, 1.0, 8, False, False)
     outputs = client.predict(*bad_k, api_name="/compare")
-    assert "k must be a number, got 'abc'" in outputs[6] and outputs[7] == {"error": outputs[6][len("**Error:** "):]}
+    assert "k must be a whole number from 1 to 64, got 'abc'." in outputs[6]
+    assert outputs[7] == {"error": outputs[6][len("**Error:** "):]}
     bad_tokens = (REWRITE, "smollm2-135m", "ngram", "", 4, False, 0.0, 1.0, "lots", False, False)
-    assert "max new tokens must be a number" in client.predict(*bad_tokens, api_name="/compare")[6]
+    assert "max new tokens must be a whole number" in client.predict(*bad_tokens, api_name="/compare")[6]
     sweep = client.predict(REWRITE, "smollm2-135m", "ngram", "", "many", 0.0, 1.0, 8, api_name="/sweep_k")
-    assert "the largest k must be a number" in sweep[1]
+    assert "the largest k must be a whole number from 1 to 16, got 'many'." in sweep[1]
 
 
 def test_a_sampled_run_through_the_api_takes_the_verification_rule(client):
