@@ -55,13 +55,22 @@ def _as_number(value: Any) -> int | float | None:
         return None
 
 
+def _quoted(value: Any, x: int | float | None) -> Any:
+    """What a refusal quotes: the number read, or what was sent when it is no number (or text that only overflows,
+    such as 5,000 nines, which float() reads as inf)."""
+    if x is None or (isinstance(value, str) and isinstance(x, float) and not math.isfinite(x)
+                     and value.strip().lower().lstrip("+-") not in ("nan", "inf", "infinity")):
+        return value
+    return x
+
+
 def whole(value: Any, name: str, least: int, most: int | None = None, allowed: str | None = None) -> int:
     """A whole number from `least` to `most` (None: no bound); 4.0 and "4" are 4."""
     allowed = allowed or (f"a whole number from {least} to {most}" if most is not None
                           else f"a whole number of at least {least}")
     x = _as_number(value)
     if x is None or (isinstance(x, float) and not (math.isfinite(x) and x.is_integer())):
-        raise refused(name, value if x is None else x, allowed)
+        raise refused(name, _quoted(value, x), allowed)
     x = int(x)
     if x < least or (most is not None and x > most):
         raise refused(name, x, allowed)
@@ -71,9 +80,13 @@ def whole(value: Any, name: str, least: int, most: int | None = None, allowed: s
 def real(value: Any, name: str, ok: Callable[[float], bool], allowed: str) -> float:
     """A finite number that `ok` accepts (-0.0 reads as 0.0)."""
     x = _as_number(value)
-    if x is None or not (math.isfinite(x) and ok(float(x))):
-        raise refused(name, value if x is None else x, allowed)
-    return float(x) + 0.0
+    try:
+        f = None if x is None else float(x)
+    except OverflowError:  # an int beyond a float's range
+        f = math.inf
+    if f is None or not (math.isfinite(f) and ok(f)):
+        raise refused(name, _quoted(value, x), allowed)
+    return f + 0.0
 
 
 def choice(value: Any, name: str, choices: tuple[str, ...], fold: bool = False) -> str:
@@ -198,8 +211,8 @@ def not_a_model(folder: str, head: bool = False, trust_remote_code: bool = False
     `head`, an EAGLE-3 head (or `export`'s folder) is one."""
     from .models.eagle3 import eagle3_export, is_eagle3, read_config
 
-    if head and (is_eagle3(folder) or eagle3_export(folder)):
-        return None
+    if is_eagle3(folder) or eagle3_export(folder):
+        return None if head else "an EAGLE-3 head, which drafts for a target (give it as the draft)"
     if read_config(folder) is None:
         return "a folder with no config.json" if not os.path.exists(os.path.join(folder, "config.json")) else \
             "its config.json is not JSON"
@@ -208,7 +221,7 @@ def not_a_model(folder: str, head: bool = False, trust_remote_code: bool = False
     try:
         AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        return f"transformers cannot read its config.json ({str(exc).strip().splitlines()[0][:120].rstrip('.')})"
+        return f"transformers cannot read its config.json ({str(exc).strip().splitlines()[0][:300].rstrip('.')})"
     return None
 
 
