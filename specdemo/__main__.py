@@ -3,13 +3,14 @@ only."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import sys
 from dataclasses import replace
 
+from . import checks
+from .checks import arg
 from .cliargs import add_placement_args, add_runtime_args, add_suffix_args, placement_args, runtime_args, suffix_args
 from .config import (
     BUNDLED_ID,
@@ -21,7 +22,7 @@ from .config import (
     SamplingConfig,
     runtime_from_env,
 )
-from .drafters.registry import check_draft, cli_help, kinds, names
+from .drafters.registry import cli_help, kinds, names
 
 G, S = GenerationConfig(), SamplingConfig()
 VERIFICATION_HELP = ("how sampled drafts are accepted: token (token-wise rejection sampling, Leviathan et al.) or block "
@@ -34,19 +35,21 @@ def _generate_parser(sub) -> None:
     p.add_argument("--prompt", required=True)
     p.add_argument("--target", default=BUNDLED_ID, help="hub id, local folder, or the bundled 'smollm2-135m'")
     p.add_argument("--draft", help="draft model id or folder (same tokenizer as the target)")
-    p.add_argument("--drafter", choices=names(), default=DEFAULT_DRAFTER, help=cli_help(DEFAULT_DRAFTER))
-    p.add_argument("--k", type=int, default=None,
+    p.add_argument("--drafter", choices=names(), type=arg(checks.drafter), default=DEFAULT_DRAFTER,
+                   help=cli_help(DEFAULT_DRAFTER))
+    p.add_argument("--k", type=arg(checks.k), default=None,
                    help=f"draft tokens per step ({MIN_K}..{MAX_K_ENGINE}; default: an EAGLE-3 head's recorded k, "
                         f"else {G.num_draft_tokens})")
     p.add_argument("--dynamic-k", action="store_true", help="adapt k per step (+2 after a full acceptance, else -1)")
-    p.add_argument("--temperature", type=float, default=S.temperature, help="0 is greedy")
-    p.add_argument("--top-p", type=float, default=S.top_p)
-    p.add_argument("--top-k", type=int, default=S.top_k)
-    p.add_argument("--verification", choices=VERIFICATION_RULES, default=S.verification, help=VERIFICATION_HELP)
-    p.add_argument("--max-new-tokens", type=int, default=G.max_new_tokens)
+    p.add_argument("--temperature", type=arg(checks.temperature), default=S.temperature, help="0 is greedy")
+    p.add_argument("--top-p", type=arg(checks.top_p), default=S.top_p)
+    p.add_argument("--top-k", type=arg(checks.top_k), default=S.top_k)
+    p.add_argument("--verification", choices=VERIFICATION_RULES, type=arg(checks.verification), default=S.verification,
+                   help=VERIFICATION_HELP)
+    p.add_argument("--max-new-tokens", type=arg(checks.max_new_tokens), default=G.max_new_tokens)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--seed", type=int, default=G.seed)
-    p.add_argument("--device", default=None, help="auto (default), cpu, cuda, cuda:1, mps")
+    p.add_argument("--seed", type=arg(checks.seed), default=G.seed)
+    p.add_argument("--device", type=arg(checks.device), default=None, help="auto (default), cpu, cuda, cuda:1, mps")
     add_placement_args(p)
     add_runtime_args(p)
     add_suffix_args(p)
@@ -60,8 +63,10 @@ def run_generate(args) -> int:
     from .measure.compare import compare, drafter_k, load_pair
     from .models.placement import placement_line
 
-    kind = args.drafter
-    check_draft(kind, args.draft)
+    kind, runtime = args.drafter, runtime_args(args, os.environ)
+    checks.prompt(args.prompt)  # every value is checked before any model loads (argparse checked the numbers)
+    checks.pair(args.target, kind, args.draft, args.trust_remote_code)
+    checks.device(args.draft_device, "draft device")
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, num_draft_tokens=args.k or G.num_draft_tokens, dynamic_k=args.dynamic_k,
         sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.verification),
@@ -69,10 +74,10 @@ def run_generate(args) -> int:
         seed=args.seed, use_chat_template=not args.no_chat_template,
     )
     config.validate()
-    if not args.prompt.strip():
-        raise ValueError("the prompt is empty; type something for the model to continue")
+    checks.prompt_tokens(args.target, args.prompt, args.max_new_tokens, runtime, not args.no_chat_template,
+                         args.trust_remote_code)
     pair = load_pair(args.target, kind, args.draft, args.device, args.dtype, args.draft_device, args.trust_remote_code,
-                     runtime=runtime_args(args, os.environ), placement=placement_args(args), suffix=suffix_args(args))
+                     runtime=runtime, placement=placement_args(args), suffix=suffix_args(args))
     if args.k is None and drafter_k(pair.drafter):
         config = replace(config, num_draft_tokens=drafter_k(pair.drafter))
         config.validate()
@@ -104,15 +109,18 @@ def _serve_help() -> str:
 def _serve_config_parser(sub) -> None:
     p = sub.add_parser("serve-config", help="print the `vllm serve` (and SGLang) command for a target, drafter and k")
     p.add_argument("--target", default=BUNDLED_ID, help="hub id, local folder, or the bundled 'smollm2-135m'")
-    p.add_argument("--drafter", choices=names(), default=DEFAULT_DRAFTER, help=_serve_help())
+    p.add_argument("--drafter", choices=names(), type=arg(checks.drafter), default=DEFAULT_DRAFTER,
+                   help=_serve_help())
     p.add_argument("--draft", help="draft model id or folder (an exported EAGLE-3 folder for eagle3)")
-    p.add_argument("--k", type=int, default=None,
+    p.add_argument("--k", type=arg(checks.k), default=None,
                    help=f"draft tokens per step (default: the tuned k in --sweep, else {G.num_draft_tokens})")
     p.add_argument("--sweep", metavar="JSON", help="a bench.json or sweep result: take its measured best k")
-    p.add_argument("--verification", choices=VERIFICATION_RULES, default=S.verification,
+    p.add_argument("--verification", choices=VERIFICATION_RULES, type=arg(checks.verification), default=S.verification,
                    help="token: vLLM's default rejection sampling; block: rejection_sample_method 'block'")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per model replica (vLLM -tp)")
-    p.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages, e.g. one per node")
+    p.add_argument("--tensor-parallel-size", type=arg(checks.count("tensor parallel size")), default=1,
+                   help="GPUs per model replica (vLLM -tp)")
+    p.add_argument("--pipeline-parallel-size", type=arg(checks.count("pipeline parallel size")), default=1,
+                   help="pipeline stages, e.g. one per node")
     p.add_argument("--ray", action="store_true",
                    help="--distributed-executor-backend ray (multi-node; implied by --pipeline-parallel-size > 1)")
     add_suffix_args(p)
@@ -127,13 +135,12 @@ def run_serve_config(args) -> int:
         vllm_serve_command,
     )
 
+    checks.pair(args.target, args.drafter, args.draft)
     k, source = args.k, "--k" if args.k is not None else f"the default ({G.num_draft_tokens})"
     if k is None and args.sweep:
         k, where = k_from_report(args.sweep)
         source = f"{args.sweep} ({where})"
-    k = G.num_draft_tokens if k is None else k
-    if not MIN_K <= k <= MAX_K_ENGINE:
-        raise ValueError(f"k must be between {MIN_K} and {MAX_K_ENGINE}, got {k}")
+    k = checks.k(G.num_draft_tokens if k is None else k)  # a k read from --sweep too
     p = plan(args.target, args.drafter, args.draft, k, runtime_from_env(os.environ), args.verification,
              suffix_args(args))
     extra: list[str] = []
@@ -167,7 +174,7 @@ def _export_parser(sub) -> None:
                                                   "hub id")
     p.add_argument("--out", required=True, help="the folder to write (config.json, model.safetensors, "
                                                 "speculative_config.json, sglang.txt)")
-    p.add_argument("--k", type=int, default=None,
+    p.add_argument("--k", type=arg(checks.k), default=None,
                    help="num_speculative_tokens (default: the tuned k in --sweep, else the head's recorded k, else "
                         f"{G.num_draft_tokens})")
     p.add_argument("--sweep", metavar="JSON", help="a bench.json or sweep result: take its measured best k")
@@ -185,9 +192,10 @@ def run_export(args) -> int:
     from .serve.export import export_eagle3
     from .serve.serve_config import k_from_report
 
-    k = args.k if args.k is not None else (k_from_report(args.sweep)[0] if args.sweep else None)
-    if k is not None and not MIN_K <= k <= MAX_K_ENGINE:
-        raise ValueError(f"k must be between {MIN_K} and {MAX_K_ENGINE}, got {k}")
+    checks.model(args.draft, "draft")
+    if args.target is not None:
+        checks.model(args.target, "target")
+    k = args.k if args.k is not None else (checks.k(k_from_report(args.sweep)[0]) if args.sweep else None)
     result = export_eagle3(args.draft, args.out, k, args.target, runtime_from_env(os.environ), args.format,
                            args.min_confidence)
     print(f"# wrote {result.folder} (EAGLE-3, {args.format} format, k = {result.k})")
@@ -201,7 +209,7 @@ def _space_parser(sub) -> None:
     from huggingface_hub import SpaceHardware
 
     p = sub.add_parser("space", help="deploy the app as a Hugging Face Space (create, set variables, upload)")
-    p.add_argument("space_id", metavar="SPACE_ID", help="e.g. your-name/specdemo")
+    p.add_argument("space_id", metavar="SPACE_ID", type=arg(checks.space_id), help="e.g. your-name/specdemo")
     p.add_argument("--hardware", choices=[h.value for h in SpaceHardware], help="request this hardware "
                    "(default: the Space's own, cpu-basic on a new Space)")
     p.add_argument("--private", action="store_true")
@@ -229,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         from .measure.bench import main as bench_main
 
         return bench_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m specdemo", description=__doc__)
+    parser = checks.Parser(prog="python -m specdemo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_config_parser(sub)
@@ -238,7 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="benchmark against transformers' generate (see `bench --help`)")
     sub.add_parser("distill", help="train a draft for a target, or `distill agreement` to measure one "
                                   "(see `distill --help`)")
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except checks.UserError as exc:  # a refused flag: one line, exit status 2, as every refusal below
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from .engine import GenerationError
     from .models.loading import ModelLoadError, TokenizerMismatchError

@@ -5,6 +5,7 @@ No torch, no gradio. The environment is not read here: app.py and the CLI pass o
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -39,7 +40,7 @@ class SamplingConfig:
         return self.temperature <= 0.0
 
     def validate(self) -> None:
-        if self.temperature < 0:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):  # nan and inf too
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
@@ -106,9 +107,9 @@ class SuffixConfig:
             raise ValueError(f"suffix_decoding_max_tree_depth={self.max_tree_depth} must be >= 1")
         if self.max_cached_requests < 0:
             raise ValueError(f"suffix_decoding_max_cached_requests={self.max_cached_requests} must be >= 0")
-        if self.max_spec_factor < 0:
+        if not (math.isfinite(self.max_spec_factor) and self.max_spec_factor >= 0):  # nan and inf too
             raise ValueError(f"suffix_decoding_max_spec_factor={self.max_spec_factor} must be >= 0")
-        if not 0 <= self.min_token_prob <= 1:
+        if not 0 <= self.min_token_prob <= 1:  # nan too
             raise ValueError(f"suffix_decoding_min_token_prob={self.min_token_prob} must be in [0, 1]")
 
     def vllm_options(self) -> dict:
@@ -181,18 +182,6 @@ class Placement:
     def as_dict(self) -> dict:
         return {"device_map": self.device_map, "max_memory": {str(k): v for k, v in self.max_memory} or None,
                 "offload_folder": self.offload_folder}
-
-
-def parse_verification(text: str, temperature: float) -> list[str]:
-    """'token,block' -> ['token', 'block'] (VERIFICATION_RULES, each once); more than one only when sampling."""
-    rules = list(dict.fromkeys(x for x in text.replace(" ", "").lower().split(",") if x))
-    unknown = [r for r in rules if r not in VERIFICATION_RULES]
-    if not rules or unknown:
-        raise ValueError(f"--verification takes a comma list of {', '.join(VERIFICATION_RULES)}, got '{text}'")
-    if len(rules) > 1 and temperature <= 0:
-        raise ValueError("--verification lists several rules, but at temperature 0 every rule is greedy; "
-                         "add --temperature (for example 1.0)")
-    return rules
 
 
 def parse_max_memory(text: str | None) -> tuple[tuple[int | str, str], ...]:

@@ -17,22 +17,45 @@ class PromptItem:
     id: str
     category: str
     prompt: str
+    line: int = 0  # its line in the file (1-based), for messages that name it
+
+
+SHAPE = "a JSON object with 'prompt' (a non-empty string) or 'turns' (a list whose first turn is one)"
 
 
 def read_prompts(path: str | Path, limit: int | None = None) -> list[PromptItem]:
-    """Read a JSONL prompt file; blank lines are skipped, a line with neither `prompt` nor `turns` is an error."""
+    """Read a JSONL prompt file; blank lines are skipped. A line that is not a prompt is a ValueError naming the file
+    and the line (and for undecodable bytes, the byte's line)."""
+    data = Path(path).read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ValueError(f"{path}:{line}: the file must be UTF-8 text, got the byte {data[exc.start]:#04x}") from None
     items = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        row = json.loads(line)
-        if isinstance(row.get("prompt"), str):
-            text = row["prompt"]
-        elif isinstance(row.get("turns"), list) and row["turns"]:
-            text = row["turns"][0]
-        else:
-            raise ValueError(f"{path}:{n}: a prompt line needs 'prompt' (string) or 'turns' (list)")
-        items.append(PromptItem(str(row.get("id", row.get("question_id", n))), row.get("category", "uncategorized"), text))
+        item = _item(line, n)
+        if item is None:
+            raise ValueError(f"{path}:{n}: a prompt line must be {SHAPE}, got {line.strip()[:60]!r}")
+        items.append(item)
         if limit and len(items) >= limit:
             break
     return items
+
+
+def _item(line: str, n: int) -> PromptItem | None:
+    """One line as a prompt, or None when it is not one."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(row, dict):
+        return None
+    turns = row.get("turns")
+    text = row["prompt"] if isinstance(row.get("prompt"), str) else (turns[0] if isinstance(turns, list) and turns
+                                                                       else None)
+    if not isinstance(text, str) or not text.strip():
+        return None
+    return PromptItem(str(row.get("id", row.get("question_id", n))), str(row.get("category", "uncategorized")), text, n)

@@ -1,10 +1,11 @@
 """The app as users' programs see it: `python app.py` on 127.0.0.1, driven by gradio_client (slow): the environment
 reaching the handlers, /compare streaming the CLI's JSON, a 200,000-character prompt refused within 5 s and the next
-run served, non-numeric values refused with a clear message, Stop, the verification rule, and two concurrent
-clients."""
+run served, bad values refused with a clear message (the sentence every entry point uses), Stop, the verification
+rule, and two concurrent clients."""
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import subprocess
@@ -185,11 +186,24 @@ def test_non_numeric_values_through_the_api_get_a_clear_message(client):
     """k = "abc" or max new tokens = "lots" come back as a readable status, not gradio's opaque error."""
     bad_k = (REWRITE, "smollm2-135m", "ngram", "", "abc", False, 0.0, 1.0, 8, False, False)
     outputs = client.predict(*bad_k, api_name="/compare")
-    assert "k must be a number, got 'abc'" in outputs[6] and outputs[7] == {"error": outputs[6][len("**Error:** "):]}
+    assert "k must be a whole number from 1 to 64, got 'abc'." in outputs[6]
+    assert outputs[7] == {"error": outputs[6][len("**Error:** "):]}
     bad_tokens = (REWRITE, "smollm2-135m", "ngram", "", 4, False, 0.0, 1.0, "lots", False, False)
-    assert "max new tokens must be a number" in client.predict(*bad_tokens, api_name="/compare")[6]
+    assert "max new tokens must be a whole number" in client.predict(*bad_tokens, api_name="/compare")[6]
     sweep = client.predict(REWRITE, "smollm2-135m", "ngram", "", "many", 0.0, 1.0, 8, api_name="/sweep_k")
-    assert "the largest k must be a number" in sweep[1]
+    assert "the largest k must be a whole number from 1 to 16, got 'many'." in sweep[1]
+
+
+def test_the_api_refuses_with_the_sentence_every_entry_point_uses(client):
+    """Each API case of test_checks.py's table through /compare: the error is the row's sentence, as the handler,
+    generate and bench give it (the table runs them in test_checks.py). JSON has no nan or inf: a client sends them as
+    text, as a command line does."""
+    from test_checks import APP, ROWS, says
+
+    for row in (r for r in ROWS if "api" in r.where):
+        value = str(row.value) if isinstance(row.value, float) and not math.isfinite(row.value) else row.value
+        error = client.predict(*{**APP, **row.also, row.setting: value}.values(), api_name="/compare")[7]["error"]
+        assert says(error, row, "", 0), (row, error)
 
 
 def test_a_sampled_run_through_the_api_takes_the_verification_rule(client):

@@ -35,7 +35,7 @@ def test_batch_request_checks_its_values():
     assert r.config.sampling.verification == "token"  # the race's rule reaches the sweep's sampling
     assert request(temperature=0.8, verification="block").config.sampling.verification == "block"
     for bad, match in [(dict(prompts_text=" \n "), "No prompts"), (dict(largest=3), "largest batch size"),
-                       (dict(new_tokens=65), "max new tokens"), (dict(drafter="magic"), "Unknown drafter"),
+                       (dict(new_tokens=65), "max new tokens"), (dict(drafter="magic"), "drafter must be one of"),
                        (dict(prompts_text="p\n" * 65), "At most"), (dict(verification="tree"), "verification")]:
         with pytest.raises(UserError, match=match):
             request(**bad)

@@ -26,8 +26,9 @@ def test_defaults_come_from_the_config_and_need_nothing_outside_the_repository()
 
 
 def test_main_refuses_bad_k(capsys):
-    assert main(["--k", "0", "--limit", "1", "--out", "/nonexistent/never"]) == 2
-    assert "--k" in capsys.readouterr().err
+    """An element of a k list out of range is refused with k's sentence, before any prompt is read."""
+    assert main(["--k", "2,0", "--limit", "1", "--out", "/nonexistent/never"]) == 2
+    assert capsys.readouterr().err == "error: k must be a whole number from 1 to 64, got 0.\n"
 
 
 @pytest.mark.slow

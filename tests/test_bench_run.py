@@ -5,12 +5,12 @@ import json
 import pytest
 import torch
 
-from specdemo.config import GenerationConfig, SamplingConfig, parse_verification
+from specdemo.config import GenerationConfig, SamplingConfig
 from specdemo.drafters import ModelDrafter, NgramDrafter
 from specdemo.engine.timing import ForwardTimer
 from specdemo.measure.bench.outputs import markdown, write_outputs
 from specdemo.measure.bench.report import build_report
-from specdemo.measure.bench.run import bench_prompt, parse_ks
+from specdemo.measure.bench.run import bench_prompt
 from specdemo.measure.bench.timing import target_modules
 from specdemo.measure.compare import Pair
 from specdemo.models.loading import LoadedModel
@@ -36,14 +36,6 @@ def tiny_rows(pair, ks, anchors=True, config=GenerationConfig(max_new_tokens=10)
     finally:
         timers[0].remove()
     return rows, runs
-
-
-def test_parse_ks():
-    assert parse_ks("4") == [4]
-    assert parse_ks("1, 2,4,8") == [1, 2, 4, 8]
-    assert parse_ks("auto") == "auto"
-    with pytest.raises(ValueError):
-        parse_ks("0")
 
 
 def test_report_keys_and_pooled_aggregates(tiny_target, tiny_tok, tmp_path):
@@ -88,17 +80,6 @@ def test_assisted_anchor_rows(tiny_target, tiny_draft, tiny_tok):
     assert all(r["hf_assisted_identical"] and "hf_prompt_lookup_seconds" not in r for r in rows)
     report = build_report({}, {}, rows)
     assert report["anchors"]["hf_assisted_speedup"] > 0 and report["anchors"]["hf_prompt_lookup_speedup"] is None
-
-
-
-
-def test_parse_verification():
-    assert parse_verification("token, block", 1.0) == ["token", "block"]
-    assert parse_verification("block", 0.0) == ["block"]
-    with pytest.raises(ValueError, match="token, block"):
-        parse_verification("token,tree", 1.0)
-    with pytest.raises(ValueError, match="temperature 0"):
-        parse_verification("token,block", 0.0)
 
 
 def test_both_verification_rules_in_one_report(tiny_target, tiny_draft, tiny_tok):

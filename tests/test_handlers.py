@@ -214,13 +214,13 @@ def test_a_sampled_run_uses_the_chosen_rule_and_its_inspector_says_so(tiny_loads
     assert tiny_run(h, temperature=0.0, verification="block")[-1]["result_json"]["verification"] == "greedy"
     with pytest.warns(UserWarning):
         outs = tiny_run(h, temperature=1.0, verification="tree")
-    assert len(outs) == 1 and "unknown verification 'tree'; choose one of token, block" in outs[0]["status"]
+    assert len(outs) == 1 and "verification must be one of token, block, got 'tree'." in outs[0]["status"]
 
 
 def test_bad_requests_are_refused_before_the_hardware_is_taken(tiny_loads):
     """A non-numeric k, a 200,000-character prompt and a local path each get one error frame; nothing loads."""
     h = Handlers(OUTPUTS, AppLimits(device="cpu"))
-    for changes, match in ((dict(k="abc"), "k must be a number"), (dict(prompt="w1 " * 70_000), "too long"),
+    for changes, match in ((dict(k="abc"), "k must be a whole number"), (dict(prompt="w1 " * 70_000), "too long"),
                            (dict(target="/tmp"), "looks like a path")):
         with pytest.warns(UserWarning):
             outs = tiny_run(h, **changes)
@@ -295,7 +295,7 @@ def test_errors_show_in_the_status_and_the_app_keeps_serving(handlers):
                         ((REWRITE, hub_only, "model", "HuggingFaceTB/SmolLM2-135M-Instruct", 4, False, 0.0, 1.0, 8),
                          "Could not load"),
                         (("", "smollm2-135m", "ngram", "", 4, False, 0.0, 1.0, 8), "prompt is empty"),
-                        ((REWRITE, "smollm2-135m", "ngram", "", 40, False, 0.0, 1.0, 8), "k must be")):
+                        ((REWRITE, "smollm2-135m", "ngram", "", 999, False, 0.0, 1.0, 8), "k must be")):
         outs = list(handlers.run_compare(*args, False, False))
         status, result = outs[-1]["status"], outs[-1]["result_json"]
         assert status.startswith("**Error:**") and match in status, status

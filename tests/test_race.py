@@ -21,7 +21,6 @@ from specdemo.app.race import (
     make_request,
     preset_fields,
     preset_ids,
-    prompt_token_limit,
     replay_frames,
     run_point,
 )
@@ -42,8 +41,8 @@ def test_make_request_refuses_bad_input_with_a_message():
     assert make_request(**ok, limits=limits).draft is None
     for bad, match in ((dict(prompt="  "), "empty"), (dict(k=999), "k must be"), (dict(k=0), "k must be"),
                        (dict(max_new_tokens=65), "max new tokens"), (dict(target="org/other"), "not allowed"),
-                       (dict(drafter="model", draft="org/other"), "not allowed"), (dict(top_p=0.0), "top_p"),
-                       (dict(drafter="magic"), "Unknown drafter")):
+                       (dict(drafter="model", draft="org/other"), "not allowed"), (dict(top_p=0.0), "top-p"),
+                       (dict(drafter="magic"), "drafter must be one of")):
         with pytest.raises(UserError, match=match):
             make_request(**{**ok, **bad}, limits=limits)
 
@@ -106,8 +105,9 @@ def test_non_numeric_or_fractional_numbers_get_a_clear_message():
     """What an API client may send for k, max new tokens, temperature, top-p or a checkbox: a message names the
     field; numbers sent as strings are fine."""
     limits = AppLimits()
-    for bad, match in ((dict(k="abc"), "k must be a number, got 'abc'"), (dict(k=2.5), "k must be a whole number"),
-                       (dict(k=None), "k must be a number"), (dict(max_new_tokens="lots"), "max new tokens must be"),
+    for bad, match in ((dict(k="abc"), "k must be a whole number from 1 to 64, got 'abc'"),
+                       (dict(k=2.5), "k must be a whole number .*, got 2.5"),
+                       (dict(k=None), "k must be a whole number"), (dict(max_new_tokens="lots"), "max new tokens must be"),
                        (dict(temperature="hot"), "temperature must be"), (dict(top_p=float("nan")), "top-p must be"),
                        (dict(dynamic_k="maybe"), "dynamic k must be true or false"), (dict(prompt=None), "empty")):
         with pytest.raises(UserError, match=match):
@@ -150,6 +150,9 @@ def test_local_paths_are_refused_unless_allowed(tmp_path, monkeypatch):
     for name in ("openai-community/gpt2", "gpt2", BUNDLED_ID, TRAINED_DRAFT_ID):
         assert not is_local_path(name), name
     allowed = app.limits_from_env({"SPECDEMO_ALLOW_LOCAL_PATHS": "1"})
+    with pytest.raises(UserError, match="a folder with no config.json"):  # allowed, but not a model
+        make_request(**{**OK, "target": str(tmp_path)}, limits=allowed)
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     assert make_request(**{**OK, "target": str(tmp_path)}, limits=allowed).target == str(tmp_path)
 
 
@@ -166,10 +169,10 @@ def test_a_huge_prompt_is_refused_by_its_length_at_once():
 def test_the_token_cap_follows_the_context_and_the_setting(monkeypatch, tiny_tok):
     """Default: the target's context minus max new tokens, at most 4096; SPECDEMO_MAX_PROMPT_TOKENS lowers it.
     The count is the chat-templated prompt's, from the tokenizer alone."""
-    assert prompt_token_limit(AppLimits(), 8192, 128) == 4096
-    assert prompt_token_limit(AppLimits(), 2048, 256) == 1792
-    assert prompt_token_limit(AppLimits(max_prompt_tokens=100), 2048, 256) == 100
-    assert prompt_token_limit(AppLimits(), None, 256) == 4096
+    monkeypatch.setattr(race, "load_tokenizer", lambda name, runtime: (tiny_tok, 4200))
+    over_cap = make_request(**{**OK, "prompt": "w1 " * 4097, "max_new_tokens": 20}, limits=AppLimits())
+    with pytest.raises(UserError, match="4,097 tokens, at most 4,096 here"):  # the default cap, under the context
+        check_prompt_tokens(over_cap, AppLimits(), None)
     monkeypatch.setattr(race, "load_tokenizer", lambda name, runtime: (tiny_tok, 40))
     request = make_request(**{**OK, "prompt": "w1 w2 w3 " * 3, "max_new_tokens": 20}, limits=AppLimits())
     assert check_prompt_tokens(request, AppLimits(), None) == 9

@@ -118,4 +118,4 @@ def test_stop_string_ends_both_decoders_identically(bundled, reference):
 def test_cli_reports_bad_input_clearly():
     proc = subprocess.run([sys.executable, "-m", "specdemo", "generate", "--prompt", "hi", "--drafter", "ngram",
                            "--k", "1000"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "k (num_draft_tokens) must be between 1 and" in proc.stderr
+    assert proc.returncode == 2 and "k must be a whole number from 1 to 64, got 1000." in proc.stderr

@@ -104,10 +104,10 @@ def test_sliders_take_their_ranges_from_config_and_limits(demo):
 
 def test_only_the_app_package_imports_gradio_and_imports_point_down():
     """No module outside app/ imports gradio (charts, render and race stay plain), and imports point one way: the
-    top-level modules, then models/, then engine/ and drafters/, then measure/, serve/ and train/, then app/, then
-    the CLI. At most 8 modules sit at the package's top level."""
+    top-level modules, then models/, then engine/ and drafters/, then checks (the request checks), then measure/,
+    serve/ and train/, then app/, then the CLI. At most 8 modules sit at the package's top level."""
     rank = {"config": 0, "prompts": 0, "cliargs": 0, "__init__": 0, "models": 1, "engine": 2, "drafters": 2,
-            "measure": 3, "serve": 3, "train": 3, "app": 4, "__main__": 5}
+            "checks": 2.5, "measure": 3, "serve": 3, "train": 3, "app": 4, "__main__": 5}
     importers, upward = set(), []
     for path in PACKAGE.rglob("*.py"):
         parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
+from .. import checks
 from ..config import Runtime
 from ..measure import charts
 from ..models.placement import placement_line
@@ -64,12 +65,9 @@ def make_batch_request(prompts_text, use_examples, examples, target, drafter, dr
         raise UserError(f"At most {BATCH_MAX_PROMPTS} prompts here, got {len(prompts)}.")
     single = make_request(prompts[0], target, drafter, draft, k, False, temperature, top_p, new_tokens, limits,
                           verification)
-    try:
-        largest = int(largest)
-    except (TypeError, ValueError) as exc:
-        raise UserError(f"the largest batch size must be one of {BATCH_SIZES} ({exc})") from exc
+    largest = checks.whole(largest, "the largest batch size", 1, allowed=f"one of {BATCH_SIZES}")
     if largest not in BATCH_SIZES:
-        raise UserError(f"the largest batch size must be one of {BATCH_SIZES}, got {largest}")
+        raise checks.refused("the largest batch size", largest, f"one of {BATCH_SIZES}")
     sizes = tuple(b for b in BATCH_SIZES if b <= largest)
     return BatchRequest(single.target, single.drafter, single.draft, tuple(prompts), sizes,
                         None if auto_k else single.k, single.config(), bool(anchors))

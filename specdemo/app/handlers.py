@@ -16,6 +16,7 @@ from dataclasses import asdict
 
 import gradio as gr
 
+from .. import checks
 from ..config import MAX_K, MIN_K, Runtime
 from ..engine import StepEvent
 from ..measure import charts
@@ -36,7 +37,6 @@ from .race import (
     free_memory,
     friendly_error,
     make_request,
-    number,
     passes,
     points,
     preset_fields,
@@ -309,9 +309,7 @@ class Handlers:
         out = self.outputs.sweep
         request = make_request(prompt, target, drafter, draft, MIN_K, False, temperature, top_p, max_new_tokens,
                                self.limits, verification)
-        k_max = number(k_max, "the largest k", whole=True)
-        if not MIN_K <= k_max <= MAX_K:
-            raise UserError(f"the largest k must be between {MIN_K} and {MAX_K}, got {k_max}")
+        k_max = checks.whole(k_max, "the largest k", MIN_K, MAX_K)  # the Tune-k tab's own range
         yield from ({out.table: s} for s in hold_hardware(self.hardware, stopped))
         try:
             check_prompt_tokens(request, self.limits, self.runtime)

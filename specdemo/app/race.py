@@ -6,7 +6,6 @@ nothing here loads a model's weights.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from bisect import bisect_right
@@ -15,10 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import checks
+from ..checks import UserError
 from ..config import (
     BUNDLED_ID,
-    MAX_K,
-    MIN_K,
     PRESETS,
     TRAINED_DRAFT_ID,
     GenerationConfig,
@@ -26,7 +25,7 @@ from ..config import (
     Runtime,
     SamplingConfig,
 )
-from ..drafters.registry import get, names
+from ..drafters.registry import get
 from ..engine import GenerationError, StepEvent, encode_prompt
 from ..measure.tune_k import Run, SweepPoint, point
 from ..models.fit import estimate_fit, parameter_count
@@ -49,10 +48,6 @@ PLOTS_EVERY = 0.5  # seconds between plot updates of a replay
 PROMPT_TOKENS_CEILING = 4096  # the default prompt cap never exceeds this
 CHARS_PER_TOKEN = 16  # a prompt with more characters than this per allowed token is refused before tokenizing
 OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
-
-
-class UserError(ValueError):
-    """A request the app refuses; the message says what to change."""
 
 
 @dataclass(frozen=True)
@@ -92,17 +87,6 @@ class RunRequest:
                                                         verification=self.verification))
 
 
-def number(value, name: str, whole: bool = False) -> float | int:
-    """A finite number from a widget or an API client (which may send anything); UserError names the field."""
-    try:
-        x = float(value)
-    except (TypeError, ValueError):
-        raise UserError(f"{name} must be a number, got {value!r}.") from None
-    if not math.isfinite(x) or (whole and not x.is_integer()):
-        raise UserError(f"{name} must be a {'whole' if whole else 'finite'} number, got {value!r}.")
-    return int(x) if whole else x
-
-
 def flag(value, name: str) -> bool:
     """A checkbox value: a bool, or its usual spellings from an API client."""
     if isinstance(value, bool) or value in (0, 1):
@@ -115,31 +99,25 @@ def flag(value, name: str) -> bool:
 
 def make_request(prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max_new_tokens,
                  limits: AppLimits, verification="token") -> RunRequest:
-    """Validate widget (or API) values against the limits; raise UserError with a readable message. Cheap: the
+    """Validate widget (or API) values: the checks every entry point runs (specdemo.checks), then this server's
+    limits on top (max new tokens, the allowlist, local paths); raise UserError with a readable message. Cheap: the
     prompt is checked by its characters here, by its tokens later (check_prompt_tokens)."""
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise UserError("The prompt is empty: type something, or pick an example.")
-    if not isinstance(drafter, str) or drafter not in names():
-        raise UserError(f"Unknown drafter {drafter!r}: choose one of {', '.join(names())}.")
-    k, max_new_tokens = number(k, "k", whole=True), number(max_new_tokens, "max new tokens", whole=True)
-    temperature, top_p = number(temperature, "temperature"), number(top_p, "top-p")
-    if not MIN_K <= k <= MAX_K:
-        raise UserError(f"k must be between {MIN_K} and {MAX_K}, got {k}.")
-    if not 1 <= max_new_tokens <= limits.max_new_tokens:
-        raise UserError(f"max new tokens must be between 1 and {limits.max_new_tokens} here, got {max_new_tokens}.")
+    prompt, drafter = checks.prompt(prompt), checks.drafter(drafter)
+    k, max_new_tokens = checks.k(k), checks.max_new_tokens(max_new_tokens)
+    if max_new_tokens > limits.max_new_tokens:
+        raise checks.refused("max new tokens", max_new_tokens, f"at most {limits.max_new_tokens} here")
+    temperature, top_p = checks.temperature(temperature), checks.top_p(top_p)
+    verification = checks.verification("token" if verification in (None, "") else verification)
     check_prompt_chars(prompt, limits)
     target = str(target or "").strip() or BUNDLED_ID
+    # the page keeps the draft box's value when another drafter is picked: a kind that takes no draft ignores it
     draft = (str(draft or "").strip() or None) if get(drafter).needs_draft else None
     for name in (target, draft):
         if name:
             check_model_id(name, limits)
-    request = RunRequest(prompt, target, drafter, draft, k, flag(dynamic_k, "dynamic k"), temperature, top_p,
-                         max_new_tokens, "token" if verification in (None, "") else str(verification))
-    try:
-        request.config().validate()
-    except ValueError as exc:
-        raise UserError(str(exc)) from exc
-    return request
+    checks.pair(target, drafter, draft)
+    return RunRequest(prompt, target, drafter, draft, k, flag(dynamic_k, "dynamic k"), temperature, top_p,
+                      max_new_tokens, verification)
 
 
 # ---- model ids: the allowlist and local paths ----
@@ -236,26 +214,14 @@ def check_prompt_chars(prompt: str, limits: AppLimits) -> None:
                         f"{limits.max_prompt_tokens or PROMPT_TOKENS_CEILING:,} tokens). Shorten it.")
 
 
-def prompt_token_limit(limits: AppLimits, context: int | None, max_new_tokens: int) -> int:
-    """The most prompt tokens a run may take: SPECDEMO_MAX_PROMPT_TOKENS, else 4096, and never more than the
-    target's context minus max new tokens."""
-    most = limits.max_prompt_tokens or PROMPT_TOKENS_CEILING
-    return min(most, context - max_new_tokens) if context else most
-
-
 def check_prompt_tokens(request: RunRequest, limits: AppLimits, runtime: Runtime) -> int:
     """Count the prompt's tokens (chat template included) with the target's tokenizer only, no weights; refuse it
-    over the limit. Returns the count."""
+    over the limit: the target's context minus max new tokens (checks.prompt_fits), and SPECDEMO_MAX_PROMPT_TOKENS,
+    else 4096, on top. Returns the count."""
     tokenizer, context = load_tokenizer(request.target, runtime=runtime)
     n = len(encode_prompt(tokenizer, request.prompt, request.config().use_chat_template))
-    most = prompt_token_limit(limits, context, request.max_new_tokens)
-    if most < 1:
-        raise UserError(f"max new tokens ({request.max_new_tokens}) leaves no room for a prompt in "
-                        f"{request.target}'s context of {context} tokens.")
-    if n > most:
-        raise UserError(f"The prompt is too long: {n:,} tokens, at most {most:,} here"
-                        + (f" ({request.target}'s context is {context:,} tokens, {request.max_new_tokens} of them for "
-                           "new tokens)." if context else "."))
+    checks.prompt_fits(n, context, request.max_new_tokens, request.target, limits.max_prompt_tokens or
+                       PROMPT_TOKENS_CEILING)
     return n
 
 

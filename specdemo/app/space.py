@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import checks
 from .race import AppLimits, preset_ids
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ def space_files(root: Path = ROOT) -> list[SpaceFile]:
 def dry_run_lines(files: Sequence[SpaceFile], space_id: str, hardware: str | None,
                   variables: dict[str, str]) -> list[str]:
     """The dry run's report: every file with its size and how it goes, then the variables and the hardware."""
+    space_id = checks.space_id(space_id)  # the Hub's rules, before anything is planned
     lines = [f"# {space_id}: {len(files)} files, {sum(f.size for f in files) / 1e6:.1f} MB"]
     for f in files:
         how = "lfs" if f.lfs else ("REFUSED: binary or over 10 MiB outside LFS" if f.refused_outside_lfs else "git")
@@ -104,6 +106,7 @@ def deploy(space_id: str, hardware: str | None = None, private: bool = False, ro
     """Create (or update) the Gradio Space, set its variables and hardware, upload its files; returns its URL."""
     from huggingface_hub import HfApi
 
+    space_id = checks.space_id(space_id)  # the Hub's rules, before anything is uploaded
     files = space_files(root)
     refused = [f.path for f in files if f.refused_outside_lfs and not f.lfs]
     if refused:

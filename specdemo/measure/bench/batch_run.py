@@ -7,13 +7,13 @@ import os
 import sys
 from pathlib import Path
 
-from ...config import GenerationConfig, SamplingConfig, parse_verification
-from ...drafters.registry import check_draft
+from ... import checks
+from ...config import GenerationConfig, SamplingConfig
 from ...drafters.suffix import paused
 from ...engine import encode_prompt
 from ...prompts import read_prompts
 from ..compare import load_pair, pair_placement
-from .run import BenchConfig, machine_info, parse_ks
+from .run import BenchConfig, machine_info
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -29,7 +29,7 @@ def parse_batch_sizes(text: str) -> list[int]:
 
 def batch_k(text: str) -> int | None:
     """--k for the batch sweep: one k for every batch size, or 'auto' (None: chosen per batch size)."""
-    ks = parse_ks(text)
+    ks = checks.ks(text)
     if ks == "auto":
         return None
     if len(ks) != 1:
@@ -47,15 +47,18 @@ def run_batch_bench(bc: BenchConfig) -> dict:
     items = read_prompts(bc.prompts, bc.limit)
     if not items:
         raise ValueError(f"no prompts in {bc.prompts}")
+    for item in items:  # each fits the target's context, by the tokenizer alone, before any weights load
+        checks.prompt_tokens(bc.target, item.prompt, bc.max_new_tokens, bc.runtime, bc.chat_template,
+                             where=f"{bc.prompts}:{item.line}")
     sizes, k = parse_batch_sizes(bc.batch_sizes or ""), batch_k(bc.k)
-    rules = parse_verification(bc.verification, bc.temperature)
+    rules = checks.verifications(bc.verification, bc.temperature)
     if len(rules) > 1:
         raise ValueError("with --batch-size, --verification takes one rule")
     if bc.vllm:
         raise ValueError("--anchors vllm compares at batch 1 and is not part of the batch sweep; use --anchors "
                          "(transformers' generate on the same padded batches) with --batch-size")
     kind = bc.drafter_kind
-    check_draft(kind, bc.draft)
+    checks.pair(bc.target, kind, bc.draft)
     config = GenerationConfig(max_new_tokens=bc.max_new_tokens,
                               sampling=SamplingConfig(bc.temperature, verification=rules[0]), num_draft_tokens=k or 1,
                               seed=bc.seed, use_chat_template=bc.chat_template)

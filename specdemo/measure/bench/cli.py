@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from ... import checks
+from ...checks import arg
 from ...cliargs import add_placement_args, add_runtime_args, add_suffix_args, placement_args, runtime_args, suffix_args
 from ...config import HYBRID_LOOKUPS
 from ...drafters.registry import cli_help, names
@@ -38,22 +40,22 @@ model (drafting logic, acceptance, rollback, detokenization) is reported too.
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m specdemo bench", description=DESCRIPTION,
+    p = checks.Parser(prog="python -m specdemo bench", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", default=D.prompts, help="JSONL prompt file (default: the in-repo dev set, %(default)s)")
-    p.add_argument("--limit", type=int, default=D.limit, help="only the first N prompts")
+    p.add_argument("--limit", type=arg(checks.count("limit")), default=D.limit, help="only the first N prompts")
     p.add_argument("--target", default=D.target)
     p.add_argument("--draft", help="draft model id or folder (implies --drafter model unless hybrid is asked for)")
-    p.add_argument("--drafter", choices=names(), default=D.drafter,
+    p.add_argument("--drafter", choices=names(), type=arg(checks.drafter), default=D.drafter,
                    help="default: 'ngram' without --draft, else 'model'; " + cli_help())
     p.add_argument("--k", default=D.k, help="draft tokens per step: N, a list like 1,2,4,8, or 'auto'")
-    p.add_argument("--temperature", type=float, default=D.temperature, help="0 is greedy")
+    p.add_argument("--temperature", type=arg(checks.temperature), default=D.temperature, help="0 is greedy")
     p.add_argument("--verification", default=D.verification,
                    help="how sampled drafts are accepted: token (rejection sampling, Leviathan et al.), block (block "
                         "verification, Sun et al.), or both as token,block: each k runs under each rule, in one "
                         "report (default %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=D.max_new_tokens)
-    p.add_argument("--seed", type=int, default=D.seed)
+    p.add_argument("--max-new-tokens", type=arg(checks.max_new_tokens), default=D.max_new_tokens)
+    p.add_argument("--seed", type=arg(checks.seed), default=D.seed)
     p.add_argument("--anchors", nargs="?", const="hf", default=None, metavar="hf,vllm",
                    help="also time reference engines on the same inputs: 'hf' (the default of a bare --anchors) is "
                         "transformers' generate, assisted generation and prompt lookup; 'vllm' is vLLM's plain, "
@@ -77,7 +79,7 @@ def parser() -> argparse.ArgumentParser:
     add_placement_args(p)
     add_runtime_args(p)
     p.add_argument("--dtype", default=D.dtype)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=arg(checks.count("threads")), default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-chat-template", action="store_true")
     p.add_argument("--no-theory", action="store_true", help="skip the verify-cost micro-benchmark and theory curve")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -85,7 +87,7 @@ def parser() -> argparse.ArgumentParser:
                    help="batch sizes like 1,2,4,8,16: batched AR and SD (and, with --anchors, generate on the same "
                         "padded batches) at each size, the speedup against batch size and where it drops below 1; "
                         "--k takes one value or 'auto' (k chosen per batch size from measured costs)")
-    p.add_argument("--max-batches", type=int, default=D.max_batches,
+    p.add_argument("--max-batches", type=arg(checks.count("max batches")), default=D.max_batches,
                    help="with --batch-size: at most this many batches per batch size (default: all)")
     return p
 
@@ -100,19 +102,26 @@ def parse_anchors(text: str | None) -> set[str]:
 
 
 def bench_config(args: argparse.Namespace, env=os.environ) -> BenchConfig:
-    """The flags as a BenchConfig (the only place a Namespace is read)."""
+    """The flags as a BenchConfig (the only place a Namespace is read), each value checked (checks) before any file is
+    read or model loaded."""
     anchors = parse_anchors(args.anchors)
     vllm = VllmOptions(python=env.get(VLLM_PYTHON_ENV) or None, eagle3=args.vllm_eagle3,
                        threads_bind=args.vllm_threads_bind)
-    return BenchConfig(prompts=args.prompts, limit=args.limit, target=args.target, draft=args.draft,
-                       drafter=args.drafter, k=args.k, temperature=args.temperature, verification=args.verification,
-                       max_new_tokens=args.max_new_tokens, seed=args.seed, anchors="hf" in anchors,
-                       vllm="vllm" in anchors, vllm_options=vllm, out=args.out,
-                       device=args.device, dtype=args.dtype, chat_template=not args.no_chat_template,
-                       placement=placement_args(args), draft_device=args.draft_device,
-                       theory=not args.no_theory, quiet=args.quiet, runtime=runtime_args(args, env),
-                       batch_sizes=args.batch_sizes, max_batches=args.max_batches, suffix=suffix_args(args),
-                       suffix_cold=args.suffix_cold, hybrid_lookup=args.hybrid_lookup)
+    config = BenchConfig(prompts=args.prompts, limit=args.limit, target=args.target, draft=args.draft,
+                         drafter=args.drafter, k=args.k, temperature=args.temperature, verification=args.verification,
+                         max_new_tokens=args.max_new_tokens, seed=args.seed, anchors="hf" in anchors,
+                         vllm="vllm" in anchors, vllm_options=vllm, out=args.out,
+                         device=args.device, dtype=args.dtype, chat_template=not args.no_chat_template,
+                         placement=placement_args(args), draft_device=args.draft_device,
+                         theory=not args.no_theory, quiet=args.quiet, runtime=runtime_args(args, env),
+                         batch_sizes=args.batch_sizes, max_batches=args.max_batches, suffix=suffix_args(args),
+                         suffix_cold=args.suffix_cold, hybrid_lookup=args.hybrid_lookup)
+    checks.ks(config.k)
+    checks.verifications(config.verification, config.temperature)
+    checks.pair(config.target, config.drafter_kind, config.draft)
+    checks.device(config.device)
+    checks.device(config.draft_device, "draft device")
+    return config
 
 
 def summary_line(report: dict) -> str:
@@ -137,15 +146,14 @@ def summary_line(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if not Path(args.prompts).exists():
-        print(f"error: the prompt file {args.prompts} does not exist", file=sys.stderr)
-        return 2
     try:
+        args = parser().parse_args(argv)
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         config = bench_config(args)
+        if not Path(args.prompts).is_file():
+            raise checks.refused("the prompt file", args.prompts, "an existing JSONL file")
+        if args.threads:
+            torch.set_num_threads(args.threads)
         report = run_batch_bench(config) if config.batch_sizes else run_bench(config)
     except (ModelLoadError, TokenizerMismatchError, GenerationError, VllmUnavailable, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)

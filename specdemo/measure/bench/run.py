@@ -13,19 +13,17 @@ from pathlib import Path
 
 import torch
 
+from ... import checks
 from ...config import (
     BUNDLED_ID,
     HYBRID_LOOKUP,
     MAX_K,
-    MAX_K_ENGINE,
     GenerationConfig,
     Placement,
     Runtime,
     SamplingConfig,
     SuffixConfig,
-    parse_verification,
 )
-from ...drafters.registry import check_draft
 from ...drafters.suffix import paused, suffix_cache_of
 from ...engine import encode_prompt, eos_ids, graphs
 from ...engine.timing import ForwardTimer, verify_costs_for
@@ -90,16 +88,6 @@ class BenchConfig:
     @property
     def drafter_kind(self) -> str:
         return self.drafter or ("model" if self.draft else "ngram")
-
-
-def parse_ks(text: str) -> list[int] | str:
-    """'4' -> [4]; '1,2,4,8' -> [1, 2, 4, 8]; 'auto' -> 'auto'."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    ks = [int(x) for x in text.replace(" ", "").split(",") if x]
-    if not ks or any(not 1 <= k <= MAX_K_ENGINE for k in ks):
-        raise ValueError(f"--k must be 'auto' or integers in 1..{MAX_K_ENGINE}, got '{text}'")
-    return ks
 
 
 def machine_info(device: torch.device, dtype: torch.dtype) -> dict:
@@ -270,10 +258,13 @@ def run_bench(bc: BenchConfig) -> dict:
     items = read_prompts(bc.prompts, bc.limit)
     if not items:
         raise ValueError(f"no prompts in {bc.prompts}")
-    ks = parse_ks(bc.k)
-    rules = parse_verification(bc.verification, bc.temperature)
+    for item in items:  # each fits the target's context, by the tokenizer alone, before any weights load
+        checks.prompt_tokens(bc.target, item.prompt, bc.max_new_tokens, bc.runtime, bc.chat_template,
+                             where=f"{bc.prompts}:{item.line}")
+    ks = checks.ks(bc.k)
+    rules = checks.verifications(bc.verification, bc.temperature)
     kind = bc.drafter_kind
-    check_draft(kind, bc.draft)
+    checks.pair(bc.target, kind, bc.draft)
     config = GenerationConfig(max_new_tokens=bc.max_new_tokens, sampling=SamplingConfig(bc.temperature,
                               verification=rules[0]), seed=bc.seed, use_chat_template=bc.chat_template)
     config.validate()
