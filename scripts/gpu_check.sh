@@ -220,12 +220,12 @@ B=($PY -m specdemo bench --prompts "$R/prompts.jsonl" --limit "$N" --max-new-tok
 # first token <= 1 s warm; fp32 greedy identical. GN: prompts per bench (default 6); GRAPHS_CAP: seconds per stage.
 if [ "${1:-basic}" = graphs ]; then
   GN=${LIMIT:-6}; GC=${GRAPHS_CAP:-75}; GB=(--batch-size 1,2,4,8,16,32,64 --max-new-tokens 64 --max-batches 1)
-  [ "$DRY" = 1 ] && GN=1 && GB=(--batch-size 1,2 --max-new-tokens 8 --max-batches 1)
+  [ "$DRY" = 1 ] && GN=1 && GC=${GRAPHS_CAP:-400} && GB=(--batch-size 1,2 --max-new-tokens 8 --max-batches 1)
   $PY -c "import json,sys; rows=[json.loads(l) for l in open(sys.argv[1])]; \
 open(sys.argv[2],'w').write(''.join(json.dumps(r)+'\n' for r in rows if r.get('category')=='extractive'))" \
     "$R/prompts.jsonl" "$R/extractive.jsonl"
   G=($PY -m specdemo bench --prompts "$R/prompts.jsonl" --limit "$GN" --max-new-tokens "$TOKENS" --device "$DEV" --quiet)
-  stage race_first_token 60 $PY scripts/race_first_token.py --device "$DEV" --graphs on --k 2 \
+  stage race_first_token "$GC" $PY scripts/race_first_token.py --device "$DEV" --graphs on --k 2 \
     --max-new-tokens "$TOKENS" --out "$R/race-first-token.json"
   for g in on off; do
     stage "bench_head_graphs_$g" "$GC" "${G[@]}" --drafter model --k 1,2,4 --anchors --graphs "$g" \
@@ -237,7 +237,7 @@ open(sys.argv[2],'w').write(''.join(json.dumps(r)+'\n' for r in rows if r.get('c
     stage "bench_batch_graphs_$g" "$GC" $PY -m specdemo bench --prompts "$R/prompts.jsonl" --device "$DEV" --quiet \
       "${GB[@]}" --drafter ngram --k 4 --anchors --graphs "$g" --out "$R/graphs-$g/batch-lookup"
   done
-  stage bench_fp32_graphs 60 "${G[@]}" --limit 3 --drafter model --k 2 --dtype fp32 --graphs on \
+  stage bench_fp32_graphs "$GC" "${G[@]}" --limit 3 --drafter model --k 2 --dtype fp32 --graphs on \
     --out "$R/graphs-on/head-fp32"
   exit 0
 fi
