@@ -19,6 +19,8 @@ from .config import (
     VERIFICATION_RULES,
     GenerationConfig,
     SamplingConfig,
+    drafter_default,
+    k_defaults_help,
     runtime_from_env,
 )
 from .drafters.registry import check_draft, cli_help, kinds, names
@@ -36,8 +38,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--draft", help="draft model id or folder (same tokenizer as the target)")
     p.add_argument("--drafter", choices=names(), default=DEFAULT_DRAFTER, help=cli_help(DEFAULT_DRAFTER))
     p.add_argument("--k", type=int, default=None,
-                   help=f"draft tokens per step ({MIN_K}..{MAX_K_ENGINE}; default: an EAGLE-3 head's recorded k, "
-                        f"else {G.num_draft_tokens})")
+                   help=f"draft tokens per step ({MIN_K}..{MAX_K_ENGINE}; default: {k_defaults_help()})")
     p.add_argument("--dynamic-k", action="store_true", help="adapt k per step (+2 after a full acceptance, else -1)")
     p.add_argument("--temperature", type=float, default=S.temperature, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=S.top_p)
@@ -57,7 +58,8 @@ def _generate_parser(sub) -> None:
 
 
 def run_generate(args) -> int:
-    from .measure.compare import compare, drafter_k, load_pair
+    from .drafters.resolve import starting_k
+    from .measure.compare import compare, load_pair
     from .models.placement import placement_line
 
     kind = args.drafter
@@ -71,10 +73,11 @@ def run_generate(args) -> int:
     config.validate()
     if not args.prompt.strip():
         raise ValueError("the prompt is empty; type something for the model to continue")
+    runtime = runtime_args(args, os.environ)
     pair = load_pair(args.target, kind, args.draft, args.device, args.dtype, args.draft_device, args.trust_remote_code,
-                     runtime=runtime_args(args, os.environ), placement=placement_args(args), suffix=suffix_args(args))
-    if args.k is None and drafter_k(pair.drafter):
-        config = replace(config, num_draft_tokens=drafter_k(pair.drafter))
+                     runtime=runtime, placement=placement_args(args), suffix=suffix_args(args))
+    if args.k is None:  # after loading: a hub head is in the local cache now, with its recorded k
+        config = replace(config, num_draft_tokens=starting_k(kind, args.target, args.draft, runtime)[0])
         config.validate()
     result = compare(pair, args.prompt, config)
     if args.json:
@@ -107,7 +110,7 @@ def _serve_config_parser(sub) -> None:
     p.add_argument("--drafter", choices=names(), default=DEFAULT_DRAFTER, help=_serve_help())
     p.add_argument("--draft", help="draft model id or folder (an exported EAGLE-3 folder for eagle3)")
     p.add_argument("--k", type=int, default=None,
-                   help=f"draft tokens per step (default: the tuned k in --sweep, else {G.num_draft_tokens})")
+                   help=f"draft tokens per step (default: the tuned k in --sweep, else {k_defaults_help()})")
     p.add_argument("--sweep", metavar="JSON", help="a bench.json or sweep result: take its measured best k")
     p.add_argument("--verification", choices=VERIFICATION_RULES, default=S.verification,
                    help="token: vLLM's default rejection sampling; block: rejection_sample_method 'block'")
@@ -120,6 +123,7 @@ def _serve_config_parser(sub) -> None:
 
 
 def run_serve_config(args) -> int:
+    from .drafters.resolve import starting_k
     from .serve.serve_config import (
         k_from_report,
         plan,
@@ -127,15 +131,16 @@ def run_serve_config(args) -> int:
         vllm_serve_command,
     )
 
-    k, source = args.k, "--k" if args.k is not None else f"the default ({G.num_draft_tokens})"
+    runtime = runtime_from_env(os.environ)
+    k, source = args.k, "--k"
     if k is None and args.sweep:
         k, where = k_from_report(args.sweep)
         source = f"{args.sweep} ({where})"
-    k = G.num_draft_tokens if k is None else k
+    if k is None:
+        k, source = starting_k(args.drafter, args.target, args.draft, runtime)
     if not MIN_K <= k <= MAX_K_ENGINE:
         raise ValueError(f"k must be between {MIN_K} and {MAX_K_ENGINE}, got {k}")
-    p = plan(args.target, args.drafter, args.draft, k, runtime_from_env(os.environ), args.verification,
-             suffix_args(args))
+    p = plan(args.target, args.drafter, args.draft, k, runtime, args.verification, suffix_args(args))
     extra: list[str] = []
     if args.tensor_parallel_size > 1:
         extra += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
@@ -168,8 +173,9 @@ def _export_parser(sub) -> None:
     p.add_argument("--out", required=True, help="the folder to write (config.json, model.safetensors, "
                                                 "speculative_config.json, sglang.txt)")
     p.add_argument("--k", type=int, default=None,
-                   help="num_speculative_tokens (default: the tuned k in --sweep, else the head's recorded k, else "
-                        f"{G.num_draft_tokens})")
+                   help="num_speculative_tokens, recorded with where it came from (default: the tuned k in --sweep, "
+                        f"else the shipped draft's best measured k, {drafter_default('model').k}, else the head's "
+                        f"recorded k, else {G.num_draft_tokens})")
     p.add_argument("--sweep", metavar="JSON", help="a bench.json or sweep result: take its measured best k")
     p.add_argument("--min-confidence", type=float, default=None,
                    help="the confidence gate our EAGLE-3 drafter reads from the export (default: the head's own); "
@@ -185,12 +191,15 @@ def run_export(args) -> int:
     from .serve.export import export_eagle3
     from .serve.serve_config import k_from_report
 
-    k = args.k if args.k is not None else (k_from_report(args.sweep)[0] if args.sweep else None)
+    k, source = args.k, "--k"
+    if k is None and args.sweep:
+        k, where = k_from_report(args.sweep)
+        source = f"{args.sweep} ({where})"
     if k is not None and not MIN_K <= k <= MAX_K_ENGINE:
         raise ValueError(f"k must be between {MIN_K} and {MAX_K_ENGINE}, got {k}")
     result = export_eagle3(args.draft, args.out, k, args.target, runtime_from_env(os.environ), args.format,
-                           args.min_confidence)
-    print(f"# wrote {result.folder} (EAGLE-3, {args.format} format, k = {result.k})")
+                           args.min_confidence, k_source=source if k is not None else None)
+    print(f"# wrote {result.folder} (EAGLE-3, {args.format} format, k = {result.k} from {result.k_source})")
     print(result.vllm_command)
     print("# SGLang:")
     print(result.sglang_command)

@@ -15,6 +15,7 @@ import torch
 
 from ...config import (
     BUNDLED_ID,
+    DEFAULT_DRAFTER,
     HYBRID_LOOKUP,
     MAX_K,
     MAX_K_ENGINE,
@@ -26,6 +27,7 @@ from ...config import (
     parse_verification,
 )
 from ...drafters.registry import check_draft
+from ...drafters.resolve import default_draft, starting_k
 from ...drafters.suffix import paused, suffix_cache_of
 from ...engine import encode_prompt, eos_ids, graphs
 from ...engine.timing import ForwardTimer, verify_costs_for
@@ -63,8 +65,8 @@ class BenchConfig:
     limit: int | None = None
     target: str = BUNDLED_ID
     draft: str | None = None
-    drafter: str | None = None  # None: "model" with a draft, else "ngram"
-    k: str = "4"  # N, a list like 1,2,4,8, or "auto"
+    drafter: str | None = None  # None: DEFAULT_DRAFTER with a draft or the target's trained draft, else "ngram"
+    k: str | None = None  # N, a list like 1,2,4,8, or "auto"; None: the pair's starting k (resolve.starting_k)
     temperature: float = 0.0
     verification: str = "token"  # a rule or a list like token,block (each k runs under each rule)
     max_new_tokens: int = 128
@@ -89,7 +91,11 @@ class BenchConfig:
 
     @property
     def drafter_kind(self) -> str:
-        return self.drafter or ("model" if self.draft else "ngram")
+        return self.drafter or (DEFAULT_DRAFTER if self.draft or default_draft(self.target) else "ngram")
+
+    def starting_k(self) -> tuple[int, str]:
+        """The k a run without --k takes, and where it comes from (the measured default for the pair, ...)."""
+        return starting_k(self.drafter_kind, self.target, self.draft, self.runtime)
 
 
 def parse_ks(text: str) -> list[int] | str:
@@ -270,7 +276,7 @@ def run_bench(bc: BenchConfig) -> dict:
     items = read_prompts(bc.prompts, bc.limit)
     if not items:
         raise ValueError(f"no prompts in {bc.prompts}")
-    ks = parse_ks(bc.k)
+    ks = parse_ks(bc.k) if bc.k else None  # checked before anything loads
     rules = parse_verification(bc.verification, bc.temperature)
     kind = bc.drafter_kind
     check_draft(kind, bc.draft)
@@ -283,7 +289,10 @@ def run_bench(bc: BenchConfig) -> dict:
                      placement=bc.placement, suffix=bc.suffix, hybrid_lookup=bc.hybrid_lookup)
     tok = pair.target.tokenizer
     prompt_ids = [encode_prompt(tok, it.prompt, config.use_chat_template) for it in items]
-    calibration = None
+    calibration, k_source = None, "--k"
+    if ks is None:  # after loading: a hub head is in the local cache now, with its recorded k
+        k, k_source = bc.starting_k()
+        ks = [k]
     if ks == "auto":
         warm(pair, prompt_ids[0], config, list(CALIBRATION_KS), False)
         best, calibration = calibrate_k(pair, prompt_ids, config)
@@ -323,7 +332,8 @@ def run_bench(bc: BenchConfig) -> dict:
         vllm_meta = vllm_anchor(bc, pair, items, prompt_ids, ks, config, rows, runs)
     cfg = {
         "prompts": str(bc.prompts), "limit": bc.limit, "num_prompts": len(items), "target": pair.target.name,
-        "drafter": kind, "draft": pair.draft_name, "k": ks, "k_arg": bc.k, "temperature": bc.temperature,
+        "drafter": kind, "draft": pair.draft_name, "k": ks, "k_arg": bc.k, "k_source": k_source,
+        "temperature": bc.temperature,
         "verification": rules,
         "max_new_tokens": bc.max_new_tokens, "seed": bc.seed, "anchors": bc.anchors,
         "chat_template": config.use_chat_template, "placement": pair_placement(pair),
@@ -332,7 +342,7 @@ def run_bench(bc: BenchConfig) -> dict:
         "overhead": "wall seconds outside every target/draft forward call, per target forward call",
     }
     if suffix_cache_of(pair.drafter) is not None:
-        cfg["suffix"] = {**bc.suffix.vllm_options(), "hybrid_lookup": bc.hybrid_lookup if kind == "hybrid" else None,
+        cfg["suffix"] = {**bc.suffix.as_dict(), "hybrid_lookup": bc.hybrid_lookup if kind == "hybrid" else None,
                          "cache": "emptied before each prompt" if bc.suffix_cold else
                                   "one per process, carried across the prompts in order"}
     if calibration:
