@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import BUNDLED_HUB_ID, TRAINED_DRAFT_ID, GenerationConfig, Runtime, drafter_default
+from .registry import get
 
 DRAFTS = Path(__file__).resolve().parent.parent / "data"  # the shipped trained drafts: package data, so a clone and an
 # installed package find them in the same place
@@ -111,13 +112,13 @@ def resolve_draft(draft: str | None, target: str | None, runtime: Runtime = Runt
 RECORDED = "the head's recorded k"  # starting_k's source for an EAGLE-3 head that records its k (export writes it)
 
 
-def starting_k(kind: str, target: str | None, draft: str | None = None, runtime: Runtime = Runtime()) -> tuple[int, str]:
+def starting_k(kind: str, target: str | None, draft: str | None = None,
+               runtime: Runtime = Runtime()) -> tuple[int, str]:
     """The k a drafter kind starts at for a pair when none is given, and where it comes from: the measured default
     (config.DRAFTER_DEFAULTS: a model-free kind's on any target, a draft's with the target's shipped trained draft),
     else an EAGLE-3 head's recorded k, else GenerationConfig's (not measured). Reads config files only (the local hub
     cache, no download); the CLI, the bench, the app, serve-config and export all ask here."""
     from ..models.eagle3 import recorded_k
-    from .registry import get
 
     measured = drafter_default(kind)
     if not get(kind).needs_draft:
@@ -133,4 +134,5 @@ def starting_k(kind: str, target: str | None, draft: str | None = None, runtime:
         recorded = recorded_k(resolved.path) if resolved is not None and resolved.is_head and resolved.path else None
         if recorded:
             return recorded, RECORDED
-    return GenerationConfig.num_draft_tokens, f"not measured for this pair: the usual {GenerationConfig.num_draft_tokens}"
+    usual = GenerationConfig.num_draft_tokens
+    return usual, f"not measured for this pair: the usual {usual}"
