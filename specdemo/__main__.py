@@ -20,6 +20,8 @@ from .config import (
     VERIFICATION_RULES,
     GenerationConfig,
     SamplingConfig,
+    drafter_default,
+    k_defaults_help,
     runtime_from_env,
 )
 from .drafters.registry import cli_help, kinds, names
@@ -38,8 +40,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--drafter", choices=names(), type=arg(checks.drafter), default=DEFAULT_DRAFTER,
                    help=cli_help(DEFAULT_DRAFTER))
     p.add_argument("--k", type=arg(checks.k), default=None,
-                   help=f"draft tokens per step ({MIN_K}..{MAX_K_ENGINE}; default: an EAGLE-3 head's recorded k, "
-                        f"else {G.num_draft_tokens})")
+                   help=f"draft tokens per step ({MIN_K}..{MAX_K_ENGINE}; default: {k_defaults_help()})")
     p.add_argument("--dynamic-k", action="store_true", help="adapt k per step (+2 after a full acceptance, else -1)")
     p.add_argument("--temperature", type=arg(checks.temperature), default=S.temperature, help="0 is greedy")
     p.add_argument("--top-p", type=arg(checks.top_p), default=S.top_p)
@@ -60,7 +61,8 @@ def _generate_parser(sub) -> None:
 
 
 def run_generate(args) -> int:
-    from .measure.compare import compare, drafter_k, load_pair
+    from .drafters.resolve import starting_k
+    from .measure.compare import compare, load_pair
     from .models.placement import placement_line
 
     kind, runtime = args.drafter, runtime_args(args, os.environ)
@@ -78,8 +80,8 @@ def run_generate(args) -> int:
                          args.trust_remote_code)
     pair = load_pair(args.target, kind, args.draft, args.device, args.dtype, args.draft_device, args.trust_remote_code,
                      runtime=runtime, placement=placement_args(args), suffix=suffix_args(args))
-    if args.k is None and drafter_k(pair.drafter):
-        config = replace(config, num_draft_tokens=drafter_k(pair.drafter))
+    if args.k is None:  # after loading: a hub head is in the local cache now, with its recorded k
+        config = replace(config, num_draft_tokens=starting_k(kind, args.target, args.draft, runtime)[0])
         config.validate()
     result = compare(pair, args.prompt, config)
     if args.json:
@@ -113,7 +115,7 @@ def _serve_config_parser(sub) -> None:
                    help=_serve_help())
     p.add_argument("--draft", help="draft model id or folder (an exported EAGLE-3 folder for eagle3)")
     p.add_argument("--k", type=arg(checks.k), default=None,
-                   help=f"draft tokens per step (default: the tuned k in --sweep, else {G.num_draft_tokens})")
+                   help=f"draft tokens per step (default: the tuned k in --sweep, else {k_defaults_help()})")
     p.add_argument("--sweep", metavar="JSON", help="a bench.json or sweep result: take its measured best k")
     p.add_argument("--verification", choices=VERIFICATION_RULES, type=arg(checks.verification), default=S.verification,
                    help="token: vLLM's default rejection sampling; block: rejection_sample_method 'block'")
@@ -128,6 +130,7 @@ def _serve_config_parser(sub) -> None:
 
 
 def run_serve_config(args) -> int:
+    from .drafters.resolve import starting_k
     from .serve.serve_config import (
         k_from_report,
         plan,
@@ -136,13 +139,15 @@ def run_serve_config(args) -> int:
     )
 
     checks.pair(args.target, args.drafter, args.draft)
-    k, source = args.k, "--k" if args.k is not None else f"the default ({G.num_draft_tokens})"
+    runtime = runtime_from_env(os.environ)
+    k, source = args.k, "--k"
     if k is None and args.sweep:
         k, where = k_from_report(args.sweep)
         source = f"{args.sweep} ({where})"
-    k = checks.k(G.num_draft_tokens if k is None else k)  # a k read from --sweep too
-    p = plan(args.target, args.drafter, args.draft, k, runtime_from_env(os.environ), args.verification,
-             suffix_args(args))
+    if k is None:
+        k, source = starting_k(args.drafter, args.target, args.draft, runtime)
+    k = checks.k(k)  # a k read from --sweep too
+    p = plan(args.target, args.drafter, args.draft, k, runtime, args.verification, suffix_args(args))
     extra: list[str] = []
     if args.tensor_parallel_size > 1:
         extra += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
@@ -175,8 +180,9 @@ def _export_parser(sub) -> None:
     p.add_argument("--out", required=True, help="the folder to write (config.json, model.safetensors, "
                                                 "speculative_config.json, sglang.txt)")
     p.add_argument("--k", type=arg(checks.k), default=None,
-                   help="num_speculative_tokens (default: the tuned k in --sweep, else the head's recorded k, else "
-                        f"{G.num_draft_tokens})")
+                   help="num_speculative_tokens, recorded with where it came from (default: the tuned k in --sweep, "
+                        f"else the shipped draft's best measured k, {drafter_default('model').k}, else the head's "
+                        f"recorded k, else {G.num_draft_tokens})")
     p.add_argument("--sweep", metavar="JSON", help="a bench.json or sweep result: take its measured best k")
     p.add_argument("--min-confidence", type=float, default=None,
                    help="the confidence gate our EAGLE-3 drafter reads from the export (default: the head's own); "
@@ -195,10 +201,14 @@ def run_export(args) -> int:
     checks.model(args.draft, "draft")
     if args.target is not None:
         checks.model(args.target, "target")
-    k = args.k if args.k is not None else (checks.k(k_from_report(args.sweep)[0]) if args.sweep else None)
+    k, source = args.k, "--k"
+    if k is None and args.sweep:
+        k, where = k_from_report(args.sweep)
+        source = f"{args.sweep} ({where})"
+        k = checks.k(k)
     result = export_eagle3(args.draft, args.out, k, args.target, runtime_from_env(os.environ), args.format,
-                           args.min_confidence)
-    print(f"# wrote {result.folder} (EAGLE-3, {args.format} format, k = {result.k})")
+                           args.min_confidence, k_source=source if k is not None else None)
+    print(f"# wrote {result.folder} (EAGLE-3, {args.format} format, k = {result.k} from {result.k_source})")
     print(result.vllm_command)
     print("# SGLang:")
     print(result.sglang_command)

@@ -9,7 +9,16 @@ import argparse
 from collections.abc import Mapping
 from dataclasses import replace
 
-from .config import DEVICE_MAPS, GRAPH_MODES, Placement, Runtime, SuffixConfig, placement_from, runtime_from_env
+from .config import (
+    DEVICE_MAPS,
+    GRAPH_MODES,
+    VLLM_SUFFIX,
+    Placement,
+    Runtime,
+    SuffixConfig,
+    placement_from,
+    runtime_from_env,
+)
 
 
 def add_placement_args(p: argparse.ArgumentParser) -> None:
@@ -49,7 +58,7 @@ def placement_args(args: argparse.Namespace) -> Placement:
 
 def add_suffix_args(p: argparse.ArgumentParser) -> None:
     """--suffix-max-tree-depth, --suffix-max-cached-requests, --suffix-max-spec-factor, --suffix-min-token-prob:
-    vLLM's suffix_decoding_* options, with its defaults; and --suffix-cost-aware, ours."""
+    vLLM's suffix_decoding_* options, with our measured defaults (config.SuffixConfig); and --suffix-cost-aware, ours."""
     d = SuffixConfig()
     p.add_argument("--suffix-max-tree-depth", type=int, default=d.max_tree_depth,
                    help="--drafter suffix: the longest match plus draft the trees hold (vLLM's "
@@ -59,7 +68,7 @@ def add_suffix_args(p: argparse.ArgumentParser) -> None:
                         "(suffix_decoding_max_cached_requests; default %(default)s)")
     p.add_argument("--suffix-max-spec-factor", type=float, default=d.max_spec_factor,
                    help="--drafter suffix: a match of L tokens drafts at most this x L tokens "
-                        "(suffix_decoding_max_spec_factor; default %(default)s)")
+                        f"(suffix_decoding_max_spec_factor; default %(default)s, vLLM's {VLLM_SUFFIX.max_spec_factor})")
     p.add_argument("--suffix-min-token-prob", type=float, default=d.min_token_prob,
                    help="--drafter suffix: the least estimated probability of a drafted token "
                         "(suffix_decoding_min_token_prob; default %(default)s)")

@@ -1,4 +1,5 @@
-"""Defaults, held in one place: sampling settings, k bounds, the default drafter, model presets, runtime switches.
+"""Defaults, held in one place: sampling settings, k bounds, the default drafter, what each drafter starts with (and
+the report that measured it best), model presets, runtime switches.
 
 No torch, no gradio. The environment is not read here: app.py and the CLI pass os.environ to runtime_from_env.
 """
@@ -15,7 +16,7 @@ TRAINED_DRAFT_ID = "smollm2-135m-draft"  # the distilled draft in specdemo/data/
 
 DEFAULT_DRAFTER = "model"  # a drafter kind: specdemo.registry holds them ("model", "ngram", "hybrid", ...)
 HYBRID_LOOKUPS = ("ngram", "suffix")  # the hybrid's model-free half: prompt lookup or suffix decoding
-HYBRID_LOOKUP = "ngram"  # the default one (docs/suffix.md has the paired run that chose it)
+HYBRID_LOOKUP = "ngram"  # the default one, measured best: DRAFTER_DEFAULTS' hybrid entry cites the reports
 
 MIN_K = 1
 MAX_K = 16  # UI range; the engine refuses anything above MAX_K_ENGINE
@@ -84,7 +85,8 @@ class GenerationConfig:
 
 @dataclass(frozen=True)
 class SuffixConfig:
-    """Suffix decoding's options, named and defaulted as vLLM's speculative config names them (suffix_decoding_*).
+    """Suffix decoding's options, named as vLLM's speculative config names them (suffix_decoding_*), and defaulted to
+    our best measured (DRAFTER_DEFAULTS' suffix entry cites the report); vLLM's own defaults are VLLM_SUFFIX.
 
     max_tree_depth: the longest substring the trees hold (the longest match plus its draft); max_cached_requests:
     how many earlier answers the cross-request tree keeps, oldest evicted first (0: none, drafting from the request
@@ -95,7 +97,7 @@ class SuffixConfig:
 
     max_tree_depth: int = 24
     max_cached_requests: int = 10000
-    max_spec_factor: float = 1.0
+    max_spec_factor: float = 2.0  # vLLM's 1.0 drafted less than pays on the measured workload
     min_token_prob: float = 0.1
     # ours, not vLLM's: cut each draft where its expected accepted tokens stop paying for a wider verify pass (pass
     # costs measured on the target at load, acceptance learned per cache; drafters.draft_value.DraftValue)
@@ -117,6 +119,71 @@ class SuffixConfig:
         return {f"suffix_decoding_{name}": getattr(self, name) for name in
                 ("max_tree_depth", "max_cached_requests", "max_spec_factor", "min_token_prob")}
 
+    def as_dict(self) -> dict:
+        """Every option, vLLM's under its names and ours (cost_aware): what a result or report records."""
+        return {**self.vllm_options(), "cost_aware": self.cost_aware}
+
+
+VLLM_SUFFIX = SuffixConfig(max_spec_factor=1.0)  # vLLM's own defaults, where serve-config names ours that differ
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """The report that measured a default best: a folder under bench/ whose bench.json holds the winning run, its
+    sitting and prompt set, and the same sitting's runs of other settings on those prompts that it beat (rivals).
+    tests/test_defaults.py reads the reports and fails when a default and its evidence disagree."""
+
+    report: str
+    sitting: str
+    prompts: str  # the prompt file's name under specdemo/data/prompts
+    rivals: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return f"{self.report} ({self.sitting}, {self.prompts})"
+
+
+@dataclass(frozen=True)
+class DrafterDefault:
+    """What a drafter kind starts with and the evidence: k, measured on the bundled target (with its trained draft
+    for the kinds that take one; the model-free kinds start there on any target); `options` is the evidence for the
+    kind's other defaults (SuffixConfig's for suffix decoding, HYBRID_LOOKUP for the hybrid)."""
+
+    kind: str  # a registry kind
+    k: int  # the best measured k in `evidence`
+    evidence: Evidence
+    options: Evidence | None = None
+
+
+# The one place a drafter's starting settings are said. The app's presets, generate, bench, Tune k, serve-config and
+# export read them (drafters.resolve.starting_k); docs/benchmarks.md#defaults lists them with their reports.
+_ONE_ENGINE = "2026-12-02 15:23-15:37 UTC"  # the sitting of the README's figures on the one engine
+DRAFTER_DEFAULTS: tuple[DrafterDefault, ...] = (
+    DrafterDefault("model", 3, Evidence("bench/eagle3/eagle3-k1-3", _ONE_ENGINE, "dev.jsonl")),
+    DrafterDefault("ngram", 4, Evidence("bench/suffix/k-sweep/repetitive-ngram", "2026-12-02 18:14-18:19 UTC",
+                                        "repetitive.jsonl")),
+    DrafterDefault("hybrid", 8, Evidence("bench/eagle3/eagle3-hybrid-k8", _ONE_ENGINE, "dev.jsonl"),
+                   options=Evidence("bench/suffix/hybrid-ngram", "2026-12-02 17:40-17:46 UTC", "dev.jsonl",
+                                    rivals=("bench/suffix/hybrid-suffix",))),
+    DrafterDefault("suffix", 8, Evidence("bench/suffix/cost-aware/rep-suffix-f2-k8", "2026-12-03 04:06-04:12 UTC",
+                                         "repetitive.jsonl", rivals=("bench/suffix/cost-aware/rep-suffix-f2-k16-ca",
+                                                                     "bench/suffix/cost-aware/rep2-suffix-f2-k16-ca"))),
+)
+
+
+TUNE_K_LARGEST = min(MAX_K, max(d.k for d in DRAFTER_DEFAULTS))  # Tune k starts sweeping every kind's starting k
+
+
+def drafter_default(kind: str) -> DrafterDefault | None:
+    """The measured starting settings of a drafter kind, or None (a kind nobody measured)."""
+    return next((d for d in DRAFTER_DEFAULTS if d.kind == kind), None)
+
+
+def k_defaults_help() -> str:
+    """The k each kind starts at on the bundled pair, for --help."""
+    ks = ", ".join(f"{d.kind} {d.k}" for d in DRAFTER_DEFAULTS)
+    return (f"each drafter's best measured k on the bundled pair: {ks} (the reports: docs/benchmarks.md#defaults); "
+            f"other drafts: an EAGLE-3 head's recorded k, else {GenerationConfig.num_draft_tokens}")
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -128,11 +195,11 @@ class Preset:
     offline: bool = False
     drafter: str = ""  # "hybrid" for the draft plus prompt lookup; empty: "model", or "ngram" without a draft
     device_map: str = ""  # "auto" etc.: the target is too large for one device and loads through accelerate's map
-    k: int = 0  # the k a preset starts at (its drafter's best measured k; docs/benchmarks.md); 0: GenerationConfig's
+    # its k is the pair's starting k (drafters.resolve.starting_k: DRAFTER_DEFAULTS for the bundled pairs)
 
 
 PRESETS: tuple[Preset, ...] = (
-    Preset("Bundled SmolLM2-135M + trained draft (offline)", BUNDLED_ID, TRAINED_DRAFT_ID, offline=True, k=2),
+    Preset("Bundled SmolLM2-135M + trained draft (offline)", BUNDLED_ID, TRAINED_DRAFT_ID, offline=True),
     Preset("Bundled SmolLM2-135M + prompt lookup (offline)", BUNDLED_ID, None, offline=True),
     Preset("Bundled SmolLM2-135M + trained draft + prompt lookup (offline)", BUNDLED_ID, TRAINED_DRAFT_ID, offline=True,
            drafter="hybrid"),

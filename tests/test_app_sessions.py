@@ -160,12 +160,13 @@ def test_the_inspector_says_where_each_draft_came_from():
 
 
 def test_the_apps_k_range_holds_suffix_decodings_longest_draft():
-    """Under the app's options (vLLM's defaults) a draft is at most max_spec_factor × its match and the match plus
-    the draft at most the tree depth: 12 tokens, within the app's k range, whatever k allows."""
+    """Under the app's options (config.SuffixConfig's defaults) a draft is at most max_spec_factor (2) × its match
+    and the match plus the draft at most the tree depth (24): 16 tokens, within the app's k range, whatever k
+    allows."""
     config = SuffixConfig()
     tree = SuffixTree(config.max_tree_depth)
     text = list(range(200))
     tree.extend(0, text)
     longest = max(len(tree.speculate(text[:n], MAX_K_ENGINE, config).tokens) for n in range(2, 60))
-    assert longest == 12 <= MAX_K
+    assert longest == 16 <= MAX_K
     assert SuffixCache().recording

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from specdemo.config import DEFAULT_DRAFTER, drafter_default
 from specdemo.drafters.registry import names
 from specdemo.measure.bench import main
 from specdemo.measure.bench.cli import bench_config, parser
@@ -22,6 +23,10 @@ def test_defaults_come_from_the_config_and_need_nothing_outside_the_repository()
     ignored = subprocess.run(["git", "check-ignore", "-q", "out/bench/bench.json"], cwd=Path(__file__).parent.parent)
     assert ignored.returncode == 0
     assert parser()._option_string_actions["--drafter"].choices == names()
+    # no --drafter or --k: the bundled target's trained draft at its measured k, as generate and the app start
+    assert bc.drafter_kind == DEFAULT_DRAFTER and bc.k is None
+    assert bc.starting_k()[0] == drafter_default(DEFAULT_DRAFTER).k
+    assert bench_config(parser().parse_args(["--target", "org/other"]), env={}).drafter_kind == "ngram"
     assert bench_config(args, env={"SPECDEMO_FAST_LINEAR": "0"}).runtime.fast_linear is False
 
 
@@ -34,8 +39,8 @@ def test_main_refuses_bad_k(capsys):
 @pytest.mark.slow
 def test_bench_cli_on_the_bundled_model(tmp_path):
     """The real CLI on 2 prompts: files written, greedy outputs identical, anchors present."""
-    assert main(["--limit", "2", "--max-new-tokens", "16", "--k", "2", "--anchors", "--out", str(tmp_path),
-                 "--quiet"]) == 0
+    assert main(["--limit", "2", "--max-new-tokens", "16", "--drafter", "ngram", "--k", "2", "--anchors", "--out",
+                 str(tmp_path), "--quiet"]) == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     assert len(report["results"]) == 2
     assert report["overall"]["identical_fraction"] == 1.0

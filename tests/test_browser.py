@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from test_app_client import ROOT, SERVER_CPU, pinned, running_app, server  # noqa: F401  (server: the shared app.py)
 
-from specdemo.app.ui import EXAMPLES
+from specdemo.app.race import preset_k
+from specdemo.app.ui import EXAMPLES, default_preset
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -142,7 +143,8 @@ def test_the_default_run_races_both_panels_live_and_explains_a_rejection(fresh):
     (speculative tokens show before the autoregressive run is over); Done brings the summary and the plots; then a
     click on a rejected token opens the inspector with p and q."""
     page = fresh
-    assert page.locator("input[aria-label='number input for k (draft tokens per step)']").input_value() == "2"
+    k = page.locator("input[aria-label='number input for k (draft tokens per step)']").input_value()
+    assert k == str(preset_k(default_preset()))  # the pair's measured starting k (config.DRAFTER_DEFAULTS)
     log = run(page)
     racing = [e for e in log if e["s"].startswith("Racing")]
     final = log[-1]
@@ -307,7 +309,7 @@ def test_use_best_k_after_a_sweep_sets_k(fresh):
 
 LOOKUP = "Bundled SmolLM2-135M + prompt lookup (offline)"
 CASES = {  # name: (preset, prompt, CLI flags): the default run, and a copy-heavy prompt with prompt lookup
-    "default": (None, EXAMPLES[1][1], ["--drafter", "model", "--k", "2"]),
+    "default": (None, EXAMPLES[1][1], []),  # no flags: generate's defaults are the app's default run's
     "lookup_summarize": (LOOKUP, SUMMARIZE, ["--drafter", "ngram", "--k", "4"]),
 }
 SUMMARY = re.compile(r"Speedup ([\d.]+)×.*?([\d.]+) tokens/s vs autoregressive ([\d.]+) tokens/s", re.S)

@@ -25,7 +25,7 @@ from specdemo.app.race import AppLimits, Runs
 from specdemo.app.render import COMMITTED, KINDS
 from specdemo.app.summary import drift_warning
 from specdemo.app.ui import EXAMPLES
-from specdemo.config import Placement, Runtime
+from specdemo.config import Placement, Runtime, drafter_default
 from specdemo.drafters.suffix import SuffixCache
 
 REWRITE = next(p for c, p in EXAMPLES if c == "rewrite")
@@ -55,13 +55,13 @@ def committed_text(panel: str) -> str:
 # ---- presets and errors: no model ----
 
 def test_the_preset_handler_fills_the_settings_and_custom_leaves_them():
-    """apply_preset names target, drafter, draft and k (the trained draft's preset starts at its best measured k, 2;
-    the others at the default); for Custom it sends only a skip, so nothing changes."""
+    """apply_preset names target, drafter, draft and k (a bundled pair starts at its kind's best measured k,
+    config.DRAFTER_DEFAULTS); for Custom it sends only a skip, so nothing changes."""
     h = Handlers(OUTPUTS)
     assert h.apply_preset("Bundled SmolLM2-135M + prompt lookup (offline)") == {
-        "target": "smollm2-135m", "drafter": "ngram", "draft": "", "k": 4}
+        "target": "smollm2-135m", "drafter": "ngram", "draft": "", "k": drafter_default("ngram").k}
     assert h.apply_preset("Bundled SmolLM2-135M + trained draft (offline)") == {
-        "target": "smollm2-135m", "drafter": "model", "draft": "smollm2-135m-draft", "k": 2}
+        "target": "smollm2-135m", "drafter": "model", "draft": "smollm2-135m-draft", "k": drafter_default("model").k}
     custom = h.apply_preset("Custom (type the ids below)")
     assert set(custom) == {"target"} and custom["target"] == handlers_module.gr.skip()
     assert h.apply_best_k(3) == {"k": 3}
@@ -305,9 +305,12 @@ def test_errors_show_in_the_status_and_the_app_keeps_serving(handlers):
 
 @pytest.mark.slow
 def test_sweep_handler_plots_measured_and_theory(handlers):
-    """A short sweep k = 1..2 yields a figure with the theory curve and a best k for the apply button."""
+    """A short sweep k = 1..2 yields a figure with the theory curve and a best k for the apply button, beside the
+    k the pair starts at and the report that measured it."""
     outs = list(handlers.run_sweep(REWRITE, "smollm2-135m", "ngram", "", 2, 0.0, 1.0, 8))
     figs = [o["plot"] for o in outs if hasattr(o.get("plot"), "data")]
     assert figs and {t.name for t in figs[-1].data} >= {"measured speedup", "acceptance rate"}
     assert outs[-1]["table"].startswith("Done") and outs[-1]["best"] in (1, 2)
+    start = drafter_default("ngram")
+    assert f"starts at k = {start.k}: measured best in {start.evidence.report}" in outs[-1]["table"]
     assert not handlers.hardware.locked()

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from specdemo.config import GenerationConfig, SamplingConfig, SuffixConfig
+from specdemo.config import VLLM_SUFFIX, GenerationConfig, SamplingConfig, SuffixConfig
 from specdemo.drafters import DraftRequest, Verdict
 from specdemo.drafters.draft_value import DraftValue
 from specdemo.drafters.registry import BuildOptions, get
@@ -118,7 +118,7 @@ def test_each_draft_says_where_it_came_from():
     """'prompt' when the drafted text last occurred in the prompt, 'answer' in this answer, 'earlier' from an earlier
     answer in the cache, which a second drafter on the same cache sees and a drafter on another cache does not."""
     cache = SuffixCache()
-    drafter = SuffixDrafter(cache)
+    drafter = SuffixDrafter(cache, VLLM_SUFFIX)  # vLLM's defaults: a match of m tokens drafts at most m
     prompt = [20, 21, 1, 2, 3, 4, 5, 6, 22]
     drafter.begin([prompt])
     first = drafter.propose(request(prompt + [1, 2, 3]))[0]
@@ -129,8 +129,8 @@ def test_each_draft_says_where_it_came_from():
     assert (own.tokens, own.source) == ([33, 40, 30], "answer")
     assert len(cache) == 1
 
-    other = SuffixDrafter(SuffixCache())  # another owner: another visitor's cache
-    later = SuffixDrafter(cache)
+    other = SuffixDrafter(SuffixCache(), VLLM_SUFFIX)  # another owner: another visitor's cache
+    later = SuffixDrafter(cache, VLLM_SUFFIX)
     for d in (other, later):
         d.begin([[50, 51]])  # publishes the first answer into `cache`
     ids = [50, 51, 31, 32, 33]
@@ -158,7 +158,7 @@ def test_the_cache_evicts_the_oldest_answer_first():
 
 def test_a_paused_cache_keeps_no_answer_and_none_is_kept_past_an_eos():
     cache = SuffixCache()
-    drafter = SuffixDrafter(cache)
+    drafter = SuffixDrafter(cache, VLLM_SUFFIX)
     with paused(drafter):
         drafter.begin([[0]])
         drafter.update([Verdict(0, [0, 1, 2, 3])])
@@ -175,9 +175,11 @@ def test_a_paused_cache_keeps_no_answer_and_none_is_kept_past_an_eos():
 def test_options_are_checked_with_vllms_names():
     with pytest.raises(ValueError, match="suffix_decoding_min_token_prob=2"):
         SuffixDrafter(config=SuffixConfig(min_token_prob=2))
-    assert SuffixConfig().vllm_options() == {
+    assert VLLM_SUFFIX.vllm_options() == {  # vLLM's defaults; ours differ where measured (config.DRAFTER_DEFAULTS)
         "suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_cached_requests": 10000,
         "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1}
+    assert SuffixConfig().as_dict() == {**VLLM_SUFFIX.vllm_options(), "suffix_decoding_max_spec_factor": 2.0,
+                                        "cost_aware": False}
 
 
 def test_the_cost_aware_cut_keeps_the_length_its_estimated_acceptance_pays_for():

@@ -173,7 +173,7 @@ def test_suffix_maps_to_vllms_suffix_method_with_its_option_names(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["method"] == "suffix" and out["speculative_config"] == {
         "method": "suffix", "num_speculative_tokens": 16, "suffix_decoding_max_tree_depth": 24,
-        "suffix_decoding_max_cached_requests": 10000, "suffix_decoding_max_spec_factor": 1.0,
+        "suffix_decoding_max_cached_requests": 10000, "suffix_decoding_max_spec_factor": 2.0,
         "suffix_decoding_min_token_prob": 0.2}
     assert json.loads(shlex.split(out["vllm"])[4]) == out["speculative_config"]
     assert "--speculative-algorithm SUFFIX --speculative-num-draft-tokens 17" in out["sglang"]

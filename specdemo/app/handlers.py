@@ -18,6 +18,7 @@ import gradio as gr
 
 from .. import checks
 from ..config import MAX_K, MIN_K, Runtime
+from ..drafters.resolve import starting_k
 from ..engine import StepEvent
 from ..measure import charts
 from ..measure.metrics import run_stats
@@ -328,7 +329,9 @@ class Handlers:
         best = result.best_measured_k
         fig = charts.k_sweep([asdict(p) for p in result.points], sorted(result.theory.items()), best, result.best_k)
         hint = serve_hint(request.target, request.draft, best, self.runtime)  # EAGLE-3 drafts only
-        yield {out.plot: fig, out.table: f"Done: best measured k = {best}.\n\n" + sweep_table(result)
+        start, source = starting_k(request.drafter, request.target, request.draft, self.runtime)
+        yield {out.plot: fig, out.table: f"Done: best measured k = {best} (this pair starts at k = {start}: {source})."
+               "\n\n" + sweep_table(result)
                + (f"\n\n{hint}" if hint else ""), out.best: best,
                out.apply: gr.update(value=f"Use k = {best}", interactive=True)}
 
@@ -351,7 +354,7 @@ class Handlers:
         values = preset_fields(label)
         if values is None:
             return {out.target: gr.skip()}
-        return dict(zip((out.target, out.drafter, out.draft), values)) | {out.k: preset_k(label)}
+        return dict(zip((out.target, out.drafter, out.draft), values)) | {out.k: preset_k(label, self.runtime)}
 
     def apply_best_k(self, best) -> dict:
         """Set k to the sweep's best measured k."""

@@ -26,6 +26,7 @@ from ..config import (
     SamplingConfig,
 )
 from ..drafters.registry import get
+from ..drafters.resolve import starting_k
 from ..engine import GenerationError, StepEvent, encode_prompt
 from ..measure.tune_k import Run, SweepPoint, point
 from ..models.fit import estimate_fit, parameter_count
@@ -159,10 +160,14 @@ def preset_fields(label: str) -> tuple[str, str, str] | None:
     return preset.target, preset.drafter or ("ngram" if preset.draft is None else "model"), preset.draft or ""
 
 
-def preset_k(label: str) -> int:
-    """The k a preset starts at: its own, else GenerationConfig's default (also for Custom)."""
-    preset = next((p for p in PRESETS if p.label == label), None)
-    return (preset.k if preset else 0) or GenerationConfig.num_draft_tokens
+def preset_k(label: str, runtime: Runtime = Runtime()) -> int:
+    """The k a preset starts at: its pair's starting k (resolve.starting_k, the measured default on the bundled
+    pairs, as generate and bench take it); GenerationConfig's for Custom."""
+    fields = preset_fields(label)
+    if fields is None:
+        return GenerationConfig.num_draft_tokens
+    target, kind, draft = fields
+    return starting_k(kind, target, draft or None, runtime)[0]
 
 
 def placement_for(target: str, limits: AppLimits) -> Placement:

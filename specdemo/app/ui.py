@@ -14,6 +14,7 @@ from ..config import (
     MIN_K,
     PRESETS,
     TRAINED_DRAFT_ID,
+    TUNE_K_LARGEST,
     VERIFICATION_RULES,
     GenerationConfig,
     Runtime,
@@ -87,7 +88,7 @@ def build_demo(limits: AppLimits = AppLimits(), runtime: Runtime = Runtime(),
                 preset = gr.Dropdown(preset_choices(limits), value=default_preset(), label="Preset pair")
                 drafter = gr.Radio([(kind.label, kind.name) for kind in kinds()], value=first[1], label="Drafter")
                 with gr.Row():
-                    k = gr.Slider(MIN_K, MAX_K, value=preset_k(default_preset()), step=1,
+                    k = gr.Slider(MIN_K, MAX_K, value=preset_k(default_preset(), runtime), step=1,
                                   label="k (draft tokens per step)", scale=3)
                     dynamic_k = gr.Checkbox(label="dynamic k", value=False, scale=1)
                 with gr.Accordion("More settings", open=False):
@@ -149,7 +150,7 @@ def build_demo(limits: AppLimits = AppLimits(), runtime: Runtime = Runtime(),
                                 "acceptance α and cost ratio c (Leviathan et al. 2023). Nothing is drawn until the "
                                 "timed runs are over.")
                     with gr.Row():
-                        k_max = gr.Slider(2, MAX_K, value=8, step=1, label="largest k")
+                        k_max = gr.Slider(2, MAX_K, value=TUNE_K_LARGEST, step=1, label="largest k")
                         sweep_btn = gr.Button("Sweep k", variant="primary")
                         sweep_stop = gr.Button("Stop", variant="stop")
                         apply_btn = gr.Button("Use best k", interactive=False)

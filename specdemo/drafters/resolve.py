@@ -1,5 +1,6 @@
 """What a draft id or folder is: the shipped trained draft, an EAGLE-3 head (a folder or hub id) or a causal LM.
-resolve_draft is the one place that decides; compare, serving and export act on its answer. Loads no weights.
+resolve_draft is the one place that decides; compare, serving and export act on its answer; starting_k says which k a
+drafter starts at for a pair. Loads no weights.
 """
 
 from __future__ import annotations
@@ -7,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import BUNDLED_HUB_ID, TRAINED_DRAFT_ID, Runtime
+from ..config import BUNDLED_HUB_ID, TRAINED_DRAFT_ID, GenerationConfig, Runtime, drafter_default
+from .registry import get
 
 DRAFTS = Path(__file__).resolve().parent.parent / "data"  # the shipped trained drafts: package data, so a clone and an
 # installed package find them in the same place
@@ -105,3 +107,32 @@ def resolve_draft(draft: str | None, target: str | None, runtime: Runtime = Runt
         if is_eagle3(cached_hub_config(name)):
             return Draft(EAGLE3, name, None, False)
     return Draft(LM, name, None, False)
+
+
+RECORDED = "the head's recorded k"  # starting_k's source for an EAGLE-3 head that records its k (export writes it)
+
+
+def starting_k(kind: str, target: str | None, draft: str | None = None,
+               runtime: Runtime = Runtime()) -> tuple[int, str]:
+    """The k a drafter kind starts at for a pair when none is given, and where it comes from: the measured default
+    (config.DRAFTER_DEFAULTS: a model-free kind's on any target, a draft's with the target's shipped trained draft),
+    else an EAGLE-3 head's recorded k, else GenerationConfig's (not measured). Reads config files only (the local hub
+    cache, no download); the CLI, the bench, the app, serve-config and export all ask here."""
+    from ..models.eagle3 import recorded_k
+
+    measured = drafter_default(kind)
+    if not get(kind).needs_draft:
+        if measured is not None:
+            return measured.k, f"measured best in {measured.evidence}"
+    else:
+        try:
+            resolved = resolve_draft(draft, target, runtime, fetch=False)
+        except (DraftError, OSError):
+            resolved = None
+        if resolved is not None and resolved.kind == TRAINED and measured is not None:
+            return measured.k, f"measured best in {measured.evidence}"
+        recorded = recorded_k(resolved.path) if resolved is not None and resolved.is_head and resolved.path else None
+        if recorded:
+            return recorded, RECORDED
+    usual = GenerationConfig.num_draft_tokens
+    return usual, f"not measured for this pair: the usual {usual}"

@@ -12,8 +12,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import BUNDLED_ID, GenerationConfig, Runtime
-from ..drafters.resolve import DraftError, resolve_draft
+from ..config import BUNDLED_ID, Runtime
+from ..drafters.resolve import RECORDED, DraftError, resolve_draft, starting_k
 from ..models import speculators
 from ..models.eagle3 import (
     CONFIG_FILE,
@@ -25,7 +25,6 @@ from ..models.eagle3 import (
     not_a_draft,
     read_config,
     read_weights,
-    recorded_k,
 )
 from .serve_config import (
     serve_target,
@@ -36,6 +35,7 @@ from .serve_config import (
 )
 
 SGLANG_FILE = "sglang.txt"
+K_SOURCE_KEY = "num_speculative_tokens_source"  # specdemo.json: where the recorded k came from (a report, --k, ...)
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class Export:
 
     folder: Path
     k: int
+    k_source: str  # where k came from: --k, a sweep, the measured default's report, the head's own record
     speculative_config: dict
     vllm_command: str
     sglang_command: str
@@ -66,9 +67,11 @@ def head_folder(draft: str, runtime: Runtime = Runtime()) -> Path:
 
 
 def export_eagle3(draft: str, out: str | Path, k: int | None = None, target: str | None = None,
-                  runtime: Runtime = Runtime(), fmt: str = "eagle3", min_confidence: float | None = None) -> Export:
+                  runtime: Runtime = Runtime(), fmt: str = "eagle3", min_confidence: float | None = None,
+                  k_source: str | None = None) -> Export:
     """Write DIR/config.json + model.safetensors (the head's own weights, normalised to the engines' layout),
-    speculative_config.json and sglang.txt. k: given, else the head's recorded k, else the usual default.
+    speculative_config.json and sglang.txt. k: given (from k_source), else the head's starting k (resolve.starting_k:
+    the shipped draft's best measured, a head's recorded, the usual default); specdemo.json records k and its source.
     fmt "speculators": config.json and weight names in the speculators format instead, with the target as its
     verifier, so `vllm serve DIR` alone serves target and head (specdemo.models.speculators). min_confidence: the
     confidence gate our drafter reads from specdemo.json (given, else the head's own; vLLM and SGLang have none, so
@@ -81,11 +84,15 @@ def export_eagle3(draft: str, out: str | Path, k: int | None = None, target: str
     config = Eagle3Config.from_json(read_config(source))  # refuses variants we would not run the same way
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    k = k or recorded_k(source) or GenerationConfig().num_draft_tokens
     try:
         meta = json.loads((source / META_FILE).read_text())
     except (OSError, ValueError):
         meta = {}
+    if not k:
+        k, k_source = starting_k("model", target or meta.get("target") or BUNDLED_ID, draft, runtime)
+        if k_source == RECORDED:  # a re-export keeps the first export's account of its k
+            k_source = meta.get(K_SOURCE_KEY, k_source)
+    k_source = k_source or "given"
     if fmt == "speculators" and out.resolve() == source.resolve():
         raise ValueError("--format speculators rewrites config.json: give --out a new folder")
     if out.resolve() != source.resolve():
@@ -99,19 +106,20 @@ def export_eagle3(draft: str, out: str | Path, k: int | None = None, target: str
             shutil.copyfile(source / "README.md", out / "README.md")
     if min_confidence is not None:
         meta["min_confidence"] = min_confidence
-    (out / META_FILE).write_text(json.dumps({**meta, "num_speculative_tokens": k}, indent=2) + "\n")
+    (out / META_FILE).write_text(json.dumps({**meta, "num_speculative_tokens": k, K_SOURCE_KEY: k_source}, indent=2)
+                                 + "\n")
     model = str(out.resolve())
     spec = vllm_speculative_config("eagle3", k, model)
     (out / SPEC_FILE).write_text(json.dumps(spec, indent=2) + "\n")
     served, _ = serve_target(target or meta.get("target") or BUNDLED_ID, runtime)
     if fmt == "speculators":
-        return _as_speculators(out, config, k, served, spec)
+        return _as_speculators(out, config, k, k_source, served, spec)
     sglang = sglang_command(served, "eagle3", k, model)
     (out / SGLANG_FILE).write_text(f"# {sglang}\n{sglang_flags('eagle3', k, model)}\n")
-    return Export(out, k, spec, vllm_serve_command(served, spec), sglang)
+    return Export(out, k, k_source, spec, vllm_serve_command(served, spec), sglang)
 
 
-def _as_speculators(out: Path, config: Eagle3Config, k: int, verifier: str, spec: dict) -> Export:
+def _as_speculators(out: Path, config: Eagle3Config, k: int, k_source: str, verifier: str, spec: dict) -> Export:
     """Rewrite an export's config.json and weight names in the speculators format; vLLM serves the folder alone."""
     from safetensors.torch import save_file
 
@@ -122,7 +130,7 @@ def _as_speculators(out: Path, config: Eagle3Config, k: int, verifier: str, spec
     (out / CONFIG_FILE).write_text(json.dumps(speculators.from_raw(
         raw, k, verifier, speculators.verifier_architectures(verifier)), indent=2) + "\n")
     (out / SGLANG_FILE).unlink(missing_ok=True)
-    return Export(out, k, spec, f"vllm serve {shlex.quote(str(out.resolve()))}",
+    return Export(out, k, k_source, spec, f"vllm serve {shlex.quote(str(out.resolve()))}",
                   "not written for this format: SGLang takes `--format eagle3`")
 
 

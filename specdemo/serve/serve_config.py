@@ -13,7 +13,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import BUNDLED_HUB_ID, BUNDLED_ID, Runtime, SuffixConfig
+from ..config import BUNDLED_HUB_ID, BUNDLED_ID, VLLM_SUFFIX, Runtime, SuffixConfig, drafter_default
 from ..drafters import NgramDrafter
 from ..drafters.registry import check_draft, get
 
@@ -154,6 +154,19 @@ COST_AWARE_NOTE = ("vLLM's suffix method has no cost-aware cut (--suffix-cost-aw
                    "other settings shown")
 
 
+def suffix_note(suffix: SuffixConfig) -> str | None:
+    """Which suffix options differ from vLLM's own defaults (so the config above sets them), and where ours are from."""
+    ours, theirs = suffix.vllm_options(), VLLM_SUFFIX.vllm_options()
+    differ = [f"{name} {value} (vLLM's default {theirs[name]})" for name, value in ours.items() if value != theirs[name]]
+    if not differ:
+        return None
+    measured = drafter_default("suffix")
+    ours_by_default = ours == SuffixConfig().vllm_options()
+    where = f"; specdemo's defaults, measured best in {measured.options or measured.evidence}" if (
+        measured and ours_by_default) else ""
+    return f"set explicitly above, as vLLM's defaults differ: {', '.join(differ)}{where}"
+
+
 def plan(target: str, drafter: str, draft: str | None, k: int, runtime: Runtime = Runtime(),
          verification: str = "token", suffix: SuffixConfig = SuffixConfig()) -> ServePlan:
     """Map our target, drafter kind (the registry's methods), draft (drafts.resolve_draft, from the local hub cache
@@ -162,8 +175,10 @@ def plan(target: str, drafter: str, draft: str | None, k: int, runtime: Runtime 
     served, note = serve_target(target, runtime)
     kind = get(drafter)
     check_draft(drafter, draft)
-    cost_note = COST_AWARE_NOTE if suffix.cost_aware and kind.vllm_method == "suffix" else None
-    notes = tuple(n for n in (note, kind.serve_note, BLOCK_NOTE if verification == "block" else None, cost_note) if n)
+    is_suffix = kind.vllm_method == "suffix"
+    cost_note = COST_AWARE_NOTE if suffix.cost_aware and is_suffix else None
+    notes = tuple(n for n in (note, kind.serve_note, BLOCK_NOTE if verification == "block" else None, cost_note,
+                              suffix_note(suffix) if is_suffix else None) if n)
     if not kind.needs_draft:
         lookup = Lookup.of() if kind.vllm_method == "ngram" else None
         return ServePlan(served, kind.vllm_method, k, lookup=lookup, notes=notes, sglang_method=kind.sglang_method,

@@ -50,7 +50,9 @@ def run_batch_bench(bc: BenchConfig) -> dict:
     for item in items:  # each fits the target's context, by the tokenizer alone, before any weights load
         checks.prompt_tokens(bc.target, item.prompt, bc.max_new_tokens, bc.runtime, bc.chat_template,
                              where=f"{bc.prompts}:{item.line}")
-    sizes, k = parse_batch_sizes(bc.batch_sizes or ""), batch_k(bc.k)
+    start, k_source = (bc.k, "--k") if bc.k else bc.starting_k()
+    k_text = str(start)
+    sizes, k = parse_batch_sizes(bc.batch_sizes or ""), batch_k(k_text)
     rules = checks.verifications(bc.verification, bc.temperature)
     if len(rules) > 1:
         raise ValueError("with --batch-size, --verification takes one rule")
@@ -79,7 +81,7 @@ def run_batch_bench(bc: BenchConfig) -> dict:
         machine["load_average_end"] = list(os.getloadavg())
     cfg = {
         "prompts": str(bc.prompts), "limit": bc.limit, "num_prompts": len(items), "rows": rows,
-        "target": pair.target.name, "drafter": kind, "draft": pair.draft_name, "k_arg": bc.k,
+        "target": pair.target.name, "drafter": kind, "draft": pair.draft_name, "k_arg": k_text, "k_source": k_source,
         "batch_sizes": sizes, "max_batches": bc.max_batches, "temperature": bc.temperature,
         "verification": rules[0], "max_new_tokens": bc.max_new_tokens, "seed": bc.seed,
         "anchors": bc.anchors, "chat_template": config.use_chat_template, "placement": pair_placement(pair),

@@ -14,7 +14,7 @@ import torch
 from ... import checks
 from ...checks import arg
 from ...cliargs import add_placement_args, add_runtime_args, add_suffix_args, placement_args, runtime_args, suffix_args
-from ...config import HYBRID_LOOKUPS
+from ...config import DEFAULT_DRAFTER, HYBRID_LOOKUPS, k_defaults_help
 from ...drafters.registry import cli_help, names
 from ...engine import GenerationError
 from ...models.loading import ModelLoadError, TokenizerMismatchError
@@ -47,8 +47,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=D.target)
     p.add_argument("--draft", help="draft model id or folder (implies --drafter model unless hybrid is asked for)")
     p.add_argument("--drafter", choices=names(), type=arg(checks.drafter), default=D.drafter,
-                   help="default: 'ngram' without --draft, else 'model'; " + cli_help())
-    p.add_argument("--k", default=D.k, help="draft tokens per step: N, a list like 1,2,4,8, or 'auto'")
+                   help=f"default: '{DEFAULT_DRAFTER}' with --draft or a target's trained draft (the bundled one's), "
+                        "else 'ngram'; " + cli_help())
+    p.add_argument("--k", default=D.k, help="draft tokens per step: N, a list like 1,2,4,8, or 'auto' (default: "
+                                            f"{k_defaults_help()})")
     p.add_argument("--temperature", type=arg(checks.temperature), default=D.temperature, help="0 is greedy")
     p.add_argument("--verification", default=D.verification,
                    help="how sampled drafts are accepted: token (rejection sampling, Leviathan et al.), block (block "
@@ -116,7 +118,8 @@ def bench_config(args: argparse.Namespace, env=os.environ) -> BenchConfig:
                          theory=not args.no_theory, quiet=args.quiet, runtime=runtime_args(args, env),
                          batch_sizes=args.batch_sizes, max_batches=args.max_batches, suffix=suffix_args(args),
                          suffix_cold=args.suffix_cold, hybrid_lookup=args.hybrid_lookup)
-    checks.ks(config.k)
+    if config.k is not None:  # None: the measured starting k, resolved once the pair is known
+        checks.ks(config.k)
     checks.verifications(config.verification, config.temperature)
     checks.pair(config.target, config.drafter_kind, config.draft)
     checks.device(config.device)

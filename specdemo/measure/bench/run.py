@@ -16,6 +16,7 @@ import torch
 from ... import checks
 from ...config import (
     BUNDLED_ID,
+    DEFAULT_DRAFTER,
     HYBRID_LOOKUP,
     MAX_K,
     GenerationConfig,
@@ -24,6 +25,7 @@ from ...config import (
     SamplingConfig,
     SuffixConfig,
 )
+from ...drafters.resolve import default_draft, starting_k
 from ...drafters.suffix import paused, suffix_cache_of
 from ...engine import encode_prompt, eos_ids, graphs
 from ...engine.timing import ForwardTimer, verify_costs_for
@@ -61,8 +63,8 @@ class BenchConfig:
     limit: int | None = None
     target: str = BUNDLED_ID
     draft: str | None = None
-    drafter: str | None = None  # None: "model" with a draft, else "ngram"
-    k: str = "4"  # N, a list like 1,2,4,8, or "auto"
+    drafter: str | None = None  # None: DEFAULT_DRAFTER with a draft or the target's trained draft, else "ngram"
+    k: str | None = None  # N, a list like 1,2,4,8, or "auto"; None: the pair's starting k (resolve.starting_k)
     temperature: float = 0.0
     verification: str = "token"  # a rule or a list like token,block (each k runs under each rule)
     max_new_tokens: int = 128
@@ -87,7 +89,11 @@ class BenchConfig:
 
     @property
     def drafter_kind(self) -> str:
-        return self.drafter or ("model" if self.draft else "ngram")
+        return self.drafter or (DEFAULT_DRAFTER if self.draft or default_draft(self.target) else "ngram")
+
+    def starting_k(self) -> tuple[int, str]:
+        """The k a run without --k takes, and where it comes from (the measured default for the pair, ...)."""
+        return starting_k(self.drafter_kind, self.target, self.draft, self.runtime)
 
 
 def machine_info(device: torch.device, dtype: torch.dtype) -> dict:
@@ -261,7 +267,7 @@ def run_bench(bc: BenchConfig) -> dict:
     for item in items:  # each fits the target's context, by the tokenizer alone, before any weights load
         checks.prompt_tokens(bc.target, item.prompt, bc.max_new_tokens, bc.runtime, bc.chat_template,
                              where=f"{bc.prompts}:{item.line}")
-    ks = checks.ks(bc.k)
+    ks = checks.ks(bc.k) if bc.k else None  # checked before anything loads
     rules = checks.verifications(bc.verification, bc.temperature)
     kind = bc.drafter_kind
     checks.pair(bc.target, kind, bc.draft)
@@ -274,7 +280,10 @@ def run_bench(bc: BenchConfig) -> dict:
                      placement=bc.placement, suffix=bc.suffix, hybrid_lookup=bc.hybrid_lookup)
     tok = pair.target.tokenizer
     prompt_ids = [encode_prompt(tok, it.prompt, config.use_chat_template) for it in items]
-    calibration = None
+    calibration, k_source = None, "--k"
+    if ks is None:  # after loading: a hub head is in the local cache now, with its recorded k
+        k, k_source = bc.starting_k()
+        ks = [k]
     if ks == "auto":
         warm(pair, prompt_ids[0], config, list(CALIBRATION_KS), False)
         best, calibration = calibrate_k(pair, prompt_ids, config)
@@ -314,7 +323,8 @@ def run_bench(bc: BenchConfig) -> dict:
         vllm_meta = vllm_anchor(bc, pair, items, prompt_ids, ks, config, rows, runs)
     cfg = {
         "prompts": str(bc.prompts), "limit": bc.limit, "num_prompts": len(items), "target": pair.target.name,
-        "drafter": kind, "draft": pair.draft_name, "k": ks, "k_arg": bc.k, "temperature": bc.temperature,
+        "drafter": kind, "draft": pair.draft_name, "k": ks, "k_arg": bc.k, "k_source": k_source,
+        "temperature": bc.temperature,
         "verification": rules,
         "max_new_tokens": bc.max_new_tokens, "seed": bc.seed, "anchors": bc.anchors,
         "chat_template": config.use_chat_template, "placement": pair_placement(pair),
@@ -323,7 +333,7 @@ def run_bench(bc: BenchConfig) -> dict:
         "overhead": "wall seconds outside every target/draft forward call, per target forward call",
     }
     if suffix_cache_of(pair.drafter) is not None:
-        cfg["suffix"] = {**bc.suffix.vllm_options(), "hybrid_lookup": bc.hybrid_lookup if kind == "hybrid" else None,
+        cfg["suffix"] = {**bc.suffix.as_dict(), "hybrid_lookup": bc.hybrid_lookup if kind == "hybrid" else None,
                          "cache": "emptied before each prompt" if bc.suffix_cold else
                                   "one per process, carried across the prompts in order"}
     if calibration:
