@@ -33,7 +33,7 @@ def test_calibration_records_the_costs_it_chose_from(tiny_draft, tiny_tok):
     # an 8-layer target, so that its passes cost more than a 1-layer draft's by compute, not only by overhead
     deep = tiny_llama(len(WORDS) + 1, seed=1, sharpness=8.0, layers=8)
     target = LoadedModel("tiny", deep, tiny_tok, torch.device("cpu"), torch.float32, "folder")
-    hybrid, cal = calibrated_hybrid(ModelDrafter(tiny_draft), target, "tiny-draft", PROMPT)
+    hybrid, cal = calibrated_hybrid(ModelDrafter(tiny_draft), target, speculative, "tiny-draft", PROMPT)
     assert hybrid.model_k == cal.model_k
     assert set(cal.verify_costs) == {1, 2, 3} and cal.verify_costs[1] == 1.0
     assert all(v > 0 for v in cal.verify_costs.values())
@@ -42,7 +42,7 @@ def test_calibration_records_the_costs_it_chose_from(tiny_draft, tiny_tok):
     assert 0.0 < cal.draft_cost < 1.0
     assert cal.model_k == hybrid_model_k(cal.verify_costs, c=cal.draft_cost)
     # measured once per target and draft: a second hybrid reuses the costs rather than timing again
-    again = calibrate(ModelDrafter(tiny_draft), target, "tiny-draft", PROMPT)
+    again = calibrate(ModelDrafter(tiny_draft), target, speculative, "tiny-draft", PROMPT)
     assert again.verify_costs is cal.verify_costs and again.draft_cost == cal.draft_cost
     # the report's keys, as the JSON result and bench.json carry them
     assert cal.as_dict() == {"hybrid_model_k": cal.model_k, "hybrid_draft_cost": cal.draft_cost,

@@ -102,16 +102,29 @@ def test_sliders_take_their_ranges_from_config_and_limits(demo):
     assert only_bundled == [p.label for p in PRESETS if p.offline] + [CUSTOM]
 
 
+def _layer(parts: list[str]) -> str:
+    """A module's layer: its folder under specdemo/, except that the engine's decoding loop (engine.loop, and the
+    package, which exports it) sits above drafters/, whose seam (drafters.base) it imports."""
+    if len(parts) < 2:
+        return "__init__"
+    if parts[1] == "engine" and (len(parts) == 2 or parts[2] in ("loop", "__init__")):
+        return "engine.loop"
+    return parts[1]
+
+
 def test_only_the_app_package_imports_gradio_and_imports_point_down():
     """No module outside app/ imports gradio (charts, render and race stay plain), and imports point one way: the
-    top-level modules, then models/, then engine/ and drafters/, then checks (the request checks), then measure/,
-    serve/ and train/, then app/, then the CLI. At most 8 modules sit at the package's top level."""
-    rank = {"config": 0, "prompts": 0, "cliargs": 0, "__init__": 0, "models": 1, "engine": 2, "drafters": 2,
-            "checks": 2.5, "measure": 3, "serve": 3, "train": 3, "app": 4, "__main__": 5}
-    importers, upward = set(), []
+    top-level modules, then models/, then the engine's cache, verification and clocks, then drafters/, then the
+    decoding loop, then checks (the request checks), then measure/, serve/ and train/, then app/, then the CLI. So
+    drafters may use the engine's KV cache and probability helpers but never the loop or measure/; the engine knows
+    drafters only through their seam (drafters.base), which imports nothing of the engine. At most 8 modules sit at
+    the package's top level."""
+    rank = {"config": 0, "prompts": 0, "cliargs": 0, "__init__": 0, "models": 1, "engine": 2, "drafters": 3,
+            "engine.loop": 4, "checks": 4.5, "measure": 5, "serve": 5, "train": 5, "app": 6, "__main__": 7}
+    importers, upward, seam = set(), [], []
     for path in PACKAGE.rglob("*.py"):
         parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-        layer = parts[1] if len(parts) > 1 else "__init__"
+        layer = _layer(parts)
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
@@ -120,9 +133,13 @@ def test_only_the_app_package_imports_gradio_and_imports_point_down():
             if isinstance(node, ast.ImportFrom) and node.level:
                 base = parts[:-1][: len(parts) - node.level]
                 target = base + (node.module.split(".") if node.module else [node.names[0].name])
-                other = target[1] if len(target) > 1 else "__init__"
-                if rank.get(other, 0) > rank[layer]:
+                if rank.get(_layer(target), 0) > rank[layer]:
                     upward.append((".".join(parts), ".".join(target)))
+                if parts[1:2] == ["engine"] and target[1:2] == ["drafters"] and target[2:] != ["base"]:
+                    seam.append((".".join(parts), ".".join(target)))
+                if parts[1:3] == ["drafters", "base"] and target[1:2] == ["engine"]:
+                    seam.append((".".join(parts), ".".join(target)))
     assert importers and all(p.startswith("app/") for p in importers), importers
     assert upward == []
+    assert seam == []
     assert len([p for p in PACKAGE.glob("*.py")]) <= 8

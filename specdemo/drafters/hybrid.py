@@ -2,23 +2,27 @@
 its calibration: how many tokens the draft may propose per step on this machine.
 
 The cap comes from verify-pass costs and the draft's own cost timed at load (Leviathan et al.'s expected tokens per
-unit of cost); the figures behind it travel as a HybridCalibration for reports.
+unit of cost); the figures behind it travel as a HybridCalibration for reports. The draft is timed in a short run of
+the engine's speculative loop, which its builder passes in (drafters never import the decoding loop).
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from statistics import median
 
 from ..config import MAX_K_ENGINE, GenerationConfig
-from ..engine.loop import speculative
-from ..engine.timing import forward_costs, nondecreasing, verify_costs_for
+from ..engine.timing import PROBE_TEXT, forward_costs
 from .base import Drafter, DraftRequest, Proposal
 from .ngram import NgramDrafter
 
 log = logging.getLogger(__name__)
+
+Speculative = Callable[..., Iterator]  # engine.speculative: (target model, tokenizer, drafter, ids, config) -> events
+
 
 class HybridDrafter(Drafter):
     """Prompt lookup where a row's context repeats, the draft everywhere else.
@@ -78,7 +82,6 @@ class HybridDrafter(Drafter):
 # trained draft's, as the benchmark measures it).
 DEFAULT_CHAIN = (0.53, 0.30)
 DEFAULT_DRAFT_COST = 0.07
-PROBE_TEXT = "Speculative decoding lets a small draft propose tokens that the target checks in one pass."
 
 
 @dataclass(frozen=True)
@@ -129,12 +132,12 @@ def describe_hybrid_cap(model_k: int | None, costs: dict, draft_cost: float | No
     return f"the draft model proposes {'1 token' if model_k == 1 else 'up to k tokens'} per step{why_text}"
 
 
-def measured_draft_cost(model: Drafter, target, probe: list[int], two_token_cost: float,
+def measured_draft_cost(model: Drafter, target, probe: list[int], two_token_cost: float, speculative: Speculative,
                         tokens: int = 9) -> float | None:
-    """The model's seconds per drafted token over a 1-token target pass, from a short greedy run at k = 1 after
-    `probe`: the median draft time of a step over the median time of its 2-token verify pass, scaled by that pass's
-    measured cost (`two_token_cost`, forward_costs[2]). The medians skip a first call's warmup. None if the target
-    stopped before anything was drafted. `target` is a loading.LoadedModel."""
+    """The model's seconds per drafted token over a 1-token target pass, from a short greedy run of `speculative`
+    (engine.speculative) at k = 1 after `probe`: the median draft time of a step over the median time of its 2-token
+    verify pass, scaled by that pass's measured cost (`two_token_cost`, forward_costs[2]). The medians skip a first
+    call's warmup. None if the target stopped before anything was drafted. `target` is a loading.LoadedModel."""
     config = GenerationConfig(max_new_tokens=tokens, num_draft_tokens=1)
     steps = [e for e in speculative(target.model, target.tokenizer, model, probe, config, inspect=False)
              if e.kind == "spec" and e.drafted]
@@ -149,11 +152,11 @@ def measured_draft_cost(model: Drafter, target, probe: list[int], two_token_cost
 _measured: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def calibrate(model: Drafter, target, draft_name: str | None = None,
+def calibrate(model: Drafter, target, speculative: Speculative, draft_name: str | None = None,
               probe: list[int] | None = None) -> HybridCalibration:
     """Time the target's 2- and 3-token passes (a dozen short passes, at its first hybrid load) and the draft's cost
-    (a 9-token run after `probe`, default PROBE_TEXT) and choose the cap. An unnamed draft is measured every time;
-    one that could not be timed is assumed to cost DEFAULT_DRAFT_COST."""
+    (a 9-token run of `speculative` after `probe`, default PROBE_TEXT) and choose the cap. An unnamed draft is
+    measured every time; one that could not be timed is assumed to cost DEFAULT_DRAFT_COST."""
     probe = probe or target.tokenizer(PROBE_TEXT)["input_ids"]
     memo = _measured.setdefault(target.model, {})
     costs = memo.get("verify")
@@ -164,7 +167,7 @@ def calibrate(model: Drafter, target, draft_name: str | None = None,
     if draft_name and key in memo:
         c = memo[key]
     else:
-        c = measured_draft_cost(model, target, probe, costs[2])
+        c = measured_draft_cost(model, target, probe, costs[2], speculative)
         if draft_name:
             memo[key] = c
     chain = getattr(model, "held_out_chain", None) or DEFAULT_CHAIN
@@ -173,23 +176,10 @@ def calibrate(model: Drafter, target, draft_name: str | None = None,
     return calibration
 
 
-def load_time_verify_costs(target, k_max: int) -> dict[int, float]:
-    """{n: an (n+1)-token target pass over a 1-token one} for n = 1..k_max, after PROBE_TEXT: timed at the first
-    load on this target (a few dozen short passes), made non-decreasing, remembered for the loaded model (cost-aware
-    suffix decoding)."""
-    memo = _measured.setdefault(target.model, {})
-    key = ("verify_costs", k_max)
-    if key not in memo:
-        probe = target.tokenizer(PROBE_TEXT)["input_ids"]
-        measured = verify_costs_for(target.model, [probe], k_max, repeats=3)
-        memo[key] = {n: round(c, 3) for n, c in zip(measured, nondecreasing(list(measured.values())))}
-        log.info("suffix decoding's pass costs: %s", memo[key])
-    return memo[key]
-
-
-def calibrated_hybrid(model: Drafter, target, draft_name: str | None = None, probe: list[int] | None = None,
-                      lookup: Drafter | None = None) -> tuple[HybridDrafter, HybridCalibration]:
-    """A hybrid over `model` (and `lookup`, default prompt lookup) whose cap follows this machine's costs, and the
-    calibration behind it."""
-    calibration = calibrate(model, target, draft_name, probe)
+def calibrated_hybrid(model: Drafter, target, speculative: Speculative, draft_name: str | None = None,
+                      probe: list[int] | None = None, lookup: Drafter | None = None
+                      ) -> tuple[HybridDrafter, HybridCalibration]:
+    """A hybrid over `model` (and `lookup`, default prompt lookup) whose cap follows this machine's costs (the draft
+    timed in a short run of `speculative`, engine.speculative), and the calibration behind it."""
+    calibration = calibrate(model, target, speculative, draft_name, probe)
     return HybridDrafter(model, model_k=calibration.model_k, lookup=lookup), calibration

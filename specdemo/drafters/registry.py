@@ -30,6 +30,8 @@ class BuildOptions:
     suffix: SuffixConfig = SuffixConfig()  # suffix decoding's options (vLLM's names)
     suffix_cache: Any = None  # a drafters.suffix.SuffixCache the caller owns (None: a new one for this drafter)
     hybrid_lookup: str = HYBRID_LOOKUP  # the hybrid's model-free half: "ngram" or "suffix"
+    speculative: Callable | None = None  # engine.speculative, for a kind that times its draft at load (the hybrid):
+    # drafters never import the decoding loop, so whoever builds them passes it (compare.make_drafter)
 
 
 @dataclass(frozen=True)
@@ -135,9 +137,9 @@ def suffix_drafter(target: LoadedModel, draft: str | None, options: BuildOptions
     costs = None
     if options.suffix.cost_aware:
         from ..config import MAX_K
-        from .hybrid import load_time_verify_costs
+        from ..engine.timing import PROBE_TEXT, load_time_verify_costs
 
-        costs = load_time_verify_costs(target, MAX_K)
+        costs = load_time_verify_costs(target.model, target.tokenizer(PROBE_TEXT)["input_ids"], MAX_K)
     return SuffixDrafter(options.suffix_cache, options.suffix, pass_costs=costs), None, None
 
 
@@ -147,6 +149,8 @@ def hybrid_drafter(target: LoadedModel, draft: str | None, options: BuildOptions
     from ..config import HYBRID_LOOKUPS
     from .hybrid import calibrated_hybrid
 
+    if options.speculative is None:
+        raise ValueError("the hybrid times its draft at load: BuildOptions.speculative must be engine.speculative")
     if options.hybrid_lookup not in HYBRID_LOOKUPS:
         raise ValueError(f"the hybrid's lookup is one of {', '.join(HYBRID_LOOKUPS)}, not '{options.hybrid_lookup}'")
     lookup = None
@@ -155,7 +159,7 @@ def hybrid_drafter(target: LoadedModel, draft: str | None, options: BuildOptions
 
         lookup = SuffixDrafter(options.suffix_cache, options.suffix, min_match=3)
     model, name, _ = draft_drafter(target, draft, options)
-    hybrid, calibration = calibrated_hybrid(model, target, name, lookup=lookup)
+    hybrid, calibration = calibrated_hybrid(model, target, options.speculative, name, lookup=lookup)
     return hybrid, name, calibration
 
 

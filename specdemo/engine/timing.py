@@ -1,5 +1,6 @@
 """Every clock in the project: the engine's compute clock, wall time around a call, forward-pass hooks, and the one
-pass-cost model (verify cost by width, at any batch size) that compare, the sweeps, bench and the hybrid share.
+pass-cost model (verify cost by width, at any batch size) that compare, the sweeps, bench and the drafters that time
+the target at load (the hybrid, cost-aware suffix decoding) share.
 
 All readings are `time.perf_counter` after a CUDA synchronise, so queued GPU work is counted where it ran.
 Knows models only as callables with a KV cache; no decoding, no metrics.
@@ -7,7 +8,9 @@ Knows models only as callables with a KV cache; no decoding, no metrics.
 
 from __future__ import annotations
 
+import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -16,6 +19,10 @@ import torch
 from ..config import MAX_K
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+# the text whose ids the load-time timings run after (the hybrid's calibration, cost-aware suffix decoding)
+PROBE_TEXT = "Speculative decoding lets a small draft propose tokens that the target checks in one pass."
 
 
 def sync(device: torch.device | str | None) -> None:
@@ -166,3 +173,19 @@ def verify_costs_for(model, prompts: Sequence[list[int]], k_max: int = MAX_K,
                      repeats: int = 2) -> dict[int, float]:
     """{k: cost of a (k+1)-token pass / a 1-token pass} for k = 1..k_max (a micro-benchmark, see forward_seconds)."""
     return verify_costs(forward_seconds(model, prompts, cost_widths(k_max), repeats), k_max)
+
+
+# pass costs timed at load, per loaded model: they belong to the model on this machine, not to a run
+_AT_LOAD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def load_time_verify_costs(model, probe: list[int], k_max: int) -> dict[int, float]:
+    """{n: an (n+1)-token pass over a 1-token one} for n = 1..k_max after `probe` (PROBE_TEXT's ids): timed at the
+    first call for this model (a few dozen short passes), made non-decreasing, remembered for the model (cost-aware
+    suffix decoding)."""
+    memo = _AT_LOAD.setdefault(model, {})
+    if k_max not in memo:
+        measured = verify_costs_for(model, [probe], k_max, repeats=3)
+        memo[k_max] = {n: round(c, 3) for n, c in zip(measured, nondecreasing(list(measured.values())))}
+        log.info("verify pass costs at load: %s", memo[k_max])
+    return memo[k_max]

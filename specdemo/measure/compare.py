@@ -72,7 +72,7 @@ def make_drafter(target: LoadedModel, kind: str, draft: str | None, device=None,
     two, or any kind registered since. `device` is a draft LM's (None: the default device); an EAGLE-3 head computes
     where the target's embeddings are. Suffix decoding takes its options and the SuffixCache of earlier answers its
     caller owns (None: a new one). Returns (drafter, draft name or None, the hybrid's calibration or None)."""
-    options = BuildOptions(device, dtype, trust_remote_code, runtime, suffix, suffix_cache, hybrid_lookup)
+    options = BuildOptions(device, dtype, trust_remote_code, runtime, suffix, suffix_cache, hybrid_lookup, speculative)
     return get(kind).factory(target, draft, options)
 
 
