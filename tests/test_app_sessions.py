@@ -1,4 +1,4 @@
-"""Suffix decoding's earlier answers in the app belong to one browser session: the session caches (app.sessions), and
+"""Suffix decoding's earlier answers in the app belong to one browser session: the session states (app.sessions), and
 the handlers on a tiny model with the real suffix drafter, two visitors side by side: one never drafts from (nor
 shows) the other's answers, a visitor's own later runs do draft from its earlier ones, Clear and a closed tab forget
 them, and the calibration, the Tune-k sweep and the Batch tab add nothing; the inspector names each draft's source.
@@ -20,7 +20,7 @@ from specdemo.app.batch_tab import BatchHandlers, BatchOutputs
 from specdemo.app.handlers import CLEARED, Handlers
 from specdemo.app.race import AppLimits
 from specdemo.app.render import DRAFT_SOURCES, INSPECTOR_JS, step_info
-from specdemo.app.sessions import Forgetting, Session, SessionCaches
+from specdemo.app.sessions import Forgetting, Session, SessionStates
 from specdemo.config import MAX_K, MAX_K_ENGINE, SuffixConfig
 from specdemo.drafters.suffix import SuffixCache, SuffixTree
 from specdemo.engine import StepEvent
@@ -31,10 +31,10 @@ PROMPT = "w3 w5 w7 w3 w5 w9 w2 w3 w5"
 OTHER = "w3 w5 w7 w3 w5 w9 w2 w3 w6"  # related: the same start, another end
 
 
-# ---- the session caches: no model ----
+# ---- the session states: no model ----
 
 def test_each_session_has_its_own_cache_and_the_least_recently_used_goes_beyond_the_cap():
-    caches = SessionCaches(cap=2)
+    caches = SessionStates(cap=2)
     a, b = caches.get("a"), caches.get("b")
     assert a is not b and caches.get("a") is a  # kept, and "a" is now the most recently used
     caches.get("c")
@@ -48,12 +48,12 @@ def test_the_servers_marks_go_with_the_next_compute_step_once():
     marks = Forgetting()
     marks.mark("a")
     marks.mark(None)  # no session: nothing to forget
-    caches = SessionCaches()
+    caches = SessionStates()
     old = caches.get("a")
     step = marks.session("b")
     assert step == Session("b", ("a",)) and pickle.loads(pickle.dumps(step)) == step  # it crosses to the worker
     assert marks.session("b") == Session("b", ())  # taken
-    assert step.cache(caches) is caches.get("b") and "a" not in caches and caches.get("a") is not old
+    assert step.state(caches) is caches.get("b") and "a" not in caches and caches.get("a") is not old
 
 
 # ---- the handlers on a tiny model, with the real suffix drafter ----
@@ -61,12 +61,12 @@ def test_the_servers_marks_go_with_the_next_compute_step_once():
 @pytest.fixture
 def tiny_models(monkeypatch, tiny_target, tiny_tok):
     """compare.load_model gives the tiny target, so the real load_pair builds the real suffix drafter with the cache
-    the app hands it; the prompt check reads the tiny tokenizer; a fresh set of session caches."""
+    the app hands it; the prompt check reads the tiny tokenizer; a fresh set of session states."""
     loaded = LoadedModel("tiny", tiny_target, tiny_tok, torch.device("cpu"), torch.float32, "folder")
     monkeypatch.setattr(compare, "load_model", lambda *args, **kwargs: loaded)
     monkeypatch.setattr(race, "load_tokenizer", lambda name, runtime: (tiny_tok, 256))
-    caches = SessionCaches()
-    monkeypatch.setattr(sessions, "CACHES", caches)
+    caches = SessionStates()
+    monkeypatch.setattr(sessions, "STATES", caches)
     return caches
 
 
@@ -132,14 +132,14 @@ def test_the_sweep_and_the_batch_tab_add_no_answer_to_any_cache(tiny_models):
     before = tiny_models.get("session-a")
     sweep = list(h.run_sweep(PROMPT, "tiny", "suffix", "", 3, 0.0, 1.0, 12, "token", a))
     assert sweep[-1]["table"].startswith("Done"), sweep[-1]
-    assert tiny_models.held("session-a") == 1 and tiny_models.get("session-a") is before and before.recording
+    assert tiny_models.held("session-a") == 1 and tiny_models.get("session-a") is before and before.find("suffix").recording
     batch = BatchHandlers(BatchOutputs("throughput_plot", "speedup_plot", "table"), [], h, AppLimits(device="cpu"),
                           gpu=through_a_process)
     frames = list(batch.run(f"{PROMPT}\n{OTHER}", False, "tiny", "suffix", "", 3, False, 0.0, 1.0, 8, 2, False,
                             visitor=visitor("session-c")))
     assert frames[-1]["table"].startswith("Done"), frames[-1]
     assert tiny_models.held("session-c") == 0 and tiny_models.held("session-a") == 1
-    assert tiny_models.get("session-c").recording
+    assert tiny_models.get("session-c").find("suffix").recording
 
 
 # ---- the inspector's words and the k range ----

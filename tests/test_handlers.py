@@ -26,7 +26,7 @@ from specdemo.app.render import COMMITTED, KINDS
 from specdemo.app.summary import drift_warning
 from specdemo.app.ui import EXAMPLES
 from specdemo.config import Placement, Runtime, drafter_default
-from specdemo.drafters.suffix import SuffixCache
+from specdemo.drafters.base import SharedState
 
 REWRITE = next(p for c, p in EXAMPLES if c == "rewrite")
 COMMITTED_CLASSES = tuple(KINDS[k][0] for k in COMMITTED)
@@ -103,8 +103,8 @@ def test_compare_frames_name_only_the_events_outputs_and_the_last_fills_them(tin
     assert outs[-1]["result_json"]["identical"] is True and outs[-1]["result_json"]["sd"]["tokens"] == 12
     assert committed_text(outs[-1]["sd_html"]) == outs[-1]["result_json"]["sd"]["text"]
     assert isinstance(outs[-1]["runs_state"], Runs) and outs[-1]["timeline_plot"].data
-    (cache,) = [load.pop("suffix_cache") for load in tiny_loads]  # the visitor's own (test_app_sessions.py)
-    assert isinstance(cache, SuffixCache)
+    (state,) = [load.pop("shared") for load in tiny_loads]  # the visitor's own (test_app_sessions.py)
+    assert isinstance(state, SharedState)
     assert tiny_loads == [{"device": "cpu", "draft_device": None, "runtime": runtime,  # app.py's Runtime reaches it
                            "placement": Placement()}]
     assert not h.hardware.locked()

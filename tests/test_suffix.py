@@ -8,14 +8,13 @@ import pytest
 
 from specdemo.config import VLLM_SUFFIX, GenerationConfig, SamplingConfig, SuffixConfig
 from specdemo.drafters import DraftRequest, Verdict
+from specdemo.drafters.base import SharedState
 from specdemo.drafters.draft_value import DraftValue
 from specdemo.drafters.registry import BuildOptions, get
 from specdemo.drafters.suffix import (
     SuffixCache,
     SuffixDrafter,
     SuffixTree,
-    paused,
-    suffix_cache_of,
 )
 from specdemo.engine import autoregressive, encode_prompt, generated_ids, speculative
 from specdemo.engine.timing import nondecreasing
@@ -156,20 +155,27 @@ def test_the_cache_evicts_the_oldest_answer_first():
     assert drafter.propose(request([0, 9, 10]))[0].tokens == [11, 12]
 
 
-def test_a_paused_cache_keeps_no_answer_and_none_is_kept_past_an_eos():
-    cache = SuffixCache()
+def test_a_paused_drafter_keeps_no_answer_and_none_is_kept_past_an_eos():
+    """Drafter.paused: requests inside leave no answer in the shared cache; forget() empties it; no answer goes
+    past an EOS."""
+    shared = SharedState()
+    cache = SuffixCache.of(shared, VLLM_SUFFIX)
     drafter = SuffixDrafter(cache, VLLM_SUFFIX)
-    with paused(drafter):
+    with drafter.paused():
         drafter.begin([[0]])
         drafter.update([Verdict(0, [0, 1, 2, 3])])
     drafter.begin([[0]])
-    assert len(cache) == 1 and suffix_cache_of(drafter) is cache  # the request just begun, none from the pause
+    assert len(cache) == 1 and shared.find("suffix") is cache and len(shared) == 1  # the request just begun
+    assert SuffixCache.of(shared, VLLM_SUFFIX) is cache and SuffixCache.of(None, VLLM_SUFFIX) is None
     drafter.propose(request([0, 5], eos=frozenset([9])))
     drafter.update([Verdict(0, [0, 5, 6, 9, 7, 8])])  # tokens after the EOS are no part of the answer
     drafter.begin([[0]])
     assert drafter.propose(request([0, 5, 6, 9], eos=frozenset([9])))[0].tokens == []
     assert drafter.propose(request([0, 5], eos=frozenset([9])))[0].tokens == [6]  # max_spec_factor 1: 1 per match
     assert drafter.propose(request([4, 5, 6], eos=frozenset([9])))[0].tokens == [9]  # a draft ends at an EOS
+    drafter.forget()  # a cold start: no earlier answer left to draft from
+    drafter.begin([[0]])
+    assert len(cache) == 1 and drafter.propose(request([0, 5], eos=frozenset([9])))[0].tokens == []
 
 
 def test_options_are_checked_with_vllms_names():

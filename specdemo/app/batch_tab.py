@@ -91,13 +91,11 @@ def batch_table(sweep) -> str:
 
 def batch_sweep(request, device, runtime, placement, draft_device, loading,
                 session: Session = Session()) -> Iterator:
-    """batch_sweep.sweep_batches with suffix decoding drafting from the session's own earlier answers (app.sessions)
-    and adding none: every batch size decodes the same prompts, so none may draft from another's answers."""
+    """batch_sizes.sweep_batches with the drafter keeping its state in the session's own (app.sessions: suffix
+    decoding drafts from the session's earlier answers and adds none)."""
     from ..measure.batch_sizes import sweep_batches
 
-    cache = session.cache()
-    with cache.paused():
-        yield from sweep_batches(request, device, runtime, placement, draft_device, loading, suffix_cache=cache)
+    yield from sweep_batches(request, device, runtime, placement, draft_device, loading, shared=session.state())
 
 
 class BatchHandlers:

@@ -9,7 +9,6 @@ from contextlib import closing
 
 from ..config import MIN_K, Runtime
 from ..drafters.registry import get
-from ..drafters.suffix import paused
 from ..engine import StepEvent, encode_prompt
 from ..measure.compare import calibrate, iter_compare, load_pair
 from ..measure.metrics import PassCosts, cost_drift, pass_costs
@@ -39,7 +38,7 @@ def compute(request: RunRequest, limits: AppLimits, runtime: Runtime, recalibrat
     calibrating = recalibrate or key not in _CALIBRATED
     if calibrating:  # calibrate warms up first, so the run needs no warm-up of its own
         yield f"Measuring what each pass costs on {pair.target.device} while nothing else is drawn (untimed)…"
-        with paused(pair.drafter):  # its answer to this very prompt must not be drafted from by the timed run
+        with pair.drafter.paused():  # its answer to this very prompt must not be drafted from by the timed run
             _CALIBRATED[key] = calibrate(pair, prompt_ids, config)
     else:
         yield f"Warming up on {pair.target.device} (untimed)…"
@@ -65,14 +64,14 @@ _CALIBRATED: dict[tuple, PassCosts] = {}
 
 def _load(request: RunRequest, limits: AppLimits, runtime: Runtime, status: str, session: Session) -> Iterator[str]:
     """Check the pair's memory against the limits (race.check_fit), yield status lines while loading; returns the
-    Pair, whose suffix drafter (if any) drafts from the session's own cache. A target that needs a device map gets one
-    (race.placement_for)."""
-    cache = session.cache()  # first: the marked sessions are forgotten even if this load fails
+    Pair, whose drafter keeps what it keeps across requests in the session's own SharedState (suffix decoding's
+    earlier answers). A target that needs a device map gets one (race.placement_for)."""
+    shared = session.state()  # first: the marked sessions are forgotten even if this load fails
     placement = placement_for(request.target, limits)
     estimate = check_fit(request, limits, runtime, placement)
     yield status + (f" {estimate}" if estimate else "")
     return load_pair(request.target, request.drafter, request.draft, device=limits.device,
-                     draft_device=limits.draft_device, runtime=runtime, placement=placement, suffix_cache=cache)
+                     draft_device=limits.draft_device, runtime=runtime, placement=placement, shared=shared)
 
 
 def sweep_k(request: RunRequest, limits: AppLimits, runtime: Runtime, k_max: int,
@@ -84,5 +83,5 @@ def sweep_k(request: RunRequest, limits: AppLimits, runtime: Runtime, k_max: int
     prompt_ids = encode_prompt(pair.target.tokenizer, request.prompt, config.use_chat_template)
     yield f"Timing the autoregressive baseline, then one speculative run per k up to {k_max}; the results are drawn " \
           "when the timed runs are over…"
-    with paused(pair.drafter):
+    with pair.drafter.paused():
         yield from iter_sweep_summaries(pair, [prompt_ids], range(MIN_K, k_max + 1), config, k_max)

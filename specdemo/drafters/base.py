@@ -1,5 +1,6 @@
 """The drafter seam, batch-shaped: `begin` a batch, `propose` up to k tokens per row, `update` from the target's
-verdicts, `select` the rows still decoding. Batch size 1 is the ordinary case.
+verdicts, `select` the rows still decoding. Batch size 1 is the ordinary case. What a drafter keeps across requests
+lives in a SharedState its caller owns; `paused` and `forget` are all a caller needs of it.
 
 Drafters know token ids and their own state (a KV cache, an n-gram index); they never see text, the UI or how the
 target verifies. Imports nothing of the engine, so the engine can import this seam.
@@ -7,10 +8,12 @@ target verifies. Imports nothing of the engine, so the engine can import this se
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # no torch at import: the registry, which imports this package, lists kinds without it
     import torch
@@ -107,6 +110,43 @@ class Drafter(ABC):
 
     def select(self, rows: Sequence[int]) -> None:
         """Keep only these rows, in this order (finished rows leave the batch)."""
+
+    def paused(self) -> AbstractContextManager[None]:
+        """A context inside which requests leave nothing in what the drafter keeps across requests (untimed warm-ups,
+        a second run of one prompt, a sweep over k or batch size). Nothing to pause for most drafters."""
+        return nullcontext()
+
+    def forget(self) -> None:
+        """Drop what it keeps across requests (a cold start). Nothing for most drafters."""
+
+
+class SharedState:
+    """What drafters keep across requests, owned by whoever serves them (the CLI and the bench: one per process; the
+    app: one per browser session) and handed to every drafter it builds (registry.BuildOptions.shared): each kind's
+    own object by name (suffix decoding's cache of earlier answers), made by that kind at its first use. Thread-safe.
+    """
+
+    def __init__(self):
+        self._states: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str, make: Callable[[], Any]) -> Any:
+        """Kind `name`'s state, made by make() at its first use."""
+        with self._lock:
+            if name not in self._states:
+                self._states[name] = make()
+            return self._states[name]
+
+    def find(self, name: str) -> Any:
+        """Kind `name`'s state, or None when it has made none."""
+        with self._lock:
+            return self._states.get(name)
+
+    def __len__(self) -> int:
+        """What the states hold, summed (a state with a len(): suffix decoding's earlier answers)."""
+        with self._lock:
+            states = list(self._states.values())
+        return sum(len(s) for s in states if hasattr(s, "__len__"))
 
 
 def cut_at_eos(tokens: list[int], eos: frozenset[int]) -> list[int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from statistics import median
 
@@ -46,10 +47,14 @@ class HybridDrafter(Drafter):
         self.needs_target_hidden = model.needs_target_hidden
         self.target_layers = model.target_layers
 
-    @property
-    def suffix_cache(self):
-        """The lookup half's SuffixCache (suffix decoding), else None."""
-        return getattr(self.lookup, "suffix_cache", None)
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        with self.model.paused(), self.lookup.paused():
+            yield
+
+    def forget(self) -> None:
+        self.model.forget()
+        self.lookup.forget()
 
     def begin(self, prompts, target_hidden=None) -> None:
         self.model.begin(prompts, target_hidden)

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import HYBRID_LOOKUP, Runtime, SuffixConfig
 
+from .base import SharedState
+
 if TYPE_CHECKING:
     from ..models.loading import LoadedModel
     from .base import Drafter
@@ -28,7 +30,7 @@ class BuildOptions:
     trust_remote_code: bool = False
     runtime: Runtime = Runtime()
     suffix: SuffixConfig = SuffixConfig()  # suffix decoding's options (vLLM's names)
-    suffix_cache: Any = None  # a drafters.suffix.SuffixCache the caller owns (None: a new one for this drafter)
+    shared: SharedState | None = None  # what drafters keep across requests, owned by the caller (None: nothing kept)
     hybrid_lookup: str = HYBRID_LOOKUP  # the hybrid's model-free half: "ngram" or "suffix"
     speculative: Callable | None = None  # engine.speculative, for a kind that times its draft at load (the hybrid):
     # drafters never import the decoding loop, so whoever builds them passes it (compare.make_drafter)
@@ -130,9 +132,9 @@ def lookup_drafter(target: LoadedModel, draft: str | None, options: BuildOptions
 
 
 def suffix_drafter(target: LoadedModel, draft: str | None, options: BuildOptions) -> Built:
-    """Suffix decoding: no model; earlier answers come from options.suffix_cache. Cost-aware, it times the target's
-    verify passes at load."""
-    from .suffix import SuffixDrafter
+    """Suffix decoding: no model; earlier answers come from the SuffixCache in options.shared. Cost-aware, it times
+    the target's verify passes at load."""
+    from .suffix import SuffixCache, SuffixDrafter
 
     costs = None
     if options.suffix.cost_aware:
@@ -140,7 +142,7 @@ def suffix_drafter(target: LoadedModel, draft: str | None, options: BuildOptions
         from ..engine.timing import PROBE_TEXT, load_time_verify_costs
 
         costs = load_time_verify_costs(target.model, target.tokenizer(PROBE_TEXT)["input_ids"], MAX_K)
-    return SuffixDrafter(options.suffix_cache, options.suffix, pass_costs=costs), None, None
+    return SuffixDrafter(SuffixCache.of(options.shared, options.suffix), options.suffix, pass_costs=costs), None, None
 
 
 def hybrid_drafter(target: LoadedModel, draft: str | None, options: BuildOptions) -> Built:
@@ -155,9 +157,9 @@ def hybrid_drafter(target: LoadedModel, draft: str | None, options: BuildOptions
         raise ValueError(f"the hybrid's lookup is one of {', '.join(HYBRID_LOOKUPS)}, not '{options.hybrid_lookup}'")
     lookup = None
     if options.hybrid_lookup == "suffix":
-        from .suffix import SuffixDrafter
+        from .suffix import SuffixCache, SuffixDrafter
 
-        lookup = SuffixDrafter(options.suffix_cache, options.suffix, min_match=3)
+        lookup = SuffixDrafter(SuffixCache.of(options.shared, options.suffix), options.suffix, min_match=3)
     model, name, _ = draft_drafter(target, draft, options)
     hybrid, calibration = calibrated_hybrid(model, target, options.speculative, name, lookup=lookup)
     return hybrid, name, calibration

@@ -1,6 +1,7 @@
 """Suffix decoding (Oliaro et al.; Snowflake's Arctic Inference, vLLM's `suffix` method), model-free: draft the most
 frequent continuation of the context's suffix from a tree over this request (prompt and answer so far) and a tree
-over earlier answers (a SuffixCache, which its caller owns: one per process, or one per browser session).
+over earlier answers (a SuffixCache, kept in the SharedState its caller owns: one per process, or one per browser
+session).
 
 The trees, the choice between them and the draft follow arctic_inference's SuffixTree / SuffixDecodingCache, which
 vLLM calls, so both draft alike (docs/suffix.md says where they may still differ). Knows token ids only.
@@ -11,11 +12,11 @@ from __future__ import annotations
 import struct
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 from ..config import SuffixConfig
-from .base import Drafter, DraftRequest, Proposal, cut_at_eos
+from .base import Drafter, DraftRequest, Proposal, SharedState, cut_at_eos
 from .draft_value import DraftValue
 
 _FLOAT = struct.Struct("f")
@@ -186,8 +187,9 @@ class SuffixTree:
 
 class SuffixCache:
     """Earlier answers, for later requests to draft from: one suffix tree over at most max_cached_requests answers,
-    the oldest evicted first. Whoever serves requests owns one (the CLI and the bench: one per process; the app: one
-    per browser session) and passes it to every suffix drafter it builds; clear() forgets everything.
+    the oldest evicted first. It lives in the SharedState of whoever serves requests (the CLI and the bench: one per
+    process; the app: one per browser session), so every suffix drafter built with that state drafts from it (`of`);
+    clear() forgets everything.
 
     An answer enters the tree when its request ends (its row finishes, or its drafter begins another batch) or when a
     later request opens on this cache, whichever comes first; so a draft from this tree is always from an earlier
@@ -202,6 +204,14 @@ class SuffixCache:
         self._lock = threading.RLock()
         self._next = 0  # answer ids never repeat, across clear() too
         self.clear()
+
+    @classmethod
+    def of(cls, shared: SharedState | None, config: SuffixConfig) -> SuffixCache | None:
+        """The cache in `shared` (made with config's sizes at its first use); None without a shared state (the
+        drafter then keeps a cache of its own)."""
+        if shared is None:
+            return None
+        return shared.get("suffix", lambda: cls(config.max_tree_depth, config.max_cached_requests))
 
     def clear(self) -> None:
         """Forget every answer; requests in flight leave nothing behind either."""
@@ -312,9 +322,11 @@ class SuffixDrafter(Drafter):
         self._rows: list[_Row] = []
         self._eos: frozenset[int] = frozenset()
 
-    @property
-    def suffix_cache(self) -> SuffixCache:
-        return self.cache
+    def paused(self) -> AbstractContextManager[None]:
+        return self.cache.paused()
+
+    def forget(self) -> None:
+        self.cache.clear()
 
     def begin(self, prompts, target_hidden=None) -> None:
         for row in self._rows:
@@ -366,18 +378,3 @@ class SuffixDrafter(Drafter):
                 self.cache.close(row.key)
         self._rows = [self._rows[r] for r in rows]
 
-
-def suffix_cache_of(drafter: Drafter | None) -> SuffixCache | None:
-    """The SuffixCache a drafter drafts from (a suffix drafter's, or a hybrid's suffix half), else None."""
-    return getattr(drafter, "suffix_cache", None)
-
-
-@contextmanager
-def paused(drafter: Drafter | None) -> Iterator[None]:
-    """Runs inside leave nothing in the drafter's SuffixCache, if it has one (untimed warm-ups, repeated runs)."""
-    cache = suffix_cache_of(drafter)
-    if cache is None:
-        yield
-    else:
-        with cache.paused():
-            yield

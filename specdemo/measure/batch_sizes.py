@@ -17,6 +17,7 @@ import torch
 
 from ..config import AUTO_K_MAX, GenerationConfig
 from ..drafters import Drafter
+from ..drafters.base import SharedState
 from ..engine import decode, eos_ids, row_outputs
 from ..engine.kv import left_padded
 from ..engine.timing import cost_widths, forward_seconds, timed_call, verify_costs
@@ -333,21 +334,24 @@ class BatchRequest:
 
 
 def sweep_batches(request: BatchRequest, device: str | None = None, runtime=None, placement=None,
-                  draft_device: str | None = None, loading: str = "", suffix_cache=None) -> Iterator[str | BatchSweep]:
+                  draft_device: str | None = None, loading: str = "", shared: SharedState | None = None
+                  ) -> Iterator[str | BatchSweep]:
     """Load the pair (the target under `placement`'s device map when it names one, the draft on draft_device), then
     iter_batch_sweep: a status line before each phase, then the BatchSweep after each size. `loading` adds to the
-    loading line (the app's memory estimate); suffix decoding drafts from `suffix_cache` (None: a new one)."""
+    loading line (the app's memory estimate). The drafter keeps its cross-request state in `shared` (None: none kept)
+    and adds nothing to it: every batch size decodes the same prompts, so none may draft from another's answers."""
     from ..config import Placement, Runtime
     from ..engine import encode_prompt
     from .compare import load_pair
 
     yield f"Loading {request.target} (cached after the first load)…" + (f" {loading}" if loading else "")
     pair = load_pair(request.target, request.drafter, request.draft, device=device, draft_device=draft_device,
-                     runtime=runtime or Runtime(), placement=placement or Placement(), suffix_cache=suffix_cache)
+                     runtime=runtime or Runtime(), placement=placement or Placement(), shared=shared)
     ids = [encode_prompt(pair.target.tokenizer, p, request.config.use_chat_template) for p in request.prompts]
     yield (f"Measuring pass costs and acceptance at batch sizes {', '.join(map(str, request.batch_sizes))} "
            f"(untimed), then timing each size: autoregressive, then speculative, never at once…")
-    yield from iter_batch_sweep(pair, ids, request.batch_sizes, request.config, request.k, request.anchors)
+    with pair.drafter.paused():
+        yield from iter_batch_sweep(pair, ids, request.batch_sizes, request.config, request.k, request.anchors)
 
 
 @dataclass(frozen=True)

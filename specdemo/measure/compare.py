@@ -20,9 +20,10 @@ from ..config import (
     SuffixConfig,
 )
 from ..drafters import Drafter
+from ..drafters.base import SharedState
 from ..drafters.hybrid import HybridCalibration
 from ..drafters.registry import BuildOptions, get
-from ..drafters.suffix import SuffixDrafter, paused
+from ..drafters.suffix import SuffixDrafter
 from ..engine import graphs
 from ..engine import (
     StepEvent,
@@ -65,21 +66,23 @@ def suffix_config_of(drafter: Drafter) -> SuffixConfig | None:
 
 def make_drafter(target: LoadedModel, kind: str, draft: str | None, device=None, dtype=None,
                  trust_remote_code: bool = False, runtime: Runtime = Runtime(), *,
-                 suffix: SuffixConfig = SuffixConfig(), suffix_cache=None, hybrid_lookup: str = HYBRID_LOOKUP
+                 suffix: SuffixConfig = SuffixConfig(), shared: SharedState | None = None,
+                 hybrid_lookup: str = HYBRID_LOOKUP
                  ) -> tuple[Drafter, str | None, HybridCalibration | None]:
     """Build a drafter of a registered kind (registry.get(kind).factory): prompt lookup, a draft (the shipped trained
     draft, an EAGLE-3 head, any causal LM sharing the tokenizer: drafts.resolve_draft says which), the hybrid of the
     two, or any kind registered since. `device` is a draft LM's (None: the default device); an EAGLE-3 head computes
-    where the target's embeddings are. Suffix decoding takes its options and the SuffixCache of earlier answers its
-    caller owns (None: a new one). Returns (drafter, draft name or None, the hybrid's calibration or None)."""
-    options = BuildOptions(device, dtype, trust_remote_code, runtime, suffix, suffix_cache, hybrid_lookup, speculative)
+    where the target's embeddings are. `shared` is what drafters keep across requests (suffix decoding's earlier
+    answers), owned by the caller (None: nothing kept past this drafter). Returns (drafter, draft name or None, the
+    hybrid's calibration or None)."""
+    options = BuildOptions(device, dtype, trust_remote_code, runtime, suffix, shared, hybrid_lookup, speculative)
     return get(kind).factory(target, draft, options)
 
 
 def load_pair(target: str, kind: str = "model", draft: str | None = None, device=None, dtype=None,
               draft_device=None, trust_remote_code: bool = False, runtime: Runtime = Runtime(),
-              placement: Placement = Placement(), *, suffix: SuffixConfig = SuffixConfig(), suffix_cache=None,
-              hybrid_lookup: str = HYBRID_LOOKUP) -> Pair:
+              placement: Placement = Placement(), *, suffix: SuffixConfig = SuffixConfig(),
+              shared: SharedState | None = None, hybrid_lookup: str = HYBRID_LOOKUP) -> Pair:
     """Load a target (with accelerate's device map when `placement` names one) and its drafter, on draft_device when
     given (else `device`; an EAGLE-3 head: where the target's embeddings are). Models are cached between calls."""
     loaded = load_model(target or BUNDLED_ID, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
@@ -87,8 +90,7 @@ def load_pair(target: str, kind: str = "model", draft: str | None = None, device
     graphs.attach(loaded.model, runtime.graphs)
     draft_device = draft_device or (None if placement.active else device)  # `device` names no device under a map
     drafter, draft_name, calibration = make_drafter(loaded, kind, draft, draft_device, dtype, trust_remote_code,
-                                                    runtime, suffix=suffix, suffix_cache=suffix_cache,
-                                                    hybrid_lookup=hybrid_lookup)
+                                                    runtime, suffix=suffix, shared=shared, hybrid_lookup=hybrid_lookup)
     if draft_lm(drafter) is not None:
         graphs.attach(draft_lm(drafter), runtime.graphs)
     return Pair(loaded, drafter, kind, draft_name, calibration)
@@ -116,11 +118,12 @@ WARMUP_TOKENS = 4
 
 def warmup(pair: Pair, rows: Sequence[list[int]], config: GenerationConfig) -> None:
     """A few untimed steps of both runs, at this batch shape (the rows of a batch; one prompt's ids in a list), so
-    one-off allocation costs land on no clock. The one warm-up: compare, the sweeps and the bench call it. It leaves no
-    answer in a suffix drafter's cache (the timed run would draft its own start from it)."""
+    one-off allocation costs land on no clock. The one warm-up: compare, the sweeps and the bench call it. It leaves
+    nothing in what the drafter keeps across requests (a suffix drafter's answers: the timed run would draft its own
+    start from it)."""
     short = GenerationConfig(max_new_tokens=WARMUP_TOKENS, num_draft_tokens=config.num_draft_tokens,
                              sampling=config.sampling)
-    with paused(pair.drafter):
+    with pair.drafter.paused():
         for drafter in (None, pair.drafter):
             for _ in decode(pair.target.model, pair.target.tokenizer, rows, short, drafter, text=False):
                 pass

@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from ..config import MAX_K, GenerationConfig
-from ..drafters.suffix import paused
 from ..engine import (
     StepEvent,
     autoregressive,
@@ -172,8 +171,9 @@ def iter_sweep(
     """Autoregressive runs on every prompt first, then speculative runs per k; yields each k's point when done.
 
     on_run(kind, k, prompt_index) is called after every run ("ar" with k None, or "sd"), e.g. for a progress bar.
-    Every k sees the same prompts, so the runs leave no answer in a suffix drafter's cache: each k drafts from what
-    the cache held before the sweep, never from another k's answer to the same prompt.
+    Every k sees the same prompts, so the runs leave nothing in what the drafter keeps across requests (Drafter.paused):
+    each k drafts from what a suffix drafter's cache held before the sweep, never from another k's answer to the same
+    prompt.
     """
     ids = encode_all(pair, prompts, config)
     if do_warmup and ids:
@@ -187,7 +187,7 @@ def iter_sweep(
         k_config = replace(config, num_draft_tokens=k, dynamic_k=False)
         sd_runs = []
         for i, p in enumerate(ids):
-            with paused(pair.drafter):
+            with pair.drafter.paused():
                 sd_runs.append(run_sd(pair, p, k_config))
             if on_run:
                 on_run("sd", k, i)

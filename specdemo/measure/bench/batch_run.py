@@ -9,7 +9,6 @@ from pathlib import Path
 
 from ... import checks
 from ...config import GenerationConfig, SamplingConfig
-from ...drafters.suffix import paused
 from ...engine import encode_prompt
 from ...prompts import read_prompts
 from ..compare import load_pair, pair_placement
@@ -73,7 +72,7 @@ def run_batch_bench(bc: BenchConfig) -> dict:
     total = len(sizes) + sum(min(rows // b, bc.max_batches or rows) for b in sizes)
     sweep = None
     # every batch size decodes the same rows: none leaves an answer in a suffix drafter's cache for another to draft
-    with tqdm(total=total, desc="bench", file=sys.stderr, disable=bc.quiet) as bar, paused(pair.drafter):
+    with tqdm(total=total, desc="bench", file=sys.stderr, disable=bc.quiet) as bar, pair.drafter.paused():
         for sweep in iter_batch_sweep(pair, prompt_ids, sizes, config, k, bc.anchors,
                                       on_run=lambda *_: bar.update(1), max_batches=bc.max_batches):
             pass

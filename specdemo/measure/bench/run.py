@@ -25,8 +25,8 @@ from ...config import (
     SamplingConfig,
     SuffixConfig,
 )
+from ...drafters.base import SharedState
 from ...drafters.resolve import default_draft, starting_k
-from ...drafters.suffix import paused, suffix_cache_of
 from ...engine import encode_prompt, eos_ids, graphs
 from ...engine.timing import ForwardTimer, verify_costs_for
 from ...models.eagle3 import eagle3_export
@@ -127,13 +127,12 @@ def bench_prompt(pair, item: PromptItem, prompt_ids: list[int], ks: list[int], c
     """All runs for one prompt: AR once, SD per k (under each verification rule in `rules`, default the config's),
     and the anchors; one result row per k and rule.
 
-    runs[k] gets (ar_run, sd_run) of the first rule appended, for the sweep module's per-k figures. A suffix drafter's
-    cache of earlier answers gets this prompt's answer once, from the last run (every k and rule drafts from the same
-    earlier answers); suffix_cold empties it first.
+    runs[k] gets (ar_run, sd_run) of the first rule appended, for the sweep module's per-k figures. What the drafter
+    keeps across requests (a suffix drafter's earlier answers) gets this prompt's answer once, from the last run
+    (every k and rule drafts from the same earlier answers); suffix_cold empties it first (Drafter.forget).
     """
-    cache = suffix_cache_of(pair.drafter)
-    if suffix_cold and cache is not None:
-        cache.clear()
+    if suffix_cold:
+        pair.drafter.forget()
     ar = measure_ours(lambda: run_ar(pair, prompt_ids, config), timers)
     model, tok = pair.target.model, pair.target.tokenizer
     kwargs = hf_kwargs(config.sampling, config.max_new_tokens, sorted(eos_ids(model, tok)))
@@ -145,7 +144,7 @@ def bench_prompt(pair, item: PromptItem, prompt_ids: list[int], ks: list[int], c
     runs_of = [(k, rule) for k in ks for rule in rules]
     for k, rule in runs_of:
         k_config = replace(config, num_draft_tokens=k).with_verification(rule)
-        with paused(pair.drafter) if (k, rule) != runs_of[-1] else contextlib.nullcontext():
+        with pair.drafter.paused() if (k, rule) != runs_of[-1] else contextlib.nullcontext():
             sd = measure_ours(lambda: run_sd(pair, prompt_ids, k_config), timers)
         if rule == rules[0]:
             runs.setdefault(k, []).append((ar.run, sd.run))
@@ -276,8 +275,9 @@ def run_bench(bc: BenchConfig) -> dict:
     config.validate()
     if bc.vllm:
         check_vllm(bc)
+    shared = SharedState()  # one per process: the prompts run in order, as a server's requests would
     pair = load_pair(bc.target, kind, bc.draft, bc.device, bc.dtype, bc.draft_device, runtime=bc.runtime,
-                     placement=bc.placement, suffix=bc.suffix, hybrid_lookup=bc.hybrid_lookup)
+                     placement=bc.placement, suffix=bc.suffix, shared=shared, hybrid_lookup=bc.hybrid_lookup)
     tok = pair.target.tokenizer
     prompt_ids = [encode_prompt(tok, it.prompt, config.use_chat_template) for it in items]
     calibration, k_source = None, "--k"
@@ -332,7 +332,7 @@ def run_bench(bc: BenchConfig) -> dict:
         "mean_accepted": "tokens per verify pass, bonus/correction included",
         "overhead": "wall seconds outside every target/draft forward call, per target forward call",
     }
-    if suffix_cache_of(pair.drafter) is not None:
+    if shared.find("suffix") is not None:
         cfg["suffix"] = {**bc.suffix.as_dict(), "hybrid_lookup": bc.hybrid_lookup if kind == "hybrid" else None,
                          "cache": "emptied before each prompt" if bc.suffix_cold else
                                   "one per process, carried across the prompts in order"}
