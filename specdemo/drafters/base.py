@@ -137,6 +137,11 @@ class SharedState:
                 self._states[name] = make()
             return self._states[name]
 
+    def names(self) -> tuple[str, ...]:
+        """The kinds that keep state here."""
+        with self._lock:
+            return tuple(self._states)
+
     def find(self, name: str) -> Any:
         """Kind `name`'s state, or None when it has made none."""
         with self._lock:

@@ -1,16 +1,17 @@
 """The drafter kinds, in one list: each kind's id, the app's name for it, the factory that builds it for a loaded
-target, whether it takes a draft, its vLLM and SGLang methods and its CLI help. The CLI, the bench, the app, the
-request checks, compare and serve-config read it. Nothing heavy is imported here: the factories import at call time.
+target, whether it takes a draft, its vLLM and SGLang methods, its CLI help, and its options with the flags that set
+them. The CLI, the bench, serve-config, the app, the request checks and compare read it. Nothing heavy is imported
+here: the factories import at call time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import argparse
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ..config import HYBRID_LOOKUP, Runtime, SuffixConfig
-
+from ..config import HYBRID_LOOKUPS, VLLM_SUFFIX, HybridConfig, Runtime, SuffixConfig
 from .base import SharedState
 
 if TYPE_CHECKING:
@@ -20,20 +21,42 @@ if TYPE_CHECKING:
 
     Built = tuple[Drafter, str | None, HybridCalibration | None]  # (drafter, draft name or None, calibration or None)
 
+COMMANDS = ("generate", "bench", "serve-config")  # the subcommands that build or serve a drafter
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag of a kind: it sets `field` of the kind's options, whose default (config's) it shows; a
+    bool field is a switch. `commands` are the subcommands that take it."""
+
+    name: str  # "--suffix-max-tree-depth"
+    field: str  # the options' field it sets
+    help: str  # may name %(default)s
+    choices: tuple[str, ...] | None = None
+    commands: tuple[str, ...] = COMMANDS
+
+    @property
+    def dest(self) -> str:
+        return self.name.lstrip("-").replace("-", "_")
+
 
 @dataclass(frozen=True)
 class BuildOptions:
-    """How a factory loads a draft: a draft LM's device and dtype (None: the defaults), remote code, the runtime."""
+    """How a factory builds: a draft LM's device and dtype (None: the defaults), remote code, the runtime; each kind's
+    options; what drafters keep across requests; the engine's speculative loop for a kind that times itself."""
 
     device: Any = None
     dtype: Any = None
     trust_remote_code: bool = False
     runtime: Runtime = Runtime()
-    suffix: SuffixConfig = SuffixConfig()  # suffix decoding's options (vLLM's names)
+    drafter_options: Mapping[str, Any] = field(default_factory=dict)  # kind name -> its options (absent: defaults)
     shared: SharedState | None = None  # what drafters keep across requests, owned by the caller (None: nothing kept)
-    hybrid_lookup: str = HYBRID_LOOKUP  # the hybrid's model-free half: "ngram" or "suffix"
     speculative: Callable | None = None  # engine.speculative, for a kind that times its draft at load (the hybrid):
     # drafters never import the decoding loop, so whoever builds them passes it (compare.make_drafter)
+
+    def of(self, name: str) -> Any:
+        """Kind `name`'s options: as given, else its defaults."""
+        return options_of(name, self.drafter_options)
 
 
 @dataclass(frozen=True)
@@ -50,6 +73,9 @@ class DrafterKind:
     serve_note: str = ""  # what serve-config says when the engines have no such drafter
     steady_draft_cost: bool = True  # whether its cost per drafted token is the same from prompt to prompt, so a run's
     # can be checked against a calibration (metrics.cost_drift); not a hybrid's, which depends on how much lookup drafted
+    options: Callable[[], Any] | None = None  # its options' class: a frozen dataclass whose defaults are the flags'
+    # (an optional validate() checks a set of them); None: it takes none. The factory reads BuildOptions.of(name)
+    flags: tuple[Flag, ...] = ()  # the flags that set its options, in every command that builds or serves it
 
 
 _KINDS: dict[str, DrafterKind] = {}
@@ -59,6 +85,8 @@ def register(kind: DrafterKind) -> DrafterKind:
     """Add a kind (after those already registered); a name is registered once."""
     if kind.name in _KINDS:
         raise ValueError(f"drafter kind '{kind.name}' is already registered")
+    if kind.flags and kind.options is None:
+        raise ValueError(f"drafter kind '{kind.name}' has flags but no options for them to set")
     _KINDS[kind.name] = kind
     return kind
 
@@ -96,6 +124,51 @@ def check_draft(name: str, draft: str | None) -> None:
 def cli_help(default: str | None = None) -> str:
     """--drafter's help: each kind's line."""
     return "; ".join(f"'{k.name}'{' (default)' if k.name == default else ''}: {k.help}" for k in kinds())
+
+
+# ---- each kind's options, and the flags that set them ----
+
+def options_of(name: str, given: Mapping[str, Any]) -> Any:
+    """Kind `name`'s options in `given` (kind name -> options), else its defaults; None for a kind that takes none."""
+    kind = get(name)
+    options = given.get(name)
+    return options if options is not None or kind.options is None else kind.options()
+
+
+def default_options() -> dict[str, Any]:
+    """Every kind's default options, by name (the kinds that take some)."""
+    return {k.name: k.options() for k in kinds() if k.options is not None}
+
+
+def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """Every kind's flags that `command` takes, defaulting to the kind's options' defaults."""
+    for kind in kinds():
+        defaults = kind.options() if kind.options is not None else None
+        for flag in kind.flags:
+            if command not in flag.commands:
+                continue
+            default = getattr(defaults, flag.field)
+            if isinstance(default, bool):
+                parser.add_argument(flag.name, dest=flag.dest, default=default, help=flag.help,
+                                    action=argparse.BooleanOptionalAction if default else "store_true")
+            else:
+                parser.add_argument(flag.name, dest=flag.dest, type=type(default), default=default,
+                                    choices=flag.choices, help=flag.help)
+
+
+def options_from(args: argparse.Namespace) -> dict[str, Any]:
+    """Each kind's options from parsed flags (a flag the command does not take keeps its default), checked by their
+    validate() (ValueError)."""
+    out = {}
+    for kind in kinds():
+        if kind.options is None:
+            continue
+        options = replace(kind.options(), **{f.field: getattr(args, f.dest) for f in kind.flags
+                                              if hasattr(args, f.dest)})
+        if hasattr(options, "validate"):
+            options.validate()
+        out[kind.name] = options
+    return out
 
 
 # ---- the built-in kinds ----
@@ -136,30 +209,30 @@ def suffix_drafter(target: LoadedModel, draft: str | None, options: BuildOptions
     the target's verify passes at load."""
     from .suffix import SuffixCache, SuffixDrafter
 
-    costs = None
-    if options.suffix.cost_aware:
+    config, costs = options.of("suffix"), None
+    if config.cost_aware:
         from ..config import MAX_K
         from ..engine.timing import PROBE_TEXT, load_time_verify_costs
 
         costs = load_time_verify_costs(target.model, target.tokenizer(PROBE_TEXT)["input_ids"], MAX_K)
-    return SuffixDrafter(SuffixCache.of(options.shared, options.suffix), options.suffix, pass_costs=costs), None, None
+    return SuffixDrafter(SuffixCache.of(options.shared, config), config, pass_costs=costs), None, None
 
 
 def hybrid_drafter(target: LoadedModel, draft: str | None, options: BuildOptions) -> Built:
-    """A draft (as draft_drafter) with prompt lookup, or suffix decoding (options.hybrid_lookup), taking over where
-    the context repeats, calibrated here."""
-    from ..config import HYBRID_LOOKUPS
+    """A draft (as draft_drafter) with prompt lookup, or suffix decoding (its options' lookup, drafting with suffix
+    decoding's options), taking over where the context repeats, calibrated here."""
     from .hybrid import calibrated_hybrid
 
     if options.speculative is None:
         raise ValueError("the hybrid times its draft at load: BuildOptions.speculative must be engine.speculative")
-    if options.hybrid_lookup not in HYBRID_LOOKUPS:
-        raise ValueError(f"the hybrid's lookup is one of {', '.join(HYBRID_LOOKUPS)}, not '{options.hybrid_lookup}'")
+    config = options.of("hybrid")
+    config.validate()
     lookup = None
-    if options.hybrid_lookup == "suffix":
+    if config.lookup == "suffix":
         from .suffix import SuffixCache, SuffixDrafter
 
-        lookup = SuffixDrafter(SuffixCache.of(options.shared, options.suffix), options.suffix, min_match=3)
+        suffix = options.of("suffix")
+        lookup = SuffixDrafter(SuffixCache.of(options.shared, suffix), suffix, min_match=3)
     model, name, _ = draft_drafter(target, draft, options)
     hybrid, calibration = calibrated_hybrid(model, target, options.speculative, name, lookup=lookup)
     return hybrid, name, calibration
@@ -178,8 +251,24 @@ register(DrafterKind(
          "a 3-token verify pass costs too much more than a 2-token one, as on a small CPU; measured at load)",
     steady_draft_cost=False,
     serve_note="vLLM has no hybrid drafter (prompt lookup where the context repeats, the draft elsewhere); this is "
-               "its draft half, and --drafter ngram gives its lookup half"))
+               "its draft half, and --drafter ngram gives its lookup half",
+    options=HybridConfig, flags=(
+        Flag("--hybrid-lookup", "lookup", "--drafter hybrid: its model-free half, prompt lookup or suffix decoding "
+             "(default %(default)s)", choices=HYBRID_LOOKUPS, commands=("generate", "bench")),)))
 register(DrafterKind(
     "suffix", "suffix decoding", suffix_drafter, needs_draft=False, vllm_method="suffix", sglang_method="SUFFIX",
     help="suffix decoding, no draft model: the most frequent continuation of the context's suffix in this request "
-         "and in earlier answers (kept per process), as long as the match supports; k is the most per step"))
+         "and in earlier answers (kept per process), as long as the match supports; k is the most per step",
+    options=SuffixConfig, flags=(  # vLLM's suffix_decoding_* options, with our measured defaults; the cost-aware cut
+        Flag("--suffix-max-tree-depth", "max_tree_depth", "--drafter suffix: the longest match plus draft the trees "
+             "hold (vLLM's suffix_decoding_max_tree_depth; default %(default)s)"),
+        Flag("--suffix-max-cached-requests", "max_cached_requests", "--drafter suffix: earlier answers kept for "
+             "drafting, oldest evicted first; 0: none (suffix_decoding_max_cached_requests; default %(default)s)"),
+        Flag("--suffix-max-spec-factor", "max_spec_factor", "--drafter suffix: a match of L tokens drafts at most "
+             f"this x L tokens (suffix_decoding_max_spec_factor; default %(default)s, vLLM's "
+             f"{VLLM_SUFFIX.max_spec_factor})"),
+        Flag("--suffix-min-token-prob", "min_token_prob", "--drafter suffix: the least estimated probability of a "
+             "drafted token (suffix_decoding_min_token_prob; default %(default)s)"),
+        Flag("--suffix-cost-aware", "cost_aware", "--drafter suffix: cut each draft where its expected accepted "
+             "tokens stop paying for a wider verify pass (pass costs timed at load, acceptance learned as it runs; "
+             "ours, not vLLM's)"))))

@@ -6,19 +6,12 @@ make_drafter builds drafters from names, through the registry; the CLI, the app,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
-from ..config import (
-    BUNDLED_ID,
-    HYBRID_LOOKUP,
-    GenerationConfig,
-    Placement,
-    Runtime,
-    SuffixConfig,
-)
+from ..config import BUNDLED_ID, GenerationConfig, Placement, Runtime
 from ..drafters import Drafter
 from ..drafters.base import SharedState
 from ..drafters.hybrid import HybridCalibration
@@ -66,23 +59,23 @@ def suffix_config_of(drafter: Drafter) -> SuffixConfig | None:
 
 def make_drafter(target: LoadedModel, kind: str, draft: str | None, device=None, dtype=None,
                  trust_remote_code: bool = False, runtime: Runtime = Runtime(), *,
-                 suffix: SuffixConfig = SuffixConfig(), shared: SharedState | None = None,
-                 hybrid_lookup: str = HYBRID_LOOKUP
+                 drafter_options: Mapping | None = None, shared: SharedState | None = None
                  ) -> tuple[Drafter, str | None, HybridCalibration | None]:
     """Build a drafter of a registered kind (registry.get(kind).factory): prompt lookup, a draft (the shipped trained
     draft, an EAGLE-3 head, any causal LM sharing the tokenizer: drafts.resolve_draft says which), the hybrid of the
     two, or any kind registered since. `device` is a draft LM's (None: the default device); an EAGLE-3 head computes
-    where the target's embeddings are. `shared` is what drafters keep across requests (suffix decoding's earlier
-    answers), owned by the caller (None: nothing kept past this drafter). Returns (drafter, draft name or None, the
-    hybrid's calibration or None)."""
-    options = BuildOptions(device, dtype, trust_remote_code, runtime, suffix, shared, hybrid_lookup, speculative)
+    where the target's embeddings are. `drafter_options` holds kinds' options by name (registry.options_from; a kind
+    not named: its defaults); `shared` is what drafters keep across requests (suffix decoding's earlier answers), owned
+    by the caller (None: nothing kept past this drafter). Returns (drafter, draft name or None, the hybrid's
+    calibration or None)."""
+    options = BuildOptions(device, dtype, trust_remote_code, runtime, drafter_options or {}, shared, speculative)
     return get(kind).factory(target, draft, options)
 
 
 def load_pair(target: str, kind: str = "model", draft: str | None = None, device=None, dtype=None,
               draft_device=None, trust_remote_code: bool = False, runtime: Runtime = Runtime(),
-              placement: Placement = Placement(), *, suffix: SuffixConfig = SuffixConfig(),
-              shared: SharedState | None = None, hybrid_lookup: str = HYBRID_LOOKUP) -> Pair:
+              placement: Placement = Placement(), *, drafter_options: Mapping | None = None,
+              shared: SharedState | None = None) -> Pair:
     """Load a target (with accelerate's device map when `placement` names one) and its drafter, on draft_device when
     given (else `device`; an EAGLE-3 head: where the target's embeddings are). Models are cached between calls."""
     loaded = load_model(target or BUNDLED_ID, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
@@ -90,7 +83,7 @@ def load_pair(target: str, kind: str = "model", draft: str | None = None, device
     graphs.attach(loaded.model, runtime.graphs)
     draft_device = draft_device or (None if placement.active else device)  # `device` names no device under a map
     drafter, draft_name, calibration = make_drafter(loaded, kind, draft, draft_device, dtype, trust_remote_code,
-                                                    runtime, suffix=suffix, shared=shared, hybrid_lookup=hybrid_lookup)
+                                                    runtime, drafter_options=drafter_options, shared=shared)
     if draft_lm(drafter) is not None:
         graphs.attach(draft_lm(drafter), runtime.graphs)
     return Pair(loaded, drafter, kind, draft_name, calibration)

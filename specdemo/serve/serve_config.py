@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import BUNDLED_HUB_ID, BUNDLED_ID, VLLM_SUFFIX, Runtime, SuffixConfig, drafter_default
 from ..drafters import NgramDrafter
-from ..drafters.registry import check_draft, get
+from ..drafters.registry import check_draft, get, options_of
 
 VLLM_METHODS = ("ngram", "suffix", "eagle3", "draft_model")
 SGLANG_METHODS = {"ngram": "NGRAM", "suffix": "SUFFIX", "eagle3": "EAGLE3", "draft_model": "STANDALONE"}  # each method's SGLang algorithm
@@ -168,21 +169,21 @@ def suffix_note(suffix: SuffixConfig) -> str | None:
 
 
 def plan(target: str, drafter: str, draft: str | None, k: int, runtime: Runtime = Runtime(),
-         verification: str = "token", suffix: SuffixConfig = SuffixConfig()) -> ServePlan:
-    """Map our target, drafter kind (the registry's methods), draft (drafts.resolve_draft, from the local hub cache
-    only), k, the verification rule and suffix decoding's options to a vLLM method and speculative config (no model
-    is loaded)."""
+         verification: str = "token", drafter_options: Mapping | None = None) -> ServePlan:
+    """Map our target, drafter kind (the registry's methods), draft (drafters.resolve.resolve_draft, from the local
+    hub cache only), k, the verification rule and the kinds' options (registry.options_from; the kind of vLLM's
+    suffix method takes SuffixConfig) to a vLLM method and speculative config (no model is loaded)."""
     served, note = serve_target(target, runtime)
     kind = get(drafter)
     check_draft(drafter, draft)
-    is_suffix = kind.vllm_method == "suffix"
-    cost_note = COST_AWARE_NOTE if suffix.cost_aware and is_suffix else None
+    suffix = options_of(drafter, drafter_options or {}) if kind.vllm_method == "suffix" else None
+    cost_note = COST_AWARE_NOTE if suffix is not None and suffix.cost_aware else None
     notes = tuple(n for n in (note, kind.serve_note, BLOCK_NOTE if verification == "block" else None, cost_note,
-                              suffix_note(suffix) if is_suffix else None) if n)
+                              suffix_note(suffix) if suffix is not None else None) if n)
     if not kind.needs_draft:
         lookup = Lookup.of() if kind.vllm_method == "ngram" else None
         return ServePlan(served, kind.vllm_method, k, lookup=lookup, notes=notes, sglang_method=kind.sglang_method,
-                         verification=verification, suffix=suffix if kind.vllm_method == "suffix" else None)
+                         verification=verification, suffix=suffix)
     from ..drafters.resolve import resolve_draft
 
     resolved = resolve_draft(draft, target, runtime, fetch=False)

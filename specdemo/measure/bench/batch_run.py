@@ -65,7 +65,7 @@ def run_batch_bench(bc: BenchConfig) -> dict:
                               seed=bc.seed, use_chat_template=bc.chat_template)
     config.validate()
     pair = load_pair(bc.target, kind, bc.draft, bc.device, bc.dtype, bc.draft_device, runtime=bc.runtime,
-                     placement=bc.placement, suffix=bc.suffix, hybrid_lookup=bc.hybrid_lookup)
+                     placement=bc.placement, drafter_options=bc.drafter_options)
     prompt_ids = [encode_prompt(pair.target.tokenizer, it.prompt, config.use_chat_template) for it in items]
     rows = len(shared_rows(prompt_ids, sizes))
     machine = machine_info(pair.target.device, pair.target.dtype)

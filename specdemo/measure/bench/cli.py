@@ -13,9 +13,9 @@ import torch
 
 from ... import checks
 from ...checks import arg
-from ...cliargs import add_placement_args, add_runtime_args, add_suffix_args, placement_args, runtime_args, suffix_args
-from ...config import DEFAULT_DRAFTER, HYBRID_LOOKUPS, k_defaults_help
-from ...drafters.registry import cli_help, names
+from ...cliargs import add_placement_args, add_runtime_args, placement_args, runtime_args
+from ...config import DEFAULT_DRAFTER, k_defaults_help
+from ...drafters.registry import add_flags, cli_help, names, options_from
 from ...engine import GenerationError
 from ...models.loading import ModelLoadError, TokenizerMismatchError
 from .batch_report import batch_baseline_warning
@@ -69,12 +69,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-threads-bind", metavar="CPUS",
                    help="with --anchors vllm: VLLM_CPU_OMP_THREADS_BIND for vLLM's CPU worker, e.g. 0-1 (default: "
                         "vLLM's 'auto', which keeps one core for its scheduler process)")
-    add_suffix_args(p)
+    add_flags(p, "bench")
     p.add_argument("--suffix-cold", action="store_true",
-                   help="--drafter suffix: empty the cache of earlier answers before each prompt (default: carried "
-                        "across the prompts in order, as a server carries it; vLLM then keeps no earlier answers)")
-    p.add_argument("--hybrid-lookup", choices=HYBRID_LOOKUPS, default=D.hybrid_lookup,
-                   help="--drafter hybrid: its model-free half, prompt lookup or suffix decoding (default %(default)s)")
+                   help="empty what the drafter keeps across requests (suffix decoding's cache of earlier answers) "
+                        "before each prompt (default: carried across the prompts in order, as a server carries it; "
+                        "vLLM's suffix method then keeps no earlier answers)")
     p.add_argument("--out", default=D.out, help="output folder for bench.json, bench.md, bench.html "
                                                 "(default %(default)s, git-ignored)")
     p.add_argument("--device", default=D.device)
@@ -116,8 +115,8 @@ def bench_config(args: argparse.Namespace, env=os.environ) -> BenchConfig:
                          device=args.device, dtype=args.dtype, chat_template=not args.no_chat_template,
                          placement=placement_args(args), draft_device=args.draft_device,
                          theory=not args.no_theory, quiet=args.quiet, runtime=runtime_args(args, env),
-                         batch_sizes=args.batch_sizes, max_batches=args.max_batches, suffix=suffix_args(args),
-                         suffix_cold=args.suffix_cold, hybrid_lookup=args.hybrid_lookup)
+                         batch_sizes=args.batch_sizes, max_batches=args.max_batches,
+                         drafter_options=options_from(args), suffix_cold=args.suffix_cold)
     if config.k is not None:  # None: the measured starting k, resolved once the pair is known
         checks.ks(config.k)
     checks.verifications(config.verification, config.temperature)

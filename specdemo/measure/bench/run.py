@@ -8,7 +8,8 @@ import logging
 import os
 import platform
 import sys
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -17,15 +18,14 @@ from ... import checks
 from ...config import (
     BUNDLED_ID,
     DEFAULT_DRAFTER,
-    HYBRID_LOOKUP,
     MAX_K,
     GenerationConfig,
     Placement,
     Runtime,
     SamplingConfig,
-    SuffixConfig,
 )
 from ...drafters.base import SharedState
+from ...drafters.registry import get, options_of
 from ...drafters.resolve import default_draft, starting_k
 from ...engine import encode_prompt, eos_ids, graphs
 from ...engine.timing import ForwardTimer, verify_costs_for
@@ -83,9 +83,9 @@ class BenchConfig:
     max_batches: int | None = None  # the batch sweep: at most this many batches per batch size
     placement: Placement = Placement()  # the target's device map, memory limits and offload folder
     draft_device: str | None = None  # None: the target's device (a draft head: where the target's head computes)
-    suffix: SuffixConfig = SuffixConfig()  # suffix decoding's options (vLLM's names)
-    suffix_cold: bool = False  # empty the suffix cache before each prompt (default: carried across them in order)
-    hybrid_lookup: str = HYBRID_LOOKUP  # the hybrid's model-free half: "ngram" or "suffix"
+    drafter_options: Mapping = field(default_factory=dict)  # kind name -> its options (registry.options_from)
+    suffix_cold: bool = False  # empty what the drafter keeps across requests before each prompt (default: carried
+    # across them in order)
 
     @property
     def drafter_kind(self) -> str:
@@ -244,8 +244,9 @@ def vllm_anchor(bc: BenchConfig, pair: Pair, items: list[PromptItem], prompt_ids
     if hf_assistant(pair) is not None and pair.draft_name:
         draft_model = serve_target(pair.draft_name, bc.runtime)[0]  # the bundled draft: its converted folder
     suffix = None  # vLLM's suffix beside ours; cold: it keeps no earlier answers (ours starts each prompt empty)
-    if bc.drafter_kind == "suffix":
-        suffix = replace(bc.suffix, max_cached_requests=0) if bc.suffix_cold else bc.suffix
+    if get(bc.drafter_kind).vllm_method == "suffix":
+        suffix = options_of(bc.drafter_kind, bc.drafter_options)
+        suffix = replace(suffix, max_cached_requests=0) if bc.suffix_cold else suffix
     options = replace(bc.vllm_options, eagle3=eagle3, draft_model=draft_model, suffix=suffix)
 
     def mismatch(pid: str, ids: list[int]) -> dict | None:
@@ -277,7 +278,7 @@ def run_bench(bc: BenchConfig) -> dict:
         check_vllm(bc)
     shared = SharedState()  # one per process: the prompts run in order, as a server's requests would
     pair = load_pair(bc.target, kind, bc.draft, bc.device, bc.dtype, bc.draft_device, runtime=bc.runtime,
-                     placement=bc.placement, suffix=bc.suffix, shared=shared, hybrid_lookup=bc.hybrid_lookup)
+                     placement=bc.placement, drafter_options=bc.drafter_options, shared=shared)
     tok = pair.target.tokenizer
     prompt_ids = [encode_prompt(tok, it.prompt, config.use_chat_template) for it in items]
     calibration, k_source = None, "--k"
@@ -333,7 +334,8 @@ def run_bench(bc: BenchConfig) -> dict:
         "overhead": "wall seconds outside every target/draft forward call, per target forward call",
     }
     if shared.find("suffix") is not None:
-        cfg["suffix"] = {**bc.suffix.as_dict(), "hybrid_lookup": bc.hybrid_lookup if kind == "hybrid" else None,
+        lookup = options_of("hybrid", bc.drafter_options).lookup if kind == "hybrid" else None
+        cfg["suffix"] = {**options_of("suffix", bc.drafter_options).as_dict(), "hybrid_lookup": lookup,
                          "cache": "emptied before each prompt" if bc.suffix_cold else
                                   "one per process, carried across the prompts in order"}
     if calibration:
