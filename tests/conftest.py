@@ -1,12 +1,22 @@
-"""Shared fixtures: tiny random llamas with a tiny word-level tokenizer (milliseconds), and the real bundled model."""
+"""Shared fixtures: tiny random llamas with a tiny word-level tokenizer (milliseconds), the real bundled model, and
+every registered drafter kind built on the tiny models (drafter_cases), which the losslessness and sampling tests run:
+a new kind is tested by being registered. A toy kind (bigram_drafter.py) is registered here, as a new one would be."""
 
 from __future__ import annotations
 
+import itertools
 import os
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
 
 import pytest
 import torch
+from bigram_drafter import BigramOptions, bigram_drafter
+
+from specdemo.drafters import registry
+from specdemo.drafters.base import SharedState
+from specdemo.drafters.registry import BuildOptions, DrafterKind, Flag
 
 # scripts/gpu_check.sh sets this to run the tiny-model engine tests on CUDA
 TEST_DEVICE = torch.device(os.environ.get("SPECDEMO_TEST_DEVICE", "cpu"))
@@ -70,7 +80,6 @@ def second_token_distribution(model, prompt, eos=0):
     return (p1[:, None] * p2).sum(0) / p1.sum()
 
 
-
 def save_tiny_folder(path, layers: int):
     """A tiny llama over WORDS (seed 1) and its tokenizer saved as a model folder at `path`; returns the model."""
     model = tiny_llama(len(WORDS) + 1, seed=1, sharpness=8.0, layers=layers).cpu()
@@ -95,6 +104,12 @@ def tiny_target():
 @pytest.fixture(scope="session")
 def tiny_draft():
     return tiny_llama(len(WORDS) + 1, seed=2, sharpness=8.0, layers=1)
+
+
+@pytest.fixture(scope="session")
+def eagle3_target():
+    """An 8-layer tiny llama over the same 16 ids, so an EAGLE-3 head's default aux layers (2, 4, 5) are distinct."""
+    return tiny_llama(len(WORDS) + 1, seed=5, sharpness=8.0, layers=8)
 
 
 @pytest.fixture(scope="session")
@@ -140,3 +155,142 @@ def tiny_loads(monkeypatch, tiny_target, tiny_tok):
     monkeypatch.setattr(compare, "load_pair", load_pair)
     monkeypatch.setattr(race, "load_tokenizer", lambda name, runtime: (tiny_tok, 256))
     return calls
+
+
+# ---- every registered drafter kind on the tiny models ----
+
+def draft_vocab(size: int = 60, seed: int = 0, vocab: int = 100) -> torch.Tensor:
+    """EOS (id 0) and a shuffled part of the rest, in draft-id order (so d2t is not monotone)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.cat([torch.tensor([0]), 1 + torch.randperm(vocab - 1, generator=g)[: size - 1]])
+
+
+def random_head(target, seed: int = 0, size: int = 60, aux=None, vocab: torch.Tensor | None = None):
+    """A random EAGLE-3 head over `vocab` (default: draft_vocab(size, seed) of a 100-id vocabulary)."""
+    from specdemo.models.eagle3 import build_head
+
+    torch.manual_seed(seed)
+    head = build_head(target, draft_vocab(size, seed) if vocab is None else vocab, aux)
+    with torch.no_grad():  # larger weights than the default init, so drafts vary with their input
+        for name, p in head.named_parameters():
+            if p.dim() == 2 and name != "lm_head.weight":
+                p.normal_(0.0, 2.0 * p.shape[1] ** -0.5)
+    return head.eval()
+
+
+def eagle3_drafter(target, seed: int = 0):
+    """An EAGLE-3 drafter with a random head over 12 of the 16 ids (EOS and a shuffled part of the rest)."""
+    from specdemo.drafters.eagle3 import Eagle3Drafter
+
+    return Eagle3Drafter(random_head(target, seed, vocab=draft_vocab(12, seed, vocab=16)))
+
+
+@dataclass(frozen=True)
+class TinyModels:
+    """What a drafter case builds on: the tiny target, its 1-layer draft, the 8-layer target for EAGLE-3 heads, and
+    the tokenizer they share."""
+
+    target: Any
+    draft: Any
+    eagle3_target: Any
+    tok: Any
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_target, tiny_draft, eagle3_target, tiny_tok) -> TinyModels:
+    return TinyModels(tiny_target, tiny_draft, eagle3_target, tiny_tok)
+
+
+def loaded(model, tok):
+    """A tiny model as a loading.LoadedModel, as a kind's factory takes its target."""
+    from specdemo.models.loading import LoadedModel
+
+    return LoadedModel("tiny", model, tok, model.device, torch.float32, "folder")
+
+
+SHARED = SharedState()  # what the drafters keep across requests, carried across the tests' runs as a process does
+_COST_AWARE = SharedState()
+_COST_AWARE_TURN = itertools.count()
+
+
+def _through_its_factory(name: str) -> Callable[[TinyModels], tuple[Any, Any]]:
+    """A model-free kind built by its own factory, with its default options and the tests' SharedState."""
+    def build(tiny: TinyModels):
+        kind = registry.get(name)
+        if kind.needs_draft:
+            raise NotImplementedError(f"drafter kind '{name}' takes a draft: give it a tiny factory in "
+                                      "conftest.TINY_DRAFTERS")
+        return tiny.target, kind.factory(loaded(tiny.target, tiny.tok), None, BuildOptions(shared=SHARED))[0]
+    return build
+
+
+def _model(tiny):
+    from specdemo.drafters import ModelDrafter
+
+    return tiny.target, ModelDrafter(tiny.draft)
+
+
+def _hybrid(tiny, lookup=None, eagle3=False):
+    """The hybrid switching to its lookup on 2-token matches, so both of its sources get used."""
+    from specdemo.drafters import HybridDrafter, ModelDrafter
+
+    if eagle3:
+        return tiny.eagle3_target, HybridDrafter(eagle3_drafter(tiny.eagle3_target), min_match=2)
+    return tiny.target, HybridDrafter(ModelDrafter(tiny.draft), min_match=2, lookup=lookup)
+
+
+def _hybrid_suffix(tiny):
+    from specdemo.config import SuffixConfig
+    from specdemo.drafters.suffix import SuffixCache, SuffixDrafter
+
+    return _hybrid(tiny, SuffixDrafter(SuffixCache.of(SHARED, SuffixConfig()), min_match=2))
+
+
+def _suffix_cost_aware(tiny):
+    """Drafts cut by what the cache learned, where a wider pass costs 0.02 more per token (these drafts are never
+    cut) or 0.1 more (most are cut, once the cache has seen them rejected), one drafter each in turn."""
+    from specdemo.config import SuffixConfig
+    from specdemo.drafters.suffix import SuffixCache, SuffixDrafter
+
+    extra = 0.02 if next(_COST_AWARE_TURN) % 2 == 0 else 0.1
+    cache = SuffixCache.of(_COST_AWARE, SuffixConfig())
+    return tiny.target, SuffixDrafter(cache, pass_costs={n: 1.0 + extra * n for n in range(1, 65)})
+
+
+# kind -> {case id: build(tiny) -> (the target it drafts for, a fresh drafter)}: the kinds that take a draft, and
+# more cases of a kind; any other kind runs once, built by its own factory
+TINY_DRAFTERS: dict[str, dict[str, Callable[[TinyModels], tuple[Any, Any]]]] = {
+    "model": {"model": _model, "eagle3": lambda t: (t.eagle3_target, eagle3_drafter(t.eagle3_target))},
+    "hybrid": {"hybrid": _hybrid, "hybrid-eagle3": lambda t: _hybrid(t, eagle3=True), "hybrid-suffix": _hybrid_suffix},
+    "suffix": {"suffix": _through_its_factory("suffix"), "suffix-cost-aware": _suffix_cost_aware},
+}
+
+
+@dataclass(frozen=True)
+class DrafterCase:
+    """One way the tests run a registered kind: its name, the case's id, and build(tiny) -> (target, drafter)."""
+
+    kind: str
+    id: str
+    build: Callable[[TinyModels], tuple[Any, Any]]
+
+    def __str__(self) -> str:
+        return self.id
+
+
+def drafter_cases() -> list[DrafterCase]:
+    """Every registered kind's cases, in registration order (the parametrize list of the losslessness tests)."""
+    return [DrafterCase(name, case, build) for name in registry.names()
+            for case, build in (TINY_DRAFTERS.get(name) or {name: _through_its_factory(name)}).items()]
+
+
+def case(case_id: str) -> DrafterCase:
+    return next(c for c in drafter_cases() if c.id == case_id)
+
+
+# the toy kind: its module and this one call are all a new model-free kind needs
+registry.register(DrafterKind(
+    "bigram", "bigram (a test's toy)", bigram_drafter, needs_draft=False, vllm_method="ngram", sglang_method="NGRAM",
+    help="a test's toy: what followed the last token in earlier answers", options=BigramOptions,
+    flags=(Flag("--bigram-max-tokens", "max_tokens", "--drafter bigram: the most tokens per draft (default "
+                "%(default)s)"),)))

@@ -4,10 +4,10 @@ and the sampled distribution with several rows (also through an EAGLE-3 head's d
 
 import pytest
 import torch
-from conftest import second_token_distribution, tiny_llama
+from conftest import case, drafter_cases, eagle3_drafter, second_token_distribution
 
 from specdemo.config import GenerationConfig, SamplingConfig
-from specdemo.drafters import Eagle3Drafter, HybridDrafter, ModelDrafter, NgramDrafter
+from specdemo.drafters import ModelDrafter, NgramDrafter
 from specdemo.engine import (
     GenerationError,
     autoregressive,
@@ -27,39 +27,9 @@ PROMPTS = [[3, 5, 7, 3, 5, 9, 2], [4, 4, 1], [9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 8], 
 NEAR_TIE = 1e-3  # top-2 logit gap below which a tiny fp32 model's batched numerics may pick the other token
 
 
-@pytest.fixture(scope="module")
-def eagle3_target():
-    return tiny_llama(16, seed=5, sharpness=8.0, layers=8)  # the default aux ids (2, 4, 5) are distinct
-
-
-def eagle3_drafter(target, seed: int = 0) -> Eagle3Drafter:
-    """A random EAGLE-3 head over 12 of the 16 ids (EOS and a shuffled part of the rest: d2t is not monotone)."""
-    from test_eagle3 import random_head
-
-    g = torch.Generator().manual_seed(seed)
-    vocab = torch.cat([torch.tensor([0]), 1 + torch.randperm(15, generator=g)[:11]])
-    return Eagle3Drafter(random_head(target, seed, vocab=vocab))
-
-
-def make(kind, draft, target):
-    if kind == "ngram":
-        return NgramDrafter()
-    if kind == "model":
-        return ModelDrafter(draft)
-    if kind == "eagle3":
-        return eagle3_drafter(target)
-    if kind == "hybrid-eagle3":
-        return HybridDrafter(eagle3_drafter(target), min_match=2)
-    return HybridDrafter(ModelDrafter(draft), min_match=2)
-
-
 def spec_batch(target, tok, drafter, prompts, config, k_policy=None):
     """engine.decode with a drafter."""
     return decode(target, tok, prompts, config, drafter, k_policy=k_policy)
-
-
-def target_for(kind, tiny_target, eagle3_target):
-    return eagle3_target if "eagle3" in kind else tiny_target
 
 
 def single(target, tok, prompts, config):
@@ -85,29 +55,28 @@ def assert_lossless(model, prompts, expected, got):
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-@pytest.mark.parametrize("kind", ["ngram", "model", "hybrid", "eagle3", "hybrid-eagle3"])
-def test_greedy_batch_equals_each_rows_single_sequence_output(tiny_target, tiny_draft, eagle3_target, tiny_tok, kind,
-                                                             k):
-    """Every row of a batched speculative run is that prompt's own greedy output, for every drafter and k."""
-    target = target_for(kind, tiny_target, eagle3_target)
+@pytest.mark.parametrize("case", drafter_cases(), ids=str)
+def test_greedy_batch_equals_each_rows_single_sequence_output(tiny, tiny_tok, case, k):
+    """Every row of a batched speculative run is that prompt's own greedy output, for every registered drafter kind
+    and k."""
+    target, drafter = case.build(tiny)
     config = GenerationConfig(max_new_tokens=40, num_draft_tokens=k)
     expected = single(target, tiny_tok, PROMPTS, config)
-    events = list(spec_batch(target, tiny_tok, make(kind, tiny_draft, target), PROMPTS, config))
+    events = list(spec_batch(target, tiny_tok, drafter, PROMPTS, config))
     assert_lossless(target, PROMPTS, expected, row_outputs(events, len(PROMPTS)))
     assert batch_stats(events).drafted > 0
 
 
 @pytest.mark.parametrize("kind", ["ngram", "model", "hybrid", "eagle3", "eagle3-confident", "hybrid-eagle3"])
-def test_each_row_drafts_what_its_single_sequence_drafter_drafts(tiny_target, tiny_draft, eagle3_target, tiny_tok,
-                                                                kind):
+def test_each_row_drafts_what_its_single_sequence_drafter_drafts(tiny, tiny_tok, kind):
     """Step by step, every row's proposal in the batch equals the proposal of the same drafter decoding that prompt
     alone: the batched draft state (KV slots, pending EAGLE features, the hybrid's catch-up) follows each row."""
     from specdemo.engine import speculative
 
-    target = target_for(kind, tiny_target, eagle3_target)
+    target = case(kind.removesuffix("-confident")).build(tiny)[0]
 
     def fresh():
-        d = make(kind.removesuffix("-confident"), tiny_draft, target)
+        d = case(kind.removesuffix("-confident")).build(tiny)[1]
         if kind.endswith("-confident"):
             d.min_confidence = 0.9  # stops early on unsure drafts, differently per row
         return d

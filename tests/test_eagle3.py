@@ -11,7 +11,7 @@ import shlex
 
 import pytest
 import torch
-from conftest import sampled_second_tokens, tiny_llama, tiny_tokenizer
+from conftest import draft_vocab, random_head, sampled_second_tokens, tiny_llama, tiny_tokenizer
 
 from specdemo.config import GenerationConfig, Runtime, SamplingConfig
 from specdemo.drafters import DraftRequest
@@ -40,23 +40,6 @@ def tok100():
 @pytest.fixture(scope="module")
 def target8():
     return tiny_llama(VOCAB, seed=4, sharpness=8.0, layers=LAYERS)
-
-
-def draft_vocab(size: int = 60, seed: int = 0) -> torch.Tensor:
-    """EOS (id 0) and a shuffled part of the rest, in draft-id order (so d2t is not monotone)."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.cat([torch.tensor([0]), 1 + torch.randperm(VOCAB - 1, generator=g)[: size - 1]])
-
-
-def random_head(target, seed: int = 0, size: int = 60, aux=None, vocab: torch.Tensor | None = None):
-    """A random head over `vocab` (default: draft_vocab(size, seed) of the 100-id tiny vocabulary)."""
-    torch.manual_seed(seed)
-    head = build_head(target, draft_vocab(size, seed) if vocab is None else vocab, aux)
-    with torch.no_grad():  # larger weights than the default init, so drafts vary with their input
-        for name, p in head.named_parameters():
-            if p.dim() == 2 and name != "lm_head.weight":
-                p.normal_(0.0, 2.0 * p.shape[1] ** -0.5)
-    return head.eval()
 
 
 GREEDY, SAMPLED = SamplingConfig(temperature=0.0), SamplingConfig(temperature=1.0)

@@ -2,20 +2,12 @@
 step inspector's data (p, q, top 5, top-2 gap) against direct passes of the target and the draft, greedy and
 sampled."""
 
-import itertools
-
 import pytest
 import torch
-from conftest import sampled_second_tokens, second_token_distribution
+from conftest import drafter_cases, sampled_second_tokens, second_token_distribution
 
 from specdemo.config import GenerationConfig, SamplingConfig
-from specdemo.drafters import (
-    HybridDrafter,
-    ModelDrafter,
-    NgramDrafter,
-    SuffixCache,
-    SuffixDrafter,
-)
+from specdemo.drafters import ModelDrafter, NgramDrafter
 from specdemo.engine import (
     GenerationError,
     autoregressive,
@@ -32,37 +24,14 @@ def run(gen):
     return list(gen)
 
 
-SUFFIX_CACHE = SuffixCache()  # carried across runs, as a process carries it: later runs draft from earlier answers
-COST_AWARE_CACHE = SuffixCache()
-COST_AWARE_TURN = itertools.count()
-
-
-def make(kind, draft):
-    """A drafter by kind; the hybrids switch to lookup on 2-token matches so both of their sources get used."""
-    if kind == "model":
-        return ModelDrafter(draft)
-    if kind == "ngram":
-        return NgramDrafter()
-    if kind == "suffix":
-        return SuffixDrafter(SUFFIX_CACHE)
-    if kind == "suffix-cost-aware":
-        # drafts cut by what the cache learned, where a wider pass costs 0.02 more per token (these drafts are never
-        # cut) or 0.1 more (most are cut, once the cache has seen them rejected), one drafter each in turn
-        extra = 0.02 if next(COST_AWARE_TURN) % 2 == 0 else 0.1
-        return SuffixDrafter(COST_AWARE_CACHE, pass_costs={n: 1.0 + extra * n for n in range(1, 65)})
-    if kind == "hybrid-suffix":
-        return HybridDrafter(ModelDrafter(draft), min_match=2, lookup=SuffixDrafter(SUFFIX_CACHE, min_match=2))
-    return HybridDrafter(ModelDrafter(draft), min_match=2)
-
-
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-@pytest.mark.parametrize("kind", ["model", "ngram", "hybrid", "suffix", "suffix-cost-aware", "hybrid-suffix"])
-def test_greedy_speculative_equals_autoregressive(tiny_target, tiny_draft, tiny_tok, k, kind):
-    """Greedy speculative tokens are the target's own greedy tokens, for every drafter."""
+@pytest.mark.parametrize("case", drafter_cases(), ids=str)
+def test_greedy_speculative_equals_autoregressive(tiny, tiny_tok, case, k):
+    """Greedy speculative tokens are the target's own greedy tokens, for every registered drafter kind."""
     config = GenerationConfig(max_new_tokens=40, num_draft_tokens=k)
-    drafter = make(kind, tiny_draft)
-    ar = generated_ids(run(autoregressive(tiny_target, tiny_tok, PROMPT, config)))
-    sd_events = run(speculative(tiny_target, tiny_tok, drafter, PROMPT, config))
+    target, drafter = case.build(tiny)
+    ar = generated_ids(run(autoregressive(target, tiny_tok, PROMPT, config)))
+    sd_events = run(speculative(target, tiny_tok, drafter, PROMPT, config))
     assert generated_ids(sd_events) == ar
     assert any(e.kind == "spec" and e.drafted for e in sd_events)
 
@@ -137,28 +106,29 @@ def test_same_seed_same_sample_other_seed_differs(tiny_target, tiny_draft, tiny_
     assert sample(7) != sample(8)
 
 
-@pytest.mark.parametrize("kind", ["model", "ngram", "hybrid", "suffix", "suffix-cost-aware", "hybrid-suffix"])
-def test_sampled_distribution_matches_target(tiny_target, tiny_draft, tiny_tok, kind):
-    """Speculative sampling draws the second token from the target's distribution, far from the draft's.
+@pytest.mark.parametrize("case", drafter_cases(), ids=str)
+def test_sampled_distribution_matches_target(tiny, tiny_tok, case):
+    """Speculative sampling draws the second token from the target's distribution, for every registered drafter
+    kind; far from the draft model's.
 
     The 2,000 trials stay: the TV between 2,000 multinomial draws and this 16-token `expected` is ~0.034 on average
     (99.9th percentile ~0.056), so fewer trials would not hold the 0.06 bound. They run as 50 batches of 40 rows, each
     row with its own seed (sampled_second_tokens), a fresh drafter per batch."""
     prompt = list(range(1, 16)) + [3]  # every token occurs in the prompt, so prompt lookup always proposes
-    expected = second_token_distribution(tiny_target, prompt)
-    draft_p2 = second_token_distribution(tiny_draft, prompt)
+    target, _ = case.build(tiny)
+    expected = second_token_distribution(target, prompt)
+    draft_p2 = second_token_distribution(tiny.draft, prompt)
     trials = 2000
     # 3 tokens, so the first spec step may draft (k is capped to leave the last token to the target)
     config = GenerationConfig(max_new_tokens=3, num_draft_tokens=1, sampling=SamplingConfig(1.0))
-    counts, proposals = sampled_second_tokens(tiny_target, tiny_tok, lambda: make(kind, tiny_draft), prompt, config,
-                                              trials)
+    counts, proposals = sampled_second_tokens(target, tiny_tok, lambda: case.build(tiny)[1], prompt, config, trials)
     empirical = counts / counts.sum()
     assert counts.sum() > 0.9 * trials
     assert proposals > trials // 4
     tv_target = 0.5 * float((empirical - expected).abs().sum())
     tv_draft = 0.5 * float((draft_p2 - expected).abs().sum())
     assert tv_target < 0.06
-    if kind == "model":
+    if case.id == "model":
         assert tv_draft > 0.2
         assert 0.5 * float((empirical - draft_p2).abs().sum()) > 0.15
 
