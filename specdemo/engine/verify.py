@@ -45,13 +45,6 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def choose(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> int:
-    """The next token from (V,) logits: argmax when greedy, else a sample from the processed distribution."""
-    if sampling.greedy:
-        return int(torch.argmax(logits))
-    return sample(logits_to_probs(logits, sampling), generator)
-
-
 def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
     """Keep draft tokens while they equal the target's argmax. (k,), (k+1, V) -> (num_accepted, next_token)."""
     target_choice = target_logits.argmax(dim=-1)  # (k+1,)

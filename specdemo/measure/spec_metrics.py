@@ -95,8 +95,3 @@ def pool(dicts: Sequence[dict]) -> dict:
 
 def _add(lists: Sequence[Sequence[int]]) -> list[int]:
     return [sum(x) for x in zip_longest(*lists, fillvalue=0)]
-
-
-def k_of(events: Iterable) -> int:
-    """The largest k asked of the drafter in a run (the configured k, or dynamic k's peak)."""
-    return max((e.k for e in events if e.kind == "spec"), default=0)
