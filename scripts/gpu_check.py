@@ -43,7 +43,8 @@ SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, n
 def build(dtype, device, folder: str | None, layers: int):
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    kernels.plan_free_attention(torch.device(device), keep_cudnn=runtime_from_env(os.environ).cudnn_sdpa)  # as load_model
+    # as load_model does
+    kernels.plan_free_attention(torch.device(device), keep_cudnn=runtime_from_env(os.environ).cudnn_sdpa)
     if folder:
         return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
     torch.manual_seed(0)
@@ -118,7 +119,8 @@ def main() -> int:
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (16, 64, 200)]
     prompts.append(prompts[0] * 4)  # repetitive: prompt lookup gets matches
-    report = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else str(dev), "dtype": str(dtype), "torch": torch.__version__,
+    report = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else str(dev), "dtype": str(dtype),
+              "torch": torch.__version__,
               "weights": args.model or "random (SmolLM2-135M shapes)", "lossless": [], "timing": {}}
     cfg = GenerationConfig(max_new_tokens=args.new, num_draft_tokens=4)
     runners = ["eager"] + (["graphs"] if args.graphs == "on" else [])

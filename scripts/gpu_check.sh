@@ -113,7 +113,7 @@ eagle3_stage() {
   local target=$1 head=${EAGLE3_HEAD:-}
   if [ -z "$head" ] && [ "$DRY" = 1 ] && [ -n "$target" ]; then
     head=$R/eagle3-random
-    $PY -c "import torch; from specdemo.models.loading import load_model; from specdemo.models.eagle3 import build_head, save_eagle3; \
+    $PY -c "import torch; from specdemo.models.loading import load_model; from specdemo.models.eagle3 import save_eagle3; from specdemo.models.eagle3_head import build_head; \
 t = load_model('$target', device='cpu'); torch.manual_seed(0); save_eagle3(build_head(t.model, torch.arange(8192)), '$head')"
   fi
   if [ -z "$head" ] || [ -z "$target" ] || [ ! -f "$head/config.json" ]; then

@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     model.save_pretrained(out)
     loaded.tokenizer.save_pretrained(out)  # save_pretrained above wrote the config and generation_config
-    print(f"wrote {out}: {args.layers} of {n} layers, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+    millions = sum(p.numel() for p in model.parameters()) / 1e6
+    print(f"wrote {out}: {args.layers} of {n} layers, {millions:.1f}M parameters")
     return 0
 
 

@@ -79,8 +79,8 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--ks", default="1,2,4")
     p.add_argument("--max-memory", default="cpu=150MiB",
-                   help="the offloaded regime's limits: cpu=150MiB puts most layers on disk; on a GPU, 0=80MiB,cpu=8GiB "
-                        "keeps the embeddings and head on it and streams the layers from CPU memory")
+                   help="the offloaded regime's limits: cpu=150MiB puts most layers on disk; on a GPU, "
+                        "0=80MiB,cpu=8GiB keeps the embeddings and head on it and streams the layers from CPU memory")
     p.add_argument("--device", default="cpu", help="the in-memory regime's device (cpu, cuda)")
     p.add_argument("--out", default="out/offload")
     args = p.parse_args()

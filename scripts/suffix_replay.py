@@ -109,7 +109,8 @@ def main() -> None:
         rows.append({"drafter": "suffix", "k": k, "max_spec_factor": factor, "min_token_prob": prob}
                     | predict(replay(SuffixDrafter(cache, config), pairs, k, eos), costs))
     for row in rows:
-        print({key: (round(v, 3) if isinstance(v, float) else v) for key, v in row.items() if key != "per_prompt_speedup"})
+        print({key: (round(v, 3) if isinstance(v, float) else v) for key, v in row.items()
+               if key != "per_prompt_speedup"})
     if args.out:
         Path(args.out).write_text(json.dumps({"pass_costs": costs, "rows": rows}, indent=1) + "\n")
 

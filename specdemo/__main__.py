@@ -1,5 +1,5 @@
-"""Command line: `python -m specdemo generate|bench|distill|serve-config|export|space ...`. Environment and argv are read here
-only."""
+"""Command line: `python -m specdemo generate|bench|distill|serve-config|export|space ...`. Environment and argv are
+read here only."""
 
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ from .config import (
 from .drafters.registry import add_flags, cli_help, kinds, names, options_from
 
 G, S = GenerationConfig(), SamplingConfig()
-VERIFICATION_HELP = ("how sampled drafts are accepted: token (token-wise rejection sampling, Leviathan et al.) or block "
-                     "(block verification, Sun et al.: the block is judged jointly); both keep the target's distribution; "
-                     "greedy ignores it")
+VERIFICATION_HELP = ("how sampled drafts are accepted: token (token-wise rejection sampling, Leviathan et al.) or "
+                     "block (block verification, Sun et al.: the block is judged jointly); both keep the target's "
+                     "distribution; greedy ignores it")
 
 
 def _generate_parser(sub) -> None:
@@ -187,8 +187,9 @@ def _export_parser(sub) -> None:
     p.add_argument("--min-confidence", type=float, default=None,
                    help="the confidence gate our EAGLE-3 drafter reads from the export (default: the head's own); "
                         "vLLM and SGLang have none, so 0 makes ours draft what they draft")
-    p.add_argument("--target", default=None, help="the target, for the printed serve commands and a speculators "
-                                                  f"head's verifier (default: the one the head records, else {BUNDLED_ID})")
+    p.add_argument("--target", default=None,
+                   help="the target, for the printed serve commands and a speculators head's verifier (default: the "
+                        f"one the head records, else {BUNDLED_ID})")
     p.add_argument("--format", choices=["eagle3", "speculators"], default="eagle3",
                    help="eagle3: the raw EAGLE-3 layout vLLM and SGLang load beside the target (default); speculators: "
                         "the speculators format, whose config names the target, so `vllm serve OUT` alone serves both")
@@ -266,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     from .models.loading import ModelLoadError, TokenizerMismatchError
 
     try:
-        runner = {"serve-config": run_serve_config, "export": run_export, "space": run_space}.get(args.command, run_generate)
+        runners = {"serve-config": run_serve_config, "export": run_export, "space": run_space}
+        runner = runners.get(args.command, run_generate)
         return runner(args)
     except (ModelLoadError, TokenizerMismatchError, GenerationError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)

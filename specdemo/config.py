@@ -48,7 +48,8 @@ class SamplingConfig:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.verification not in VERIFICATION_RULES:
-            raise ValueError(f"unknown verification '{self.verification}'; choose one of {', '.join(VERIFICATION_RULES)}")
+            raise ValueError(f"unknown verification '{self.verification}'; choose one of "
+                             f"{', '.join(VERIFICATION_RULES)}")
 
     @property
     def rule(self) -> str:
@@ -215,8 +216,10 @@ PRESETS: tuple[Preset, ...] = (
     Preset("Bundled SmolLM2-135M + prompt lookup (offline)", BUNDLED_ID, None, offline=True),
     Preset("Bundled SmolLM2-135M + trained draft + prompt lookup (offline)", BUNDLED_ID, TRAINED_DRAFT_ID, offline=True,
            drafter="hybrid"),
-    Preset("SmolLM2-1.7B-Instruct + SmolLM2-135M-Instruct (hub)", "HuggingFaceTB/SmolLM2-1.7B-Instruct", BUNDLED_HUB_ID),
-    Preset("Qwen2.5-1.5B-Instruct + Qwen2.5-0.5B-Instruct (hub)", "Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
+    Preset("SmolLM2-1.7B-Instruct + SmolLM2-135M-Instruct (hub)", "HuggingFaceTB/SmolLM2-1.7B-Instruct",
+           BUNDLED_HUB_ID),
+    Preset("Qwen2.5-1.5B-Instruct + Qwen2.5-0.5B-Instruct (hub)", "Qwen/Qwen2.5-1.5B-Instruct",
+           "Qwen/Qwen2.5-0.5B-Instruct"),
     Preset("gpt2-xl + distilgpt2 (hub)", "openai-community/gpt2-xl", "distilbert/distilgpt2"),
     # published EAGLE-3 heads (specdemo.models.eagle3 detects them from their config.json); 8B targets: for a GPU Space
     Preset("Llama-3.1-8B-Instruct + its EAGLE-3 head (hub, GPU)", "meta-llama/Llama-3.1-8B-Instruct",

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DATA = Path(__file__).resolve().parent / "data" / "prompts"
-DEFAULT_PROMPTS = DATA / "dev.jsonl"  # the 30 development prompts the README's figures use (a copy of the project's shared dev set)
+# the 30 development prompts the README's figures use (a copy of the project's shared dev set)
+DEFAULT_PROMPTS = DATA / "dev.jsonl"
 INDEPENDENT_PROMPTS = DATA / "independent.jsonl"  # 30 written without sight of dev.jsonl or the training data
 REPETITIVE_PROMPTS = DATA / "repetitive.jsonl"  # 15: three tasks, each repeated on other data (suffix decoding's case)
 

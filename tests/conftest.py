@@ -107,6 +107,19 @@ def tiny_draft():
 
 
 @pytest.fixture(scope="session")
+def tok100():
+    """A 100-word tokenizer, for target8."""
+    return tiny_tokenizer([f"w{i}" for i in range(1, 100)])
+
+
+@pytest.fixture(scope="session")
+def target8():
+    """An 8-layer tiny llama over 100 ids (an EAGLE-3 head's default aux ids (2, 4, 5) are distinct), for the head's
+    tests: a wider vocabulary than a head's draft vocabulary."""
+    return tiny_llama(100, seed=4, sharpness=8.0, layers=8)
+
+
+@pytest.fixture(scope="session")
 def eagle3_target():
     """An 8-layer tiny llama over the same 16 ids, so an EAGLE-3 head's default aux layers (2, 4, 5) are distinct."""
     return tiny_llama(len(WORDS) + 1, seed=5, sharpness=8.0, layers=8)
@@ -167,7 +180,7 @@ def draft_vocab(size: int = 60, seed: int = 0, vocab: int = 100) -> torch.Tensor
 
 def random_head(target, seed: int = 0, size: int = 60, aux=None, vocab: torch.Tensor | None = None):
     """A random EAGLE-3 head over `vocab` (default: draft_vocab(size, seed) of a 100-id vocabulary)."""
-    from specdemo.models.eagle3 import build_head
+    from specdemo.models.eagle3_head import build_head
 
     torch.manual_seed(seed)
     head = build_head(target, draft_vocab(size, seed) if vocab is None else vocab, aux)

@@ -132,7 +132,8 @@ def test_the_sweep_and_the_batch_tab_add_no_answer_to_any_cache(tiny_models):
     before = tiny_models.get("session-a")
     sweep = list(h.run_sweep(PROMPT, "tiny", "suffix", "", 3, 0.0, 1.0, 12, "token", a))
     assert sweep[-1]["table"].startswith("Done"), sweep[-1]
-    assert tiny_models.held("session-a") == 1 and tiny_models.get("session-a") is before and before.find("suffix").recording
+    assert tiny_models.held("session-a") == 1 and tiny_models.get("session-a") is before
+    assert before.find("suffix").recording
     batch = BatchHandlers(BatchOutputs("throughput_plot", "speedup_plot", "table"), [], h, AppLimits(device="cpu"),
                           gpu=through_a_process)
     frames = list(batch.run(f"{PROMPT}\n{OTHER}", False, "tiny", "suffix", "", 3, False, 0.0, 1.0, 8, 2, False,

@@ -57,7 +57,8 @@ def test_report_keys_and_pooled_aggregates(tiny_target, tiny_tok, tmp_path):
     assert report["by_category"]["chat"]["speedup"] == pytest.approx(
         sum(r["ar_seconds"] for r in chat) / sum(r["sd_seconds"] for r in chat))
     a = report["anchors"]
-    assert {"hf_generate_tokens_per_s", "ar_vs_hf_generate", "hf_assisted_speedup", "hf_prompt_lookup_speedup"} <= set(a)
+    assert {"hf_generate_tokens_per_s", "ar_vs_hf_generate", "hf_assisted_speedup",
+            "hf_prompt_lookup_speedup"} <= set(a)
     assert a["hf_prompt_lookup_speedup"] > 0 and a["hf_assisted_speedup"] is None
     assert a["hf_generate_identical_fraction"] == 1.0  # transformers' greedy tokens are ours
     assert a["hf_prompt_lookup_identical_fraction"] == 1.0

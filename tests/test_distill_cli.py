@@ -49,7 +49,8 @@ def tiny_run(tmp_path_factory):
     argv = ["--target", str(root / "target"), "--out", str(root / "out"), "--device", "cpu", "--scale", "0.05",
             "--max-new-tokens", "8", "--gen-batch-size", "16", "--self-instruct", "4", "--instructions", "",
             "--subset-size", "24", "--steps", "40", "--batch-size", "4", "--eval-every", "20", "--log-every", "20",
-            "--lr", "3e-3", "--seed", "1", "--fuse-layers", "1"]  # a 2-layer target has no 3 distinct default aux layers
+            "--lr", "3e-3", "--seed", "1",
+            "--fuse-layers", "1"]  # a 2-layer target has no 3 distinct default aux layers
     torch.manual_seed(0)
     assert main(argv) == 0
     return root, argv

@@ -54,9 +54,9 @@ def training_config(config, num_layers):
 
 def test_eagle3_head_learns_the_target_and_its_checkpoint_drafts_losslessly(tmp_path):
     """Held-out agreement rises far above chance (0.43 after 150 steps here, against 0.6 for the retired EAGLE-style
-    head on the final state); the checkpoint is an EAGLE-3 head with its explicit aux ids, loads through eagle3.load_eagle3 with
-    the scale folded into fc (the same logits as the trainee), and its drafter keeps the target's greedy output while
-    getting drafts accepted."""
+    head on the final state); the checkpoint is an EAGLE-3 head with its explicit aux ids, loads through
+    drafters.eagle3.load_eagle3 with the scale folded into fc (the same logits as the trainee), and its drafter keeps
+    the target's greedy output while getting drafts accepted."""
     target, samples, data, trainee, records, final = _trained(tmp_path)
     evals = [r for r in records if r["event"] == "eval"]
     assert evals[0]["top1_step"][0] < 0.1 and final["top1_step"][0] > 0.3
@@ -68,7 +68,8 @@ def test_eagle3_head_learns_the_target_and_its_checkpoint_drafts_losslessly(tmp_
     tok = tiny_tokenizer([f"w{i}" for i in range(1, VOCAB)])
     drafter = load_eagle3(folder, LoadedModel("tiny", target, tok, torch.device("cpu"), torch.float32, "test"))
     assert drafter.target_layers == AUX
-    assert json.loads((folder / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [5, 6, 7]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [5, 6, 7]
     feats = data["features"][0][None].float()
     tokens = torch.tensor([samples[0]["ids"] + [0, 0]])
     with torch.no_grad():

@@ -1,8 +1,9 @@
 """The EAGLE-3 round trip through an engine no one here wrote: vLLM (its own venv; skipped without it) loads the
-bundled target with the shipped head, in our checkpoint format, under speculative method eagle3; its greedy output is its plain
-output and ours, and its acceptance, from its own spec-decode counters, is ours on the same prompts and k (four dev
-prompts, 48 tokens, k = 2, our confidence gate off: the acceptance rate and the first position's acceptance within
-5 points). SPECDEMO_EAGLE3_HEAD names another head folder, or "logit-lens" for an untrained, deterministic head."""
+bundled target with the shipped head, in our checkpoint format, under speculative method eagle3; its greedy output is
+its plain output and ours, and its acceptance, from its own spec-decode counters, is ours on the same prompts and k
+(four dev prompts, 48 tokens, k = 2, our confidence gate off: the acceptance rate and the first position's acceptance
+within 5 points). SPECDEMO_EAGLE3_HEAD names another head folder, or "logit-lens" for an untrained, deterministic
+head."""
 
 import json
 import os
@@ -18,8 +19,8 @@ from specdemo.measure.bench.vllm import VLLM_PYTHON_ENV
 from specdemo.models.eagle3 import default_aux_layer_ids, save_eagle3
 from specdemo.train.heads import build_eagle3_head
 
-HEAD_ENV = "SPECDEMO_EAGLE3_HEAD"  # another head folder to check instead of the shipped one; "logit-lens": the untrained
-#                                    deterministic head below
+# another head folder to check instead of the shipped one; "logit-lens": the untrained deterministic head below
+HEAD_ENV = "SPECDEMO_EAGLE3_HEAD"
 SHIPPED = Path(__file__).resolve().parent.parent / "specdemo" / "data" / "smollm2-135m-draft"  # an EAGLE-3 head
 
 

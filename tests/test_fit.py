@@ -1,5 +1,5 @@
-"""The memory estimate before loading (specdemo.models.fit, race.check_fit), the app's device-map settings and presets, and
-the app refusing a pair that cannot fit, then serving the next request (issue 31). Tiny real models in folders."""
+"""The memory estimate before loading (specdemo.models.fit, race.check_fit), the app's device-map settings and presets,
+and the app refusing a pair that cannot fit, then serving the next request (issue 31). Tiny real models in folders."""
 
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ def test_sizes_parse_like_accelerates():
 
 
 def test_the_fit_compares_need_with_the_limits_and_says_so():
-    """32.8 B + 0.5 B parameters in bf16 need about 68 GiB (weights and 10% more): refused under 0=20GiB,cpu=40GiB, allowed with an offload
-    folder (the rest on disk, said to be slow) and under larger limits."""
+    """32.8 B + 0.5 B parameters in bf16 need about 68 GiB (weights and 10% more): refused under 0=20GiB,cpu=40GiB,
+    allowed with an offload folder (the rest on disk, said to be slow) and under larger limits."""
     params = [32_800_000_000, 494_000_000]
     tight = placement_from("auto", "0=20GiB,cpu=40GiB")
     fit = estimate_fit(params, 2, tight, CPU)

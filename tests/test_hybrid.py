@@ -59,7 +59,8 @@ def test_shipped_draft_with_prompt_lookup_is_lossless(bundled):
 
     hybrid, _, cal = make_drafter(bundled, "hybrid", None)  # the shipped draft, capped as this machine's costs say
     chain = json.loads((DRAFTS / "smollm2-135m-draft" / "specdemo.json").read_text())["metrics"]["chain"]
-    assert hybrid.model.name == "eagle3" and hybrid.model.held_out_chain == tuple(chain)  # the cap weighs the draft's own held-out acceptance
+    # the cap weighs the draft's own held-out acceptance
+    assert hybrid.model.name == "eagle3" and hybrid.model.held_out_chain == tuple(chain)
     assert 0.0 < cal.draft_cost < 0.5  # measured at load; 0.07 in the benchmark on this CPU
     assert hybrid.model_k == hybrid_model_k(cal.verify_costs, hybrid.model.held_out_chain, cal.draft_cost)
     cap = hybrid.model_k or 3

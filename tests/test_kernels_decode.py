@@ -1,5 +1,5 @@
-"""specdemo.models.kernels.decode: left padding, the preallocated KV cache and grouped one-query attention give what a stock
-cache and sdpa give, up to float rounding, and the attention switch is undone after its block."""
+"""specdemo.models.kernels.decode: left padding, the preallocated KV cache and grouped one-query attention give what a
+stock cache and sdpa give, up to float rounding, and the attention switch is undone after its block."""
 
 import torch
 from conftest import tiny_llama
@@ -75,9 +75,13 @@ def test_preallocated_layer_rolls_back_selects_compacts_and_grows_as_a_dynamic_l
     from transformers.cache_utils import DynamicLayer
 
     g = torch.Generator().manual_seed(0)
-    kv = lambda b, t: (torch.randn(b, 2, t, 4, generator=g), torch.randn(b, 2, t, 4, generator=g))
     fast, stock = kernels.decode._preallocated_layer()(0, room=2), DynamicLayer()
-    both = lambda f: (f(fast), f(stock))
+
+    def kv(b, t):
+        return torch.randn(b, 2, t, 4, generator=g), torch.randn(b, 2, t, 4, generator=g)
+
+    def both(f):
+        return f(fast), f(stock)
 
     def same():
         assert torch.equal(fast.keys, stock.keys) and torch.equal(fast.values, stock.values)

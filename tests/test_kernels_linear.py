@@ -1,4 +1,5 @@
-"""The few-row CPU product equals F.linear up to rounding, and leaves training untouched (specdemo.models.kernels.linear)."""
+"""The few-row CPU product equals F.linear up to rounding, and leaves training untouched
+(specdemo.models.kernels.linear)."""
 
 import importlib
 

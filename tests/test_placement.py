@@ -20,7 +20,7 @@ from specdemo.config import (
 from specdemo.drafters import ModelDrafter, NgramDrafter
 from specdemo.engine import autoregressive, generated_ids, speculative
 from specdemo.measure.compare import compare, load_pair, pair_placement
-from specdemo.models.eagle3 import build_head
+from specdemo.models.eagle3_head import build_head
 from specdemo.models.loading import ModelLoadError, load_model
 from specdemo.models.placement import (
     execution_device,
@@ -157,8 +157,8 @@ def test_fast_linears_run_under_the_hooks_and_match(folder, tmp_path):
 
 
 def test_a_draft_head_reads_the_offloaded_embeddings_and_head(mapped, folder):
-    """An EAGLE-3 head built on an offloaded target (eagle3.build_head) gets the real weights (from the offload), not
-    the meta placeholders: its lm_head starts as the target's rows, its embeddings are the target's."""
+    """An EAGLE-3 head built on an offloaded target (eagle3_head.build_head) gets the real weights (from the offload),
+    not the meta placeholders: its lm_head starts as the target's rows, its embeddings are the target's."""
     whole = load_model(folder, device="cpu", runtime=CPU_ONLY)
     assert torch.equal(weight_of(mapped.model.lm_head), whole.model.lm_head.weight)
     subset = torch.tensor([0, 3, 5, 7])

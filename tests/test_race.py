@@ -1,5 +1,5 @@
-"""The app's plain parts (specdemo.app.race, no gradio): request checks against the limits, the Space rules for model ids
-(the allowlist and local paths, as app.py's limits_from_env reads them), the prompt-length guard and the token cap,
+"""The app's plain parts (specdemo.app.race, no gradio): request checks against the limits, the Space rules for model
+ids (the allowlist and local paths, as app.py's limits_from_env reads them), the prompt-length guard and the token cap,
 the summary text, the pacing of live frames (the throttle) and of the replay, and c and the verify cost as the sweep
 defines them."""
 
@@ -82,8 +82,8 @@ def test_summary_says_how_the_hybrid_drafted_and_why():
               "sd": {"seconds": 1.0, "draft_seconds": 0.1, "verify_seconds": 0.8, "tokens_per_s": 30.0,
                      "acceptance_rate": 0.5, "accepted": 5, "drafted": 10, "mean_accepted": 1.5, "steps": 10}}
     assert "hybrid:" not in final_stats_markdown(result)
-    capped = final_stats_markdown({**result, "hybrid_model_k": 1, "hybrid_verify_costs": {"1": 1.0, "2": 1.07, "3": 1.3},
-                                   "hybrid_draft_cost": 0.071})
+    capped = final_stats_markdown({**result, "hybrid_model_k": 1,
+                                   "hybrid_verify_costs": {"1": 1.0, "2": 1.07, "3": 1.3}, "hybrid_draft_cost": 0.071})
     assert "proposes 1 token per step" in capped and "costs 1.30× a 1-token one" in capped
     assert "a drafted token 0.07×" in capped
     assert "up to k tokens per step" in final_stats_markdown({**result, "hybrid_model_k": None,
@@ -91,7 +91,8 @@ def test_summary_says_how_the_hybrid_drafted_and_why():
 
 
 def test_sweep_table_has_a_line_per_k_and_the_fit():
-    """A Sweep from specdemo.measure.tune_k becomes a table line per k, then the fitted alpha, c and the theory's best k."""
+    """A Sweep from specdemo.measure.tune_k becomes a table line per k, then the fitted alpha, c and the theory's best
+    k."""
     points = [SweepPoint(k=k, ar_seconds=1.0, sd_seconds=1.0 / (1 + k / 10), ar_tokens=20, sd_tokens=20,
                          speedup=1 + k / 10, acceptance_rate=0.5, mean_accepted=1.5, mean_drafted=k, alpha=0.5,
                          c=0.01, verify_cost=1.0, expected_speedup=1.2, identical=True) for k in (1, 2, 3)]

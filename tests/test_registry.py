@@ -50,7 +50,8 @@ def test_the_builtin_kinds_in_order():
 
 def test_registry_imports_nothing_heavy():
     """registry and drafts import neither torch nor gradio: the factories import when they build."""
-    code = "import sys, specdemo.drafters.registry, specdemo.drafters.resolve; print(sorted({'torch', 'gradio'} & set(sys.modules)))"
+    code = ("import sys, specdemo.drafters.registry, specdemo.drafters.resolve; "
+            "print(sorted({'torch', 'gradio'} & set(sys.modules)))")
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root).stdout
     assert out.strip() == "[]"
@@ -104,7 +105,8 @@ def test_every_kind_reaches_the_app(name):
 def test_every_kind_is_in_every_losslessness_test():
     """The greedy and sampling tests run the cases conftest builds for every registered kind: one per model-free
     kind through its own factory, the tiny factories of the others (an EAGLE-3 head among the model's)."""
-    tests = (test_engine.test_greedy_speculative_equals_autoregressive, test_engine.test_sampled_distribution_matches_target,
+    tests = (test_engine.test_greedy_speculative_equals_autoregressive,
+             test_engine.test_sampled_distribution_matches_target,
              test_batch.test_greedy_batch_equals_each_rows_single_sequence_output)
     for test in tests:
         (cases,) = [m.args[1] for m in test.pytestmark if m.name == "parametrize" and m.args[0] == "case"]

@@ -23,7 +23,8 @@ HUB_COLORS = {"red", "yellow", "green", "blue", "indigo", "purple", "pink", "gra
 
 
 def test_dry_run_lists_the_app_and_the_draft_weights_and_not_tests_or_bench(capsys):
-    """`space ID --dry-run` lists app.py, the package and the draft's weights (by LFS), and nothing of tests/ or bench/."""
+    """`space ID --dry-run` lists app.py, the package and the draft's weights (by LFS), and nothing of tests/ or
+    bench/."""
     assert main(["space", "someone/specdemo", "--dry-run"]) == 0
     rows = {line.split()[-1]: line.split()[1] for line in capsys.readouterr().out.splitlines()
             if line[:12].strip().replace(",", "").isdigit()}

@@ -271,7 +271,8 @@ def test_cost_aware_suffix_from_the_registry_is_lossless_on_the_bundled_model(bu
     """--drafter suffix --suffix-cost-aware as the CLI builds it: pass costs timed on the target at load (a wider
     pass costs at least a little more), then greedy output equal to the target's own, with drafts of several
     lengths."""
-    drafter, _, _ = get("suffix").factory(bundled, None, BuildOptions(drafter_options={"suffix": SuffixConfig(cost_aware=True)}))
+    options = BuildOptions(drafter_options={"suffix": SuffixConfig(cost_aware=True)})
+    drafter, _, _ = get("suffix").factory(bundled, None, options)
     costs = drafter.pass_costs
     assert set(costs) == set(range(1, 17)) and all(costs[n] <= costs[n + 1] for n in range(1, 16))
     lengths = {len(e.drafted) for e in suffix_steps(bundled, drafter, related, 16)}

@@ -82,4 +82,5 @@ def test_verify_costs_interpolate_between_measured_widths(monkeypatch):
     costs = verify_costs_for(None, [[1, 2]], k_max=8)
     assert measured["widths"] == [2, 3, 4, 5, 7, 9]
     assert sorted(costs) == list(range(1, 9))
-    assert all(abs(costs[k] - (1.0 + 0.1 * k)) < 1e-9 for k in costs)  # k + 1 tokens: 1 + 0.1 k, even where interpolated
+    # k + 1 tokens: 1 + 0.1 k, even where interpolated
+    assert all(abs(costs[k] - (1.0 + 0.1 * k)) < 1e-9 for k in costs)

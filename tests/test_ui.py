@@ -15,9 +15,9 @@ from specdemo.app.ui import CUSTOM, build_demo, preset_choices, rule_control
 from specdemo.config import MAX_K, PRESETS, Runtime
 
 PACKAGE = Path(__file__).resolve().parent.parent / "specdemo"
-COMPARE_INPUTS = ["Prompt", "Target model id", "Drafter", "Draft model id (same tokenizer)", "k (draft tokens per step)",
-                  "dynamic k", "temperature (0 = greedy)", "top-p", "max new tokens", "hide rejected drafts",
-                  "then replay at measured pace", "verification of sampled drafts"]
+COMPARE_INPUTS = ["Prompt", "Target model id", "Drafter", "Draft model id (same tokenizer)",
+                  "k (draft tokens per step)", "dynamic k", "temperature (0 = greedy)", "top-p", "max new tokens",
+                  "hide rejected drafts", "then replay at measured pace", "verification of sampled drafts"]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,8 @@ def event(demo: gr.Blocks, api_name: str):
 
 
 def test_compare_endpoint_keeps_its_inputs_and_outputs_order(demo):
-    """/compare takes the README's 11 inputs in order, then the verification rule; outputs[7] is the result JSON, [6] the status line."""
+    """/compare takes the README's 11 inputs in order, then the verification rule; outputs[7] is the result JSON, [6]
+    the status line."""
     fn = event(demo, "compare")
     assert [c.label for c in fn.inputs] == COMPARE_INPUTS
     assert [type(c).__name__ for c in fn.outputs] == ["HTML", "HTML", "Plot", "Plot", "Plot", "Markdown", "Markdown",
@@ -44,7 +45,8 @@ def test_compare_endpoint_keeps_its_inputs_and_outputs_order(demo):
 def test_sweep_endpoint_keeps_its_inputs_and_outputs_order(demo):
     """/sweep_k takes the run's inputs with the largest k in k's place and updates plot, table, best k, button."""
     fn = event(demo, "sweep_k")
-    assert [c.label for c in fn.inputs] == COMPARE_INPUTS[:4] + ["largest k"] + COMPARE_INPUTS[6:9] + COMPARE_INPUTS[-1:]
+    expected = COMPARE_INPUTS[:4] + ["largest k"] + COMPARE_INPUTS[6:9] + COMPARE_INPUTS[-1:]
+    assert [c.label for c in fn.inputs] == expected
     assert [type(c).__name__ for c in fn.outputs] == ["Plot", "Markdown", "State", "Button"]
     assert fn.outputs == fn.fn.__self__.outputs.sweep.order()
 

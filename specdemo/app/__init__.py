@@ -1,1 +1,2 @@
-"""The Gradio app: layout (ui), handlers, request checks and pacing (race), rendering, charts, the compute worker. The only package that imports gradio."""
+"""The Gradio app: layout (ui), handlers, request checks and pacing (race), rendering, charts, the compute worker. The
+only package that imports gradio."""

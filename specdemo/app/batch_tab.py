@@ -75,7 +75,8 @@ def make_batch_request(prompts_text, use_examples, examples, target, drafter, dr
 
 def batch_table(sweep) -> str:
     """Markdown: one line per measured batch size, then where speculation stops paying."""
-    lines = ["| batch size | AR tok/s | SD tok/s | speedup | k (auto k) | mean accepted | verify cost | AR / generate |",
+    lines = ["| batch size | AR tok/s | SD tok/s | speedup | k (auto k) | mean accepted | verify cost "
+             "| AR / generate |",
              "|---|---|---|---|---|---|---|---|"]
     for p in sweep.points:
         base = f"{p.ar_vs_hf_generate:.2f}" if p.ar_vs_hf_generate is not None else "–"

@@ -43,7 +43,8 @@ def compute(request: RunRequest, limits: AppLimits, runtime: Runtime, recalibrat
     else:
         yield f"Warming up on {pair.target.device} (untimed)…"
     tok, step, events = pair.target.tokenizer, 0, {"ar": [], "sd": []}
-    with closing(iter_compare(pair, prompt_ids, config, do_warmup=not calibrating)) as steps:  # closing it stops the engine loop
+    # closing the steps stops the engine loop
+    with closing(iter_compare(pair, prompt_ids, config, do_warmup=not calibrating)) as steps:
         for which, item in steps:  # the engine's clock is paused while we are here
             if which == "result":
                 run = pass_costs(events["ar"], events["sd"])

@@ -77,8 +77,8 @@ def build_demo(limits: AppLimits = AppLimits(), runtime: Runtime = Runtime(),
                gpu: Callable | None = None) -> gr.Blocks:
     """The app. `runtime` goes to load_pair; `gpu` is spaces.GPU on ZeroGPU hardware, else None."""
     with gr.Blocks(title="Speculative decoding, shown truthfully") as demo:
-        gr.Markdown("## Speculative decoding, shown truthfully\nA draft proposes *k* tokens, the target checks them all "
-                    "in one pass and keeps the ones it agrees with: plain autoregressive decoding on the left, "
+        gr.Markdown("## Speculative decoding, shown truthfully\nA draft proposes *k* tokens, the target checks them "
+                    "all in one pass and keeps the ones it agrees with: plain autoregressive decoding on the left, "
                     "speculative on the right, same prompt and settings.", elem_id="intro")
         first = preset_fields(default_preset())  # a default preset is never Custom
         # the settings sit beside the tabs, so that after Run both panels are in view on a laptop screen

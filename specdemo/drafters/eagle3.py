@@ -1,4 +1,4 @@
-"""Drafting with an EAGLE-3 head (models' eagle3.Eagle3Head: ours or a published one) over the batch.
+"""Drafting with an EAGLE-3 head (models.eagle3_head.Eagle3Head: ours or a published one) over the batch.
 
 The head reads the target's hidden states (the final one, then the aux layers': engine.kv.target_features), chains
 its own pre-norm output from one draft step to the next, and proposes over its draft vocabulary, mapped to target
@@ -16,11 +16,12 @@ from ..config import Runtime
 from ..engine.kv import PAD, Slots, gather_slots, left_padded
 from ..engine.verify import generator_on, logits_to_probs
 from ..models import kernels
-from ..models.eagle3 import load_head, locate_eagle3, recorded_k
+from ..models.eagle3 import locate_eagle3, recorded_k
+from ..models.eagle3_head import load_head
 from .base import Chains, Drafter, DraftRequest, Proposal
 
 if TYPE_CHECKING:
-    from ..models.eagle3 import Eagle3Head
+    from ..models.eagle3_head import Eagle3Head
 
 
 class Eagle3Drafter(Drafter):

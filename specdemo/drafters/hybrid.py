@@ -33,8 +33,9 @@ class HybridDrafter(Drafter):
     another model-free drafter given as `lookup` (suffix decoding, asked for matches of min_match tokens or more).
     Elsewhere the draft proposes at most `model_k` tokens (None: k; calibrate chooses it from this machine's measured
     costs). The choice depends only on the committed context, so each step still has one well-defined proposal
-    distribution and rejection sampling stays exact. The draft follows along when skipped: a row that looked up is asked for nothing that step, and catches up
-    at its next proposal (ModelDrafter from the ids, Eagle3Drafter from the target features it kept pending).
+    distribution and rejection sampling stays exact. The draft follows along when skipped: a row that looked up is
+    asked for nothing that step, and catches up at its next proposal (ModelDrafter from the ids, Eagle3Drafter from the
+    target features it kept pending).
     """
 
     name = "hybrid"

@@ -72,7 +72,8 @@ class DrafterKind:
     help: str = ""  # one line for the CLI's --drafter help
     serve_note: str = ""  # what serve-config says when the engines have no such drafter
     steady_draft_cost: bool = True  # whether its cost per drafted token is the same from prompt to prompt, so a run's
-    # can be checked against a calibration (metrics.cost_drift); not a hybrid's, which depends on how much lookup drafted
+    # can be checked against a calibration (metrics.cost_drift); not a hybrid's, which depends on how much lookup
+    # drafted
     options: Callable[[], Any] | None = None  # its options' class: a frozen dataclass whose defaults are the flags'
     # (an optional validate() checks a set of them); None: it takes none. The factory reads BuildOptions.of(name)
     flags: tuple[Flag, ...] = ()  # the flags that set its options, in every command that builds or serves it

@@ -1,10 +1,14 @@
-"""Plotly figures for the app: tokens over time, running speedup, accepted-length histogram, where the time goes
-(a timeline of passes, acceptance by draft position), k sweep. No gradio.
+"""Plotly figures, the project's only: for the app, tokens over time, running speedup, accepted-length histogram,
+where the time goes (a timeline of passes, acceptance by draft position), k sweep; for the bench's bench.html, its
+report's speedups and the batch-size sweep's. No gradio.
 
-Inputs are plain numbers (points, histograms, sweep rows) computed by specdemo.measure.metrics; nothing here times anything.
+Inputs are plain numbers (points, histograms, sweep rows) computed by specdemo.measure.metrics; nothing here times
+anything.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import plotly.graph_objects as go
 
@@ -191,3 +195,55 @@ def batch_speedup(points: list[dict], crossover: int | None = None) -> go.Figure
     _batch_axis(fig, sizes)
     _mark_crossover(fig, crossover)
     return _layout(fig, "Speedup vs batch size", "batch size (prompts decoded together)", "speedup ×")
+
+
+# ---- the bench report (measure.bench.report's dict): bench.html ----
+
+def bench_speedup_by_category(report: dict, vllm_methods: Sequence[str]) -> go.Figure:
+    """Our speedup per prompt category, beside transformers' and vLLM's methods' where the report has them."""
+    anchors = report.get("anchors") or {}
+    cats = list(report["by_category"])
+    fig = go.Figure(go.Bar(name="ours", x=cats, y=[report["by_category"][c]["speedup"] for c in cats]))
+    for n in ("hf_prompt_lookup", "hf_assisted"):
+        if anchors.get(f"{n}_speedup") is not None:
+            fig.add_bar(name=n, x=cats, y=[report["by_category"][c].get(f"{n}_speedup") for c in cats])
+    vllm = anchors.get("vllm") or {}
+    for m in vllm_methods:
+        if vllm.get(f"{m}_speedup") is not None:
+            fig.add_bar(name=f"vLLM {m} (over vLLM plain)", x=cats,
+                        y=[(vllm["by_category"].get(c) or {}).get(f"{m}_speedup") for c in cats])
+    fig.add_hline(y=1.0, line_dash="dot")
+    fig.update_layout(title="Speedup by category (total AR time / total SD time)", barmode="group",
+                      yaxis_title="speedup")
+    return fig
+
+
+def bench_against_k(report: dict) -> go.Figure:
+    """Speedup against k beside the theory's curve, and acceptance against k."""
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("speedup vs k", "acceptance vs k"))
+    ks = [int(k) for k in report["by_k"]]
+    by_k = list(report["by_k"].values())
+    fig.add_scatter(x=ks, y=[a["speedup"] for a in by_k], mode="markers+lines", name="measured", row=1, col=1)
+    theory = report.get("theory")
+    if theory:
+        tk = [int(k) for k in theory["theory"]]
+        fig.add_scatter(x=tk, y=list(theory["theory"].values()), mode="lines", line_dash="dash",
+                        name=f"theory (alpha {theory['alpha']:.2f}, c {theory['c']:.2f})", row=1, col=1)
+    fig.add_scatter(x=ks, y=[a["acceptance_rate"] for a in by_k], mode="markers+lines", name="acceptance rate",
+                    row=1, col=2)
+    fig.add_scatter(x=ks, y=[a["mean_accepted"] for a in by_k], mode="markers+lines",
+                    name="mean accepted (tokens/pass)", row=1, col=2)
+    fig.update_xaxes(title_text="k (draft tokens per step)")
+    return fig
+
+
+def bench_vllm_throughput(vllm: dict, vllm_methods: Sequence[str]) -> go.Figure:
+    """Tokens/s at batch 1 of our two runs and of vLLM's plain decoding and methods, on the same prompt ids."""
+    names = ["ours AR", "ours SD", "vLLM plain", *[f"vLLM {m}" for m in vllm_methods if f"{m}_tokens_per_s" in vllm]]
+    values = [vllm["ar_tokens_per_s"], vllm["ours_tokens_per_s"], vllm["plain_tokens_per_s"],
+              *[vllm[f"{m}_tokens_per_s"] for m in vllm_methods if f"{m}_tokens_per_s" in vllm]]
+    fig = go.Figure(go.Bar(x=names, y=values))
+    fig.update_layout(title="tokens/s at batch 1: ours and vLLM on the same prompt ids", yaxis_title="tokens/s")
+    return fig

@@ -153,11 +153,13 @@ def summarize(points: Sequence[SweepPoint], verify_costs: dict[int, float], k_ma
     )
 
 
-def encode_all(pair: Pair, prompts: str | Sequence[str] | Sequence[list[int]], config: GenerationConfig) -> list[list[int]]:
+def encode_all(pair: Pair, prompts: str | Sequence[str] | Sequence[list[int]],
+               config: GenerationConfig) -> list[list[int]]:
     """Prompt strings (chat-templated per config) or ready id lists, as id lists."""
     if isinstance(prompts, str):
         prompts = [prompts]
-    return [p if isinstance(p, list) else encode_prompt(pair.target.tokenizer, p, config.use_chat_template) for p in prompts]
+    tok = pair.target.tokenizer
+    return [p if isinstance(p, list) else encode_prompt(tok, p, config.use_chat_template) for p in prompts]
 
 
 def iter_sweep(

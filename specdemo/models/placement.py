@@ -78,7 +78,8 @@ def weight_of(module: nn.Module, name: str = "weight") -> torch.Tensor:
 
 
 def module_ranges(names: list[str]) -> list[str]:
-    """Consecutive numbered siblings as one range: model.layers.0, model.layers.1, model.layers.2 -> model.layers.0-2."""
+    """Consecutive numbered siblings as one range: model.layers.0, model.layers.1, model.layers.2 ->
+    model.layers.0-2."""
     out: list[str] = []
     run: tuple[str, int, int] | None = None  # (prefix, first, last)
     for name in names + [""]:
@@ -98,7 +99,8 @@ def module_ranges(names: list[str]) -> list[str]:
 
 def model_placement(model: nn.Module, strategy: dict | None = None) -> dict:
     """Where a model lives: {"parts": {device: [module ranges]}, "parameters": {device: count}, "execution_device",
-    plus the Placement's fields (strategy: Placement.as_dict) under a device map. One device: parts {device: ["all"]}."""
+    plus the Placement's fields (strategy: Placement.as_dict) under a device map. One device: parts
+    {device: ["all"]}."""
     device_map = getattr(model, "hf_device_map", None)
     dev = device_name(execution_device(model))
     if not device_map:

@@ -19,7 +19,8 @@ from ..drafters import NgramDrafter
 from ..drafters.registry import check_draft, get, options_of
 
 VLLM_METHODS = ("ngram", "suffix", "eagle3", "draft_model")
-SGLANG_METHODS = {"ngram": "NGRAM", "suffix": "SUFFIX", "eagle3": "EAGLE3", "draft_model": "STANDALONE"}  # each method's SGLang algorithm
+# each method's SGLang algorithm
+SGLANG_METHODS = {"ngram": "NGRAM", "suffix": "SUFFIX", "eagle3": "EAGLE3", "draft_model": "STANDALONE"}
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,8 @@ def sglang_flags(method: str, k: int, draft_path: str | None = None, lookup: Loo
 
 
 def sglang_command(target: str, method: str, k: int, draft_path: str | None = None,
-                   lookup: Lookup | None = None, algorithm: str | None = None, suffix: SuffixConfig | None = None) -> str:
+                   lookup: Lookup | None = None, algorithm: str | None = None,
+                   suffix: SuffixConfig | None = None) -> str:
     """The whole SGLang launch line for the setting."""
     return (f"python -m sglang.launch_server --model-path {shlex.quote(str(target))} "
             + sglang_flags(method, k, draft_path, lookup, algorithm, suffix))

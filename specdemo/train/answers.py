@@ -64,7 +64,8 @@ def generate_answers(target, tokenizer, convs: list[list[dict]], max_new_tokens:
 
 
 def generate_recorded(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, sample_temp: float = 0.0,
-                      seed: int = 0, layers: tuple[int, ...] = ()) -> tuple[list[Sample], list[tuple[torch.Tensor, torch.Tensor]]]:
+                      seed: int = 0, layers: tuple[int, ...] = ()
+                      ) -> tuple[list[Sample], list[tuple[torch.Tensor, torch.Tensor]]]:
     """One batch of prompts (token ids, `prompt_ids`) answered by the engine with a `Recorder`, so that the passes
     that write the answers also give what `build_features` would record: the final hidden state (fp16; then each of
     `layers`' hidden states, as engine.target_features lays them out) and the greedy token (the label, also where a

@@ -40,7 +40,8 @@ class TrainConfig:
     total_minutes: float = 0  # 0: no time budget for the whole run
     batch_size: int = 8
     max_len: int = 320
-    fuse_layers: str = ""  # comma-separated target layers the head reads (EAGLE-3 aux; "": vLLM's default); see `layers`
+    fuse_layers: str = ""  # comma-separated target layers the head reads (EAGLE-3 aux; "": vLLM's default); see
+    # `layers`
     train_dtype: str = "fp32"  # or "bf16" (autocast)
     depth: int = 2  # draft steps unrolled in training
     decay: float = 0.8

@@ -104,10 +104,10 @@ def aux_scale(data: dict, hidden_size: int, samples: int = 256) -> torch.Tensor:
 
 
 def build_eagle3_head(target_model: nn.Module, subset: torch.Tensor, layers: tuple[int, ...]) -> nn.Module:
-    """A fresh EAGLE-3 head (eagle3.build_head) over the draft vocabulary `subset` (sorted target ids): the target's
-    embeddings borrowed, lm_head the target's head rows, frozen (but saved: vLLM reads it from the checkpoint), norm
-    starting as the target's final norm."""
-    from ..models.eagle3 import build_head
+    """A fresh EAGLE-3 head (eagle3_head.build_head) over the draft vocabulary `subset` (sorted target ids): the
+    target's embeddings borrowed, lm_head the target's head rows, frozen (but saved: vLLM reads it from the
+    checkpoint), norm starting as the target's final norm."""
+    from ..models.eagle3_head import build_head
 
     head = build_head(target_model, subset, tuple(layers))
     with torch.no_grad():

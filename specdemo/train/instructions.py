@@ -46,7 +46,8 @@ CODE_TASKS = [
 CODE_LANGS = ["Python", "Python", "Python", "JavaScript", "C", "Rust", "Java", "Go"]
 SNIPPETS = [
     "def f(xs):\n    return [x * x for x in xs if x % 2 == 0]",
-    "for i in range(1, 16):\n    print('FizzBuzz' if i % 15 == 0 else 'Fizz' if i % 3 == 0 else 'Buzz' if i % 5 == 0 else i)",
+    "for i in range(1, 16):\n    print('FizzBuzz' if i % 15 == 0 else 'Fizz' if i % 3 == 0 else 'Buzz' if i % 5 == 0 "
+    "else i)",
     "def g(d):\n    return {v: k for k, v in d.items()}",
     "total = 0\nfor line in open('data.txt'):\n    total += int(line)\nprint(total)",
     "def mean(xs):\n    return sum(xs) / len(xs)",
@@ -147,7 +148,8 @@ def text_prompts(rng: random.Random, paragraphs: list[str], scale: float) -> lis
     """(category, messages) built on paragraphs the target wrote first: summaries, rewrites, follow-up turns."""
     extract = [
         "Summarize the following text in two sentences.\n\n{p}", "Summarize the following text in one sentence.\n\n{p}",
-        "Rewrite the following paragraph in a formal tone.\n\n{p}", "List the key points of this text as bullets.\n\n{p}",
+        "Rewrite the following paragraph in a formal tone.\n\n{p}",
+        "List the key points of this text as bullets.\n\n{p}",
         "Give this text a title and a one-line summary.\n\n{p}", "Rewrite this for a ten-year-old.\n\n{p}",
         "Extract three keywords from the text below.\n\n{p}", "{p}\n\nWhat is the main idea of the text above?",
         "Shorten the following paragraph to about half its length.\n\n{p}",

@@ -96,8 +96,8 @@ def evaluate(head, samples: list[Sample], data: dict, idx: list[int], sub_index:
     """Held-out top-1 agreement with the target at draft steps 1..depth, and the chain rate (all steps right).
 
     A target token outside the draft's subset counts as a miss, since the draft can never propose it: the figure at
-    step 1 is the acceptance a greedy run at k = 1 measures. (Leaving those tokens out, as an earlier version did at depth 1, overstates it:
-    docs/notes/draft-experiments.md, "A fix to the agreement figure".)"""
+    step 1 is the acceptance a greedy run at k = 1 measures. (Leaving those tokens out, as an earlier version did at
+    depth 1, overstates it: docs/notes/draft-experiments.md, "A fix to the agreement figure".)"""
     head.eval()
     right = torch.zeros(depth)
     chain = torch.zeros(depth)
@@ -164,8 +164,11 @@ def train(head, samples: list[Sample], data: dict, config: TrainConfig, device: 
     opt = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
     total = [config.steps]  # shortened once the pace is known when --train-minutes sets a time budget
     warm = max(1, config.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, total[0]) / total[0]))))
+
+    def lr_factor(s: int) -> float:  # a linear warm-up, then a cosine down to 0.1
+        return min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, total[0]) / total[0])))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     gen = torch.Generator(device=device).manual_seed(config.seed)
     head.train()
     t0, cursor = time.perf_counter(), len(train_idx)

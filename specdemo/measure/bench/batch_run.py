@@ -37,7 +37,8 @@ def batch_k(text: str) -> int | None:
 
 
 def run_batch_bench(bc: BenchConfig) -> dict:
-    """The batch-size sweep (specdemo.measure.batch_sizes) on the prompt set; returns the report, also written to bc.out."""
+    """The batch-size sweep (specdemo.measure.batch_sizes) on the prompt set; returns the report, also written to
+    bc.out."""
     from tqdm.auto import tqdm
 
     from ..batch_sizes import iter_batch_sweep, shared_rows

@@ -27,7 +27,8 @@ from .vllm import VLLM_PYTHON_ENV, VllmOptions, VllmUnavailable
 ANCHORS = ("hf", "vllm")
 
 D = BenchConfig()
-DESCRIPTION = """`python -m specdemo bench`: our autoregressive and speculative decoders on a prompt set, against transformers.
+DESCRIPTION = """`python -m specdemo bench`: our autoregressive and speculative decoders on a prompt set, against
+transformers.
 
 For each prompt: autoregressive, then speculative at each k (greedy unless told otherwise), one after the other;
 with --anchors also transformers' generate (plain, assisted, prompt lookup) at the same k on the same input ids, and
@@ -129,8 +130,8 @@ def bench_config(args: argparse.Namespace, env=os.environ) -> BenchConfig:
 def summary_line(report: dict) -> str:
     """Speedup, acceptance, identical outputs, the anchors and the overheads, in one line."""
     o, a, ov = report["overall"], report.get("anchors") or {}, report.get("overhead") or {}
-    line = (f"speedup {o['speedup']:.2f}x  mean accepted {o['mean_accepted']:.2f}  acceptance {o['acceptance_rate']:.2f}"
-            f"  identical {o['identical_fraction']:.2f}")
+    line = (f"speedup {o['speedup']:.2f}x  mean accepted {o['mean_accepted']:.2f}  "
+            f"acceptance {o['acceptance_rate']:.2f}  identical {o['identical_fraction']:.2f}")
     if "ar_vs_hf_generate" in a:
         line += f"  | AR/HF generate {a['ar_vs_hf_generate']:.3f}"
         for n in ("hf_prompt_lookup", "hf_assisted"):

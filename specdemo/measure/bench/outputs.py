@@ -142,7 +142,8 @@ def markdown(report: dict) -> str:
             ["measure", "ms per target pass"], [[k.replace("_ms_per_step", ""), v] for k, v in ov.items()
                                                 if k.endswith("_ms_per_step")])
             + "\nForward fraction (time inside forwards / wall): " + ", ".join(
-                f"{k.replace('_forward_fraction', '')} {v:.3f}" for k, v in ov.items() if k.endswith("_forward_fraction"))
+                f"{k.replace('_forward_fraction', '')} {v:.3f}" for k, v in ov.items()
+                if k.endswith("_forward_fraction"))
             + "\n")
     prompt_rows = [[r["id"], r["category"], r["k"], r["ar_tokens_per_s"], r["sd_tokens_per_s"], r["speedup"],
                     r.get("hf_prompt_lookup_tokens_per_s", r.get("hf_assisted_tokens_per_s")),
@@ -182,7 +183,8 @@ def vllm_markdown(report: dict) -> str:
     ks = ", ".join(map(str, c["k"])) if isinstance(c.get("k"), list) else c.get("k", "?")
     rows = [["ours", "autoregressive", v["ar_tokens_per_s"], 1.0, None, None, None, 1.0],
             ["ours", f"{drafter}, k = {ks}", v["ours_tokens_per_s"], v["ours_speedup"],
-             v["ours_acceptance_rate"], v["ours_mean_accepted"], v["ours_tokens_per_pass"], v["ours_identical_fraction"]],
+             v["ours_acceptance_rate"], v["ours_mean_accepted"], v["ours_tokens_per_pass"],
+             v["ours_identical_fraction"]],
             ["vLLM", "plain", v["plain_tokens_per_s"], 1.0, None, None, None, v["plain_identical_fraction"]]]
     rows += [["vLLM", m, v[f"{m}_tokens_per_s"], v[f"{m}_speedup"], v[f"{m}_acceptance_rate"],
               v[f"{m}_mean_accepted"], v[f"{m}_tokens_per_pass"], v[f"{m}_identical_fraction"]] for m in methods]
@@ -252,47 +254,15 @@ def _per_position_markdown(v: dict, methods: list[str]) -> str:
 
 
 def html(report: dict) -> str:
-    """Plotly figures: speedup by category; speedup and acceptance against k beside the theoretical curve."""
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
+    """Plotly figures (charts.bench_*): speedup by category; speedup and acceptance against k beside the theoretical
+    curve; with vLLM, tokens/s of ours and of vLLM's methods."""
+    from .. import charts
 
-    anchors = report.get("anchors") or {}
-    cats = list(report["by_category"])
-    fig1 = go.Figure(go.Bar(name="ours", x=cats, y=[report["by_category"][c]["speedup"] for c in cats]))
-    for n in ("hf_prompt_lookup", "hf_assisted"):
-        if anchors.get(f"{n}_speedup") is not None:
-            fig1.add_bar(name=n, x=cats, y=[report["by_category"][c].get(f"{n}_speedup") for c in cats])
-    vllm = anchors.get("vllm") or {}
-    for m in VLLM_METHODS:
-        if vllm.get(f"{m}_speedup") is not None:
-            fig1.add_bar(name=f"vLLM {m} (over vLLM plain)", x=cats,
-                         y=[(vllm["by_category"].get(c) or {}).get(f"{m}_speedup") for c in cats])
-    fig1.add_hline(y=1.0, line_dash="dot")
-    fig1.update_layout(title="Speedup by category (total AR time / total SD time)", barmode="group",
-                       yaxis_title="speedup")
-
-    fig2 = make_subplots(rows=1, cols=2, subplot_titles=("speedup vs k", "acceptance vs k"))
-    ks = [int(k) for k in report["by_k"]]
-    by_k = list(report["by_k"].values())
-    fig2.add_scatter(x=ks, y=[a["speedup"] for a in by_k], mode="markers+lines", name="measured", row=1, col=1)
-    theory = report.get("theory")
-    if theory:
-        tk = [int(k) for k in theory["theory"]]
-        fig2.add_scatter(x=tk, y=list(theory["theory"].values()), mode="lines", line_dash="dash",
-                         name=f"theory (alpha {theory['alpha']:.2f}, c {theory['c']:.2f})", row=1, col=1)
-    fig2.add_scatter(x=ks, y=[a["acceptance_rate"] for a in by_k], mode="markers+lines", name="acceptance rate",
-                     row=1, col=2)
-    fig2.add_scatter(x=ks, y=[a["mean_accepted"] for a in by_k], mode="markers+lines",
-                     name="mean accepted (tokens/pass)", row=1, col=2)
-    fig2.update_xaxes(title_text="k (draft tokens per step)")
-    body = fig1.to_html(full_html=False, include_plotlyjs=True) + fig2.to_html(full_html=False, include_plotlyjs=False)
+    vllm = (report.get("anchors") or {}).get("vllm") or {}
+    figures = [charts.bench_speedup_by_category(report, VLLM_METHODS), charts.bench_against_k(report)]
     if vllm:
-        names = ["ours AR", "ours SD", "vLLM plain", *[f"vLLM {m}" for m in VLLM_METHODS if f"{m}_tokens_per_s" in vllm]]
-        values = [vllm["ar_tokens_per_s"], vllm["ours_tokens_per_s"], vllm["plain_tokens_per_s"],
-                  *[vllm[f"{m}_tokens_per_s"] for m in VLLM_METHODS if f"{m}_tokens_per_s" in vllm]]
-        fig3 = go.Figure(go.Bar(x=names, y=values))
-        fig3.update_layout(title="tokens/s at batch 1: ours and vLLM on the same prompt ids", yaxis_title="tokens/s")
-        body += fig3.to_html(full_html=False, include_plotlyjs=False)
+        figures.append(charts.bench_vllm_throughput(vllm, VLLM_METHODS))
+    body = "".join(f.to_html(full_html=False, include_plotlyjs=i == 0) for i, f in enumerate(figures))
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>specdemo bench</title></head><body>"
             f"<h1>Speculative decoding benchmark</h1><pre>{json.dumps(report['overall'], indent=1)}</pre>{body}"
             f"</body></html>\n")

@@ -118,7 +118,8 @@ def vllm_summary(rows: list[dict]) -> dict:
         if not sub:
             continue
         s, tok = (sum(r[f"vllm_{m}_{f}"] for r in sub) for f in ("seconds", "tokens"))
-        drafts, drafted, accepted = (sum(r[f"vllm_{m}_{f}"] for r in sub) for f in ("drafts", "draft_tokens", "accepted"))
+        drafts, drafted, accepted = (sum(r[f"vllm_{m}_{f}"] for r in sub)
+                                     for f in ("drafts", "draft_tokens", "accepted"))
         out[f"{m}_tokens_per_s"] = ratio(tok, s)
         out[f"{m}_speedup"] = ratio(sum(r["vllm_plain_seconds"] for r in sub), s)
         out[f"{m}_acceptance_rate"] = ratio(accepted, drafted)

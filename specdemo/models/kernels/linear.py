@@ -147,8 +147,8 @@ def plan_free_attention(device: torch.device, keep_cudnn: bool = False) -> bool:
 
     torch 2.11 on an H200 sends `scaled_dot_product_attention` to cuDNN first, and cuDNN builds an execution plan for
     every shape it has not seen. Decoding meets a new shape at every step (the KV cache grows by one), so the first run
-    over a range of lengths pays that build at every step and any later run over the same lengths does not: a timing that
-    favours whichever decoder runs second, which no comparison here may have (the GPU check's figures:
+    over a range of lengths pays that build at every step and any later run over the same lengths does not: a timing
+    that favours whichever decoder runs second, which no comparison here may have (the GPU check's figures:
     docs/gpu.md)."""
     if device.type != "cuda" or keep_cudnn:
         return False
