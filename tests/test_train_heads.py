@@ -1,5 +1,5 @@
 """distill on a tiny random llama: the EAGLE-3 head learns the target's answers from its aux layers' states (held-out
-agreement from 0.03 to over 0.3), its checkpoint loads through specdemo.models.eagle3's loader with the trained
+agreement from 0.03 to over 0.3), its checkpoint loads through drafters.eagle3.load_eagle3 with the trained
 module's logits and drafts losslessly, the per-channel scale it trains under is folded into fc exactly, --init-layer
 copies a target layer into the hidden half, and a whole `distill` run writes a vLLM-format head (no explicit aux ids)
 that drafts losslessly."""
@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 from conftest import tiny_llama, tiny_tokenizer
-from test_distill_cli import TEMPLATE
-from test_distill_features import VOCAB, assert_drafts_losslessly, greedy_samples
+from test_train_cli import TEMPLATE
+from test_train_features import VOCAB, assert_drafts_losslessly, greedy_samples
 
 from specdemo.config import GenerationConfig
 from specdemo.drafters.eagle3 import load_eagle3

@@ -6,7 +6,7 @@ import json
 
 import torch
 from conftest import tiny_llama, tiny_tokenizer
-from test_distill_features import (
+from test_train_features import (
     AUX,
     VOCAB,
     assert_drafts_losslessly,
