@@ -73,7 +73,8 @@ def tv(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class _FixedDraw:
-    """Stands in for `torch` inside specdemo.verify: every `torch.rand` returns the draw `r`; all else is torch."""
+    """Stands in for `torch` inside specdemo.engine.verify: every `torch.rand` returns the draw `r`; all else is
+    torch."""
 
     def __init__(self, r: float = 0.0):
         self.r = r

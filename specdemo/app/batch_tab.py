@@ -1,6 +1,6 @@
-"""The Batch tab's handlers: several prompts decoded together at each batch size (batch_sweep.sweep_batches), AR and
+"""The Batch tab's handlers: several prompts decoded together at each batch size (batch_sizes.sweep_batches), AR and
 SD throughput and the speedup against batch size, the crossover marked. Same hardware lock as the race, so no timed
-run overlaps another. No layout here (ui.batch_tab)."""
+run overlaps another. No layout here (ui.batch_tab_layout)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class BatchOutputs(OrderedOutputs):
 def make_batch_request(prompts_text, use_examples, examples, target, drafter, draft, k, auto_k, temperature, top_p,
                        new_tokens, largest, anchors, limits: AppLimits, verification="token"):
     """Validate the Batch tab's values (make_request's rules for the shared ones, the race's verification rule among
-    them) into a batch_sweep.BatchRequest."""
+    them) into a batch_sizes.BatchRequest."""
     from ..measure.batch_sizes import BatchRequest
 
     prompts = list(examples) if use_examples else [p.strip() for p in str(prompts_text or "").splitlines() if p.strip()]

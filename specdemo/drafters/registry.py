@@ -175,7 +175,7 @@ def options_from(args: argparse.Namespace) -> dict[str, Any]:
 # ---- the built-in kinds ----
 
 def draft_drafter(target: LoadedModel, draft: str | None, options: BuildOptions) -> Built:
-    """The drafter of a draft (drafts.resolve_draft says which): an EAGLE-3 head, computing where the target's
+    """The drafter of a draft (resolve.resolve_draft says which): an EAGLE-3 head, computing where the target's
     embeddings are, or a causal LM sharing the target's tokenizer, on options.device."""
     from ..models.eagle3 import Eagle3FormatError
     from ..models.loading import ModelLoadError, check_tokenizers, load_model

@@ -141,7 +141,7 @@ class BatchKV:
     def forward(self, tokens: torch.Tensor, real: torch.Tensor, keep: int,
                 layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the model on tokens (B, T) after the cache; logits (B, keep, V) and, unless layers is None, the
-        features (B, T, W) of engine.target_features."""
+        features (B, T, W) of target_features (below)."""
         before = self.cache.get_seq_length()
         inputs = self.inputs(tokens, real)
         features = None

@@ -356,7 +356,7 @@ def sweep_batches(request: BatchRequest, device: str | None = None, runtime=None
 
 @dataclass(frozen=True)
 class AutoK:
-    """k by batch size, chosen from measured costs (batch_sweep.calibrate): a KPolicy for engine.decode.
+    """k by batch size, chosen from measured costs (calibrate, above): a KPolicy for engine.decode.
 
     Between measured batch sizes it takes the largest measured one not above the current size (the smallest if none),
     so as rows finish and the batch shrinks, k follows."""

@@ -62,12 +62,12 @@ def make_drafter(target: LoadedModel, kind: str, draft: str | None, device=None,
                  drafter_options: Mapping | None = None, shared: SharedState | None = None
                  ) -> tuple[Drafter, str | None, HybridCalibration | None]:
     """Build a drafter of a registered kind (registry.get(kind).factory): prompt lookup, a draft (the shipped trained
-    draft, an EAGLE-3 head, any causal LM sharing the tokenizer: drafts.resolve_draft says which), the hybrid of the
-    two, or any kind registered since. `device` is a draft LM's (None: the default device); an EAGLE-3 head computes
-    where the target's embeddings are. `drafter_options` holds kinds' options by name (registry.options_from; a kind
-    not named: its defaults); `shared` is what drafters keep across requests (suffix decoding's earlier answers), owned
-    by the caller (None: nothing kept past this drafter). Returns (drafter, draft name or None, the hybrid's
-    calibration or None)."""
+    draft, an EAGLE-3 head, any causal LM sharing the tokenizer: drafters.resolve.resolve_draft says which), the
+    hybrid of the two, or any kind registered since. `device` is a draft LM's (None: the default device); an EAGLE-3
+    head computes where the target's embeddings are. `drafter_options` holds kinds' options by name
+    (registry.options_from; a kind not named: its defaults); `shared` is what drafters keep across requests (suffix
+    decoding's earlier answers), owned by the caller (None: nothing kept past this drafter). Returns (drafter, draft
+    name or None, the hybrid's calibration or None)."""
     options = BuildOptions(device, dtype, trust_remote_code, runtime, drafter_options or {}, shared, speculative)
     return get(kind).factory(target, draft, options)
 

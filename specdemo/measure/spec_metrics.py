@@ -52,13 +52,13 @@ def speculative_decoding(steps: Iterable[Step], num_spec_tokens: int | None = No
 
 
 def steps_of(events: Iterable) -> list[Step]:
-    """(drafted, accepted) of each speculative step of one run's engine.StepEvents (reads kind, drafted,
+    """(drafted, accepted) of each speculative step of one run's engine.StepEvent events (reads kind, drafted,
     num_accepted)."""
     return [(len(e.drafted), e.num_accepted) for e in events if e.kind == "spec"]
 
 
 def rows_of(events: Iterable) -> dict[int, list[Step]]:
-    """Per prompt index, (drafted, accepted) of each speculative step of a batched run's batch.BatchEvents (reads
+    """Per prompt index, (drafted, accepted) of each speculative step of a batched run's engine.BatchEvent events (reads
     kind, rows, drafted, num_accepted)."""
     out: dict[int, list[Step]] = {}
     for e in events:

@@ -1,7 +1,7 @@
 """The k sweep: autoregressive once per prompt, speculative at each k, measured speedups beside the theory.
 
 Shared by `python -m specdemo bench` and the app's "Tune k" tab. Knows decoders and metrics; no text, no UI.
-Pass costs are measured by specdemo.timing.
+Pass costs are measured by specdemo.engine.timing.
 Theory: Leviathan et al. 2023 (metrics.expected_speedup) with alpha fitted from the measured mean accepted length.
 """
 

@@ -184,7 +184,8 @@ class Eagle3Head(nn.Module):
         return self.fc(aux)
 
     def prepare(self, features: torch.Tensor) -> torch.Tensor:
-        """The engine's features (the final hidden state, then the aux layers': engine.target_features) -> (..., H)."""
+        """The engine's features (the final hidden state, then the aux layers': engine.kv.target_features) ->
+        (..., H)."""
         return self.combine(features[..., self.c.target_hidden_size:])
 
     def forward(self, hidden, tokens, positions, past_k=None, past_v=None, mask=None):

@@ -51,8 +51,8 @@ class Export:
 
 
 def head_folder(draft: str, runtime: Runtime = Runtime()) -> Path:
-    """The EAGLE-3 checkpoint folder `draft` names (a folder, a hub id, or the shipped draft: drafts.resolve_draft);
-    refuses anything else, saying what it is instead."""
+    """The EAGLE-3 checkpoint folder `draft` names (a folder, a hub id, or the shipped draft:
+    drafters.resolve.resolve_draft); refuses anything else, saying what it is instead."""
     try:
         resolved = resolve_draft(draft, None, runtime)
     except DraftError as exc:

@@ -68,7 +68,7 @@ def generate_recorded(model, tokenizer, prompts: list[list[int]], max_new_tokens
                       ) -> tuple[list[Sample], list[tuple[torch.Tensor, torch.Tensor]]]:
     """One batch of prompts (token ids, `prompt_ids`) answered by the engine with a `Recorder`, so that the passes
     that write the answers also give what `build_features` would record: the final hidden state (fp16; then each of
-    `layers`' hidden states, as engine.target_features lays them out) and the greedy token (the label, also where a
+    `layers`' hidden states, as engine.kv.target_features lays them out) and the greedy token (the label, also where a
     token was sampled; row r samples from seed + r) at every position. Returns ({ids, prompt_len} per prompt, in
     order, and (features (n, W), top1 (n,)) for each).
 

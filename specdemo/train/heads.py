@@ -37,7 +37,7 @@ def evaluable(head: nn.Module, target_model: nn.Module) -> nn.Module:
 
 class Eagle3Trainee(nn.Module):
     """An Eagle3Head as training.train and evaluate read it. Features are the target's final hidden state followed by
-    the aux layers' states (engine.target_features' layout), of which the head reads the aux ones. The state its
+    the aux layers' states (engine.kv.target_features' layout), of which the head reads the aux ones. The state its
     lm_head reads (the normed output) is regressed to the target's final hidden state: lm_head starts as the target's
     own rows and stays frozen, so that state plays the final hidden state's part. The target's distribution over the
     draft vocabulary (the soft loss) comes from the target's head rows.

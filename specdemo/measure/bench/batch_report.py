@@ -11,7 +11,7 @@ from .report import HONEST_BASELINE
 
 
 def build_batch_report(config: dict, machine: dict, sweep: dict) -> dict:
-    """The bench.json object of a batch sweep: config, machine, and batch_sweep.BatchSweep.as_dict()
+    """The bench.json object of a batch sweep: config, machine, and batch_sizes.BatchSweep.as_dict()
     (by_batch_size, crossover_batch_size, ...)."""
     return {"config": config, "machine": machine, **sweep}
 

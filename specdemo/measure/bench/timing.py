@@ -1,5 +1,5 @@
 """What the benchmark measures inside a timed call: forward seconds and calls of the target and the draft (hooks from
-specdemo.timing), the wall time outside them, and the row fields they fill."""
+specdemo.engine.timing), the wall time outside them, and the row fields they fill."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Imports only vllm and the standard library, and is run as a script, so the specdemo package is never imported here.
 It sits alone in its folder because a script's folder heads sys.path in it and in vLLM's spawned processes: beside
-specdemo/bench/vllm.py, `import vllm` would find that file instead of vLLM.
+specdemo/measure/bench/vllm.py, `import vllm` would find that file instead of vLLM.
 Protocol (PROTOCOL): `python vllm_driver.py REQUEST.json RESULT.json`. The request names the converted model folder,
 the prompts as token ids, the EOS ids, max_tokens and a list of methods ({"name", "speculative_config"}); the result
 holds per method each prompt's new token ids, its wall seconds around llm.generate and the deltas of vLLM's
