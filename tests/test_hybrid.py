@@ -46,7 +46,8 @@ def test_calibration_records_the_costs_it_chose_from(tiny_draft, tiny_tok):
     assert again.verify_costs is cal.verify_costs and again.draft_cost == cal.draft_cost
     # the report's keys, as the JSON result and bench.json carry them
     assert cal.as_dict() == {"hybrid_model_k": cal.model_k, "hybrid_draft_cost": cal.draft_cost,
-                             "hybrid_verify_costs": {str(w): v for w, v in cal.verify_costs.items()}}
+                             "hybrid_verify_costs": {str(w): v for w, v in cal.verify_costs.items()},
+                             "hybrid_cap": cal.describe()}
     assert cal.describe().startswith("the draft model proposes")
 
 

@@ -26,6 +26,7 @@ from specdemo.app.race import (
 )
 from specdemo.app.summary import final_stats_markdown, sweep_table
 from specdemo.config import BUNDLED_ID, PRESETS, TRAINED_DRAFT_ID
+from specdemo.drafters.hybrid import HybridCalibration
 from specdemo.engine import StepEvent
 from specdemo.measure.tune_k import SweepPoint, summarize
 
@@ -82,12 +83,11 @@ def test_summary_says_how_the_hybrid_drafted_and_why():
               "sd": {"seconds": 1.0, "draft_seconds": 0.1, "verify_seconds": 0.8, "tokens_per_s": 30.0,
                      "acceptance_rate": 0.5, "accepted": 5, "drafted": 10, "mean_accepted": 1.5, "steps": 10}}
     assert "hybrid:" not in final_stats_markdown(result)
-    capped = final_stats_markdown({**result, "hybrid_model_k": 1,
-                                   "hybrid_verify_costs": {"1": 1.0, "2": 1.07, "3": 1.3}, "hybrid_draft_cost": 0.071})
+    capped = final_stats_markdown({**result, **HybridCalibration(1, {1: 1.0, 2: 1.07, 3: 1.3}, 0.071).as_dict()})
     assert "proposes 1 token per step" in capped and "costs 1.30× a 1-token one" in capped
     assert "a drafted token 0.07×" in capped
-    assert "up to k tokens per step" in final_stats_markdown({**result, "hybrid_model_k": None,
-                                                              "hybrid_verify_costs": {"1": 1.0, "2": 1.0, "3": 1.01}})
+    uncapped = HybridCalibration(None, {1: 1.0, 2: 1.0, 3: 1.01}, None).as_dict()
+    assert "up to k tokens per step" in final_stats_markdown({**result, **uncapped})
 
 
 def test_sweep_table_has_a_line_per_k_and_the_fit():

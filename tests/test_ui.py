@@ -140,3 +140,31 @@ def test_imports_point_down():
     assert upward == []
     assert seam == []
     assert len([p for p in PACKAGE.glob("*.py")]) <= 8
+
+
+# modules outside drafters/ that still name a particular drafter, and why
+PARTICULAR = {("specdemo/serve/serve_config.py", "NgramDrafter"): "vLLM's ngram method takes our lookup's window",
+              ("specdemo/train/heads.py", "drafters.eagle3"): "train/ makes EAGLE-3 heads and drafts with them"}
+
+
+def test_outside_drafters_only_the_seam_the_registry_and_resolve_are_imported():
+    """A drafter's options, state and calibration reach every layer through the seam (drafters.base), the registry
+    and resolve_draft, so no module outside drafters/ imports a particular drafter (PARTICULAR aside)."""
+    import specdemo.drafters.base as base
+
+    seam = {n for n in vars(base) if not n.startswith("_")}
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE.parent).as_posix()
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[1:2] == ["drafters"]:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                target = parts[:-1][: len(parts) - node.level] + (node.module.split(".") if node.module else [])
+                if target[1:2] != ["drafters"]:
+                    continue
+                if len(target) > 2 and target[2] not in ("base", "registry", "resolve"):
+                    found.add((rel, ".".join(target[1:3])))
+                found |= {(rel, a.name) for a in node.names if len(target) == 2 and a.name not in seam}
+    assert found == set(PARTICULAR)

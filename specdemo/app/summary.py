@@ -3,7 +3,6 @@ in words, the drift warning, the k sweep's table."""
 
 from __future__ import annotations
 
-from ..drafters.hybrid import describe_hybrid_cap
 from ..measure.tune_k import Sweep
 from ..models.placement import placement_line
 
@@ -82,11 +81,9 @@ def drift_warning(result: dict) -> str:
 
 
 def _hybrid_lines(result: dict) -> list[str]:
-    if "hybrid_model_k" not in result:
+    if "hybrid_cap" not in result:  # the hybrid's calibration in words (HybridCalibration.as_dict)
         return []
-    cap = describe_hybrid_cap(result["hybrid_model_k"], result.get("hybrid_verify_costs") or {},
-                              result.get("hybrid_draft_cost"))
-    return [f"- hybrid: {cap}; prompt lookup up to k where the text repeats"]
+    return [f"- hybrid: {result['hybrid_cap']}; prompt lookup up to k where the text repeats"]
 
 
 def sweep_table(result: Sweep) -> str:

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # no torch at import: the registry, which imports this package, lists kinds without it
     import torch
@@ -118,6 +118,15 @@ class Drafter(ABC):
 
     def forget(self) -> None:
         """Drop what it keeps across requests (a cold start). Nothing for most drafters."""
+
+
+class Calibration(Protocol):
+    """What a kind measured on this machine when it was built (the hybrid's cap and the costs behind it): the keys a
+    result and bench.json carry, and the same in words."""
+
+    def as_dict(self) -> dict: ...
+
+    def describe(self) -> str: ...
 
 
 class SharedState:

@@ -102,10 +102,10 @@ class HybridCalibration:
         return describe_hybrid_cap(self.model_k, self.verify_costs, self.draft_cost)
 
     def as_dict(self) -> dict:
-        """The keys result_dict and bench.json carry."""
+        """The keys result_dict and bench.json carry, the cap in words among them (what the app and bench.md show)."""
         return {"hybrid_model_k": self.model_k,
                 "hybrid_verify_costs": {str(w): v for w, v in self.verify_costs.items()},
-                "hybrid_draft_cost": self.draft_cost}
+                "hybrid_draft_cost": self.draft_cost, "hybrid_cap": self.describe()}
 
 
 def hybrid_model_k(costs: dict[int, float], chain: tuple[float, float] = DEFAULT_CHAIN,

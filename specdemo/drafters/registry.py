@@ -16,10 +16,9 @@ from .base import SharedState
 
 if TYPE_CHECKING:
     from ..models.loading import LoadedModel
-    from .base import Drafter
-    from .hybrid import HybridCalibration
+    from .base import Calibration, Drafter
 
-    Built = tuple[Drafter, str | None, HybridCalibration | None]  # (drafter, draft name or None, calibration or None)
+    Built = tuple[Drafter, str | None, Calibration | None]  # (drafter, draft name or None, calibration or None)
 
 COMMANDS = ("generate", "bench", "serve-config")  # the subcommands that build or serve a drafter
 

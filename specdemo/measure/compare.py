@@ -13,8 +13,7 @@ import torch
 
 from ..config import BUNDLED_ID, GenerationConfig, Placement, Runtime
 from ..drafters import Drafter
-from ..drafters.base import SharedState
-from ..drafters.hybrid import HybridCalibration
+from ..drafters.base import Calibration, SharedState
 from ..drafters.registry import BuildOptions, get
 from ..drafters.suffix import SuffixDrafter
 from ..engine import graphs
@@ -40,7 +39,7 @@ class Pair:
     drafter: Drafter
     drafter_kind: str  # a registry kind's name
     draft_name: str | None  # None for prompt lookup
-    calibration: HybridCalibration | None = None  # the hybrid's cap and the costs it came from
+    calibration: Calibration | None = None  # what the kind measured at load (the hybrid's cap and its costs)
 
 
 def drafter_k(drafter: Drafter) -> int | None:
@@ -60,14 +59,14 @@ def suffix_config_of(drafter: Drafter) -> SuffixConfig | None:
 def make_drafter(target: LoadedModel, kind: str, draft: str | None, device=None, dtype=None,
                  trust_remote_code: bool = False, runtime: Runtime = Runtime(), *,
                  drafter_options: Mapping | None = None, shared: SharedState | None = None
-                 ) -> tuple[Drafter, str | None, HybridCalibration | None]:
+                 ) -> tuple[Drafter, str | None, Calibration | None]:
     """Build a drafter of a registered kind (registry.get(kind).factory): prompt lookup, a draft (the shipped trained
     draft, an EAGLE-3 head, any causal LM sharing the tokenizer: drafters.resolve.resolve_draft says which), the
     hybrid of the two, or any kind registered since. `device` is a draft LM's (None: the default device); an EAGLE-3
     head computes where the target's embeddings are. `drafter_options` holds kinds' options by name
     (registry.options_from; a kind not named: its defaults); `shared` is what drafters keep across requests (suffix
     decoding's earlier answers), owned by the caller (None: nothing kept past this drafter). Returns (drafter, draft
-    name or None, the hybrid's calibration or None)."""
+    name or None, the kind's calibration (the hybrid's) or None)."""
     options = BuildOptions(device, dtype, trust_remote_code, runtime, drafter_options or {}, shared, speculative)
     return get(kind).factory(target, draft, options)
 

@@ -9,7 +9,6 @@ from contextlib import contextmanager
 import torch
 
 from ...config import SamplingConfig
-from ...drafters import ModelDrafter
 from ...engine.timing import timed_call
 from .timing import Measured, measuring
 
@@ -82,7 +81,7 @@ def measure_hf_static(model, prompt_ids: list[int], kwargs: dict, timers, seed: 
 
 
 def hf_assistant(pair) -> torch.nn.Module | None:
-    """The draft as a transformers model generate() can use as assistant_model (None for prompt lookup, EAGLE)."""
-    if isinstance(pair.drafter, ModelDrafter) and hasattr(pair.drafter.model, "generate"):
-        return pair.drafter.model
-    return None
+    """The draft as a transformers model generate() can use as assistant_model: a draft LM's own causal LM (None for
+    prompt lookup, an EAGLE-3 head, the hybrid, whose `model` is a drafter)."""
+    model = getattr(pair.drafter, "model", None)
+    return model if isinstance(model, torch.nn.Module) and hasattr(model, "generate") else None

@@ -7,7 +7,6 @@ import json
 import logging
 from pathlib import Path
 
-from ...drafters.hybrid import describe_hybrid_cap
 from ...models.placement import placement_line
 from ...serve.serve_config import (
     VLLM_METHODS,  # vLLM's speculative methods the bench runs beside plain decoding
@@ -47,10 +46,9 @@ def md_table(header: list[str], rows: list[list]) -> str:
 
 
 def _hybrid_line(c: dict) -> str:
-    if "hybrid_model_k" not in c:
+    if "hybrid_cap" not in c:  # the hybrid's calibration in words (HybridCalibration.as_dict)
         return ""
-    cap = describe_hybrid_cap(c["hybrid_model_k"], c.get("hybrid_verify_costs") or {}, c.get("hybrid_draft_cost"))
-    return f"; hybrid: {cap}"
+    return f"; hybrid: {c['hybrid_cap']}"
 
 
 def baseline_warning(anchors: dict) -> str:
