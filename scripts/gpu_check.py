@@ -25,14 +25,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specdemo.engine import decode, graphs  # noqa: E402
-from specdemo.models import kernels  # noqa: E402
 from specdemo.config import GenerationConfig, runtime_from_env  # noqa: E402
 from specdemo.drafters import ModelDrafter, NgramDrafter  # noqa: E402
 from specdemo.drafters.hybrid import hybrid_model_k  # noqa: E402
-from specdemo.engine import autoregressive, generated_ids, speculative  # noqa: E402
+from specdemo.engine import autoregressive, decode, generated_ids, graphs, speculative  # noqa: E402
 from specdemo.engine.kv import with_cache  # noqa: E402
 from specdemo.measure.compare import first_mismatch  # noqa: E402
+from specdemo.models import kernels  # noqa: E402
 from specdemo.models.loading import LoadedModel  # noqa: E402
 
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

@@ -22,7 +22,8 @@ MIN_K = 1
 MAX_K = 16  # UI range; the engine refuses anything above MAX_K_ENGINE
 MAX_K_ENGINE = 64
 AUTO_K_MAX = 8  # the largest k that auto k (batches) considers
-GRAPH_MODES = ("auto", "on", "off")  # --graphs: CUDA graphs where the model is on CUDA / always the static runner / never
+# --graphs: CUDA graphs where the model is on CUDA / always the static runner / never
+GRAPH_MODES = ("auto", "on", "off")
 VERIFICATION_RULES = ("token", "block")  # when sampling: token-wise (Leviathan et al.) or block (Sun et al.)
 
 

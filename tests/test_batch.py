@@ -13,10 +13,10 @@ from specdemo.engine import (
     autoregressive,
     decode,
     generated_ids,
+    graphs,
     row_outputs,
     timing,
 )
-from specdemo.engine import graphs
 from specdemo.engine import kv as batch_kv
 from specdemo.engine.kv import BatchKV, left_padded, with_cache
 from specdemo.engine.verify import greedy_accept, greedy_accept_batch

@@ -5,16 +5,16 @@ whole."""
 
 import pytest
 import torch
-from test_engine import make, test_dynamic_k_is_lossless_and_adapts, test_sampled_distribution_matches_target
+from conftest import drafter_cases
+from test_engine import test_dynamic_k_is_lossless_and_adapts, test_sampled_distribution_matches_target
 
 from specdemo.config import GenerationConfig
-from specdemo.drafters import ModelDrafter
+from specdemo.drafters import ModelDrafter, NgramDrafter
 from specdemo.engine import decode, graphs, row_outputs
 from specdemo.engine.kv import with_cache
 from specdemo.engine.static import StaticKV
 
 PROMPTS = [[3, 5, 7, 3, 5, 9, 2], [4, 4, 1], [9, 8, 7, 6, 5, 4, 3, 2, 1, 2, 3, 4], [2]]
-KINDS = ["model", "ngram", "hybrid", "suffix", "suffix-cost-aware", "hybrid-suffix"]
 
 # the engine's own losslessness tests, run again here with the static runner on (see the `static` fixture)
 __all__ = ["test_dynamic_k_is_lossless_and_adapts", "test_sampled_distribution_matches_target"]
@@ -41,19 +41,25 @@ def _eager(tiny_target, tiny_draft, fn):
 
 @pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-@pytest.mark.parametrize("kind", [None] + KINDS)
-def test_static_runner_gives_the_eager_engines_greedy_tokens(tiny_target, tiny_draft, tiny_tok, kind, k, rows):
-    """Every drafter (and none: AR), at k = 1, 2, 4, 8 and B = 1 and 4: the same greedy tokens as the eager engine,
-    and through a StaticKV."""
+@pytest.mark.parametrize("case", [None, *drafter_cases()], ids=str)
+def test_static_runner_gives_the_eager_engines_greedy_tokens(tiny, tiny_tok, case, k, rows):
+    """Every registered drafter kind (conftest's cases; and none: AR), at k = 1, 2, 4, 8 and B = 1 and 4: the same
+    greedy tokens as the eager engine, and through a StaticKV."""
     prompts, config = PROMPTS[:rows], GenerationConfig(max_new_tokens=40, num_draft_tokens=k)
+    target = case.build(tiny)[0] if case else tiny.target
+    own = target is not tiny.target and graphs.attach(target, "on") is not None  # an EAGLE-3 head's 8-layer target
 
     def tokens():
-        return row_outputs(list(decode(tiny_target, tiny_tok, prompts, config, make(kind, tiny_draft) if kind
-                                       else None)), rows)
+        return row_outputs(list(decode(target, tiny_tok, prompts, config, case.build(tiny)[1] if case else None)),
+                           rows)
 
-    eager = _eager(tiny_target, tiny_draft, tokens)
-    assert isinstance(graphs.new_kv(tiny_target, 1, 256), StaticKV)
-    assert tokens() == eager
+    try:
+        eager = _eager(target, tiny.draft, tokens)
+        assert isinstance(graphs.new_kv(target, 1, 256), StaticKV)
+        assert tokens() == eager
+    finally:
+        if own:
+            graphs.detach(target)
 
 
 def _buffers(kv: StaticKV) -> list[torch.Tensor]:
@@ -150,11 +156,11 @@ def test_a_forward_that_will_not_capture_falls_back_with_one_line(tiny_target, t
     same static code eagerly from then on, and decodes the eager engine's tokens."""
     config = GenerationConfig(max_new_tokens=12, num_draft_tokens=2)
     eager = _eager(tiny_target, tiny_target, lambda: row_outputs(list(decode(tiny_target, tiny_tok, PROMPTS[:2],
-                                                                             config, make("ngram", None))), 2))
+                                                                             config, NgramDrafter())), 2))
     runner = graphs.runner_of(tiny_target)
     runner.capture = True
     with caplog.at_level("WARNING", logger="specdemo.engine.graphs"):
-        got = row_outputs(list(decode(tiny_target, tiny_tok, PROMPTS[:2], config, make("ngram", None))), 2)
+        got = row_outputs(list(decode(tiny_target, tiny_tok, PROMPTS[:2], config, NgramDrafter())), 2)
     assert got == eager
     assert not runner.capture and "did not capture" in runner.reason
     assert len([r for r in caplog.records if "eagerly" in r.message]) == 1

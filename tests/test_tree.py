@@ -9,8 +9,16 @@ import pytest
 import torch
 
 import specdemo.engine.tree as tree_mod
-from specdemo.engine.tree import TokenTree, TreeBatch, greedy_tree_accept, greedy_tree_accept_batch, sibling_rows
-from specdemo.engine.tree import tree_accept, tree_accept_batch, tree_walk
+from specdemo.engine.tree import (
+    TokenTree,
+    TreeBatch,
+    greedy_tree_accept,
+    greedy_tree_accept_batch,
+    sibling_rows,
+    tree_accept,
+    tree_accept_batch,
+    tree_walk,
+)
 from specdemo.engine.verify import greedy_accept_batch, rejection_accept
 
 NEG = float("-inf")

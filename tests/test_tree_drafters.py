@@ -12,6 +12,7 @@ from specdemo.drafters.suffix import SuffixTree
 from specdemo.drafters.trees import best_subtree, lookup_matches, lookup_tree, suffix_subtree, tree_budget
 from specdemo.engine.tree import TokenTree, greedy_tree_accept
 
+
 def picks(choices: list[int], vocab: int = 10) -> torch.Tensor:
     """Logits whose argmax at entry e is choices[e]."""
     logits = torch.full((len(choices), vocab), float("-inf"))

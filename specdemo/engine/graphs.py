@@ -19,7 +19,7 @@ import torch
 from ..config import GRAPH_MODES
 from ..models.placement import execution_device
 from .kv import BatchKV
-from .static import Storage, StaticKV
+from .static import StaticKV, Storage
 
 log = logging.getLogger(__name__)
 

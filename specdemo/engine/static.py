@@ -110,7 +110,8 @@ class Storage:
         """The (b, T) input ids a pass of that shape reads: the front of the flat token buffer."""
         return self.tokens[: b * t].view(b, t)
 
-    def run(self, b: int, t: int, keep: int, layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, b: int, t: int, keep: int,
+            layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One pass of the first b rows over input_view(b, t): logits (b, keep, V) and, with layers, features
         (b, T, W). Straight-line tensor code over fixed buffers (what a graph captures); lengths are not moved."""
         tokens = self.input_view(b, t)

@@ -16,13 +16,13 @@ from ..drafters import Drafter
 from ..drafters.base import Calibration, SharedState
 from ..drafters.registry import BuildOptions, get
 from ..drafters.suffix import SuffixDrafter
-from ..engine import graphs
 from ..engine import (
     StepEvent,
     autoregressive,
     decode,
     encode_prompt,
     generated_ids,
+    graphs,
     speculative,
 )
 from ..models.loading import LoadedModel, load_model
