@@ -301,7 +301,9 @@ def case(case_id: str) -> DrafterCase:
     return next(c for c in drafter_cases() if c.id == case_id)
 
 
-# the toy kind: its module and this one call are all a new model-free kind needs
+# the toy kind: its module and this one call are all a new model-free kind needs (it has no measured default:
+# config.DRAFTER_DEFAULTS holds the built-in kinds')
+TEST_KINDS = ("bigram",)
 registry.register(DrafterKind(
     "bigram", "bigram (a test's toy)", bigram_drafter, needs_draft=False, vllm_method="ngram", sglang_method="NGRAM",
     help="a test's toy: what followed the last token in earlier answers", options=BigramOptions,

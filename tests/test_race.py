@@ -108,7 +108,8 @@ def test_non_numeric_or_fractional_numbers_get_a_clear_message():
     limits = AppLimits()
     for bad, match in ((dict(k="abc"), "k must be a whole number from 1 to 64, got 'abc'"),
                        (dict(k=2.5), "k must be a whole number .*, got 2.5"),
-                       (dict(k=None), "k must be a whole number"), (dict(max_new_tokens="lots"), "max new tokens must be"),
+                       (dict(k=None), "k must be a whole number"),
+                       (dict(max_new_tokens="lots"), "max new tokens must be"),
                        (dict(temperature="hot"), "temperature must be"), (dict(top_p=float("nan")), "top-p must be"),
                        (dict(dynamic_k="maybe"), "dynamic k must be true or false"), (dict(prompt=None), "empty")):
         with pytest.raises(UserError, match=match):

@@ -119,6 +119,11 @@ class Drafter(ABC):
     def forget(self) -> None:
         """Drop what it keeps across requests (a cold start). Nothing for most drafters."""
 
+    def settings(self) -> dict[str, dict]:
+        """The options it drafts under, by section, as results and reports record them ({"suffix": {...}} for suffix
+        decoding); {} for a drafter whose kind takes none."""
+        return {}
+
 
 class Calibration(Protocol):
     """What a kind measured on this machine when it was built (the hybrid's cap and the costs behind it): the keys a

@@ -57,6 +57,13 @@ class HybridDrafter(Drafter):
         self.model.forget()
         self.lookup.forget()
 
+    def settings(self) -> dict[str, dict]:
+        """Its halves' settings; a suffix half's section says it is the hybrid's lookup (prompt lookup records none)."""
+        out = {**self.model.settings(), **self.lookup.settings()}
+        if "suffix" in out:
+            out["suffix"] = {**out["suffix"], "hybrid_lookup": "suffix"}
+        return out
+
     def begin(self, prompts, target_hidden=None) -> None:
         self.model.begin(prompts, target_hidden)
         self.lookup.begin(prompts)

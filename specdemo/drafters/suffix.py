@@ -328,6 +328,9 @@ class SuffixDrafter(Drafter):
     def forget(self) -> None:
         self.cache.clear()
 
+    def settings(self) -> dict[str, dict]:
+        return {"suffix": self.config.as_dict()}
+
     def begin(self, prompts, target_hidden=None) -> None:
         for row in self._rows:
             self.cache.close(row.key)

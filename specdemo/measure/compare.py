@@ -15,7 +15,6 @@ from ..config import BUNDLED_ID, GenerationConfig, Placement, Runtime
 from ..drafters import Drafter
 from ..drafters.base import Calibration, SharedState
 from ..drafters.registry import BuildOptions, get
-from ..drafters.suffix import SuffixDrafter
 from ..engine import (
     StepEvent,
     autoregressive,
@@ -46,14 +45,6 @@ def drafter_k(drafter: Drafter) -> int | None:
     """The drafter's own k (an EAGLE-3 head's recorded num_speculative_tokens; a hybrid's model's), or None."""
     return getattr(drafter, "num_speculative_tokens", None) or getattr(getattr(drafter, "model", None),
                                                                         "num_speculative_tokens", None)
-
-
-def suffix_config_of(drafter: Drafter) -> SuffixConfig | None:
-    """The options of a suffix drafter, or of a hybrid's suffix half; None for any other drafter."""
-    for part in (drafter, getattr(drafter, "lookup", None)):
-        if isinstance(part, SuffixDrafter):
-            return part.config
-    return None
 
 
 def make_drafter(target: LoadedModel, kind: str, draft: str | None, device=None, dtype=None,
@@ -189,9 +180,7 @@ def result_dict(pair: Pair, config: GenerationConfig, ar_events: list[StepEvent]
     }
     if pair.calibration is not None:  # the hybrid model's cap, and the measured pass costs it came from
         out.update(pair.calibration.as_dict())
-    suffix = suffix_config_of(pair.drafter)
-    if suffix is not None:  # the options it drafted under (the bench's report records the same)
-        out["suffix"] = suffix.as_dict()
+    out.update(pair.drafter.settings())  # the options it drafted under (the bench's report records the same)
     if config.sampling.greedy and ar_ids != sd_ids and prompt_ids is not None:
         out["mismatch"] = first_mismatch(pair.target, prompt_ids, ar_ids, sd_ids)
     return out

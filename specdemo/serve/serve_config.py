@@ -160,7 +160,8 @@ COST_AWARE_NOTE = ("vLLM's suffix method has no cost-aware cut (--suffix-cost-aw
 def suffix_note(suffix: SuffixConfig) -> str | None:
     """Which suffix options differ from vLLM's own defaults (so the config above sets them), and where ours are from."""
     ours, theirs = suffix.vllm_options(), VLLM_SUFFIX.vllm_options()
-    differ = [f"{name} {value} (vLLM's default {theirs[name]})" for name, value in ours.items() if value != theirs[name]]
+    differ = [f"{name} {value} (vLLM's default {theirs[name]})" for name, value in ours.items()
+              if value != theirs[name]]
     if not differ:
         return None
     measured = drafter_default("suffix")

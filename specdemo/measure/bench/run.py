@@ -9,7 +9,7 @@ import os
 import platform
 import sys
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -333,11 +333,9 @@ def run_bench(bc: BenchConfig) -> dict:
         "mean_accepted": "tokens per verify pass, bonus/correction included",
         "overhead": "wall seconds outside every target/draft forward call, per target forward call",
     }
-    if shared.find("suffix") is not None:
-        lookup = options_of("hybrid", bc.drafter_options).lookup if kind == "hybrid" else None
-        cfg["suffix"] = {**options_of("suffix", bc.drafter_options).as_dict(), "hybrid_lookup": lookup,
-                         "cache": "emptied before each prompt" if bc.suffix_cold else
-                                  "one per process, carried across the prompts in order"}
+    cache = "emptied before each prompt" if bc.suffix_cold else "one per process, carried across the prompts in order"
+    for section, values in pair.drafter.settings().items():  # the options it drafted under, as generate records them
+        cfg[section] = {**values, **({"cache": cache} if shared.names() else {})}  # and what it kept across prompts
     if calibration:
         cfg["calibration"] = calibration
     if vllm_meta:
