@@ -25,6 +25,10 @@ AUTO_K_MAX = 8  # the largest k that auto k (batches) considers
 # --graphs: CUDA graphs where the model is on CUDA / always the static runner / never
 GRAPH_MODES = ("auto", "on", "off")
 VERIFICATION_RULES = ("token", "block")  # when sampling: token-wise (Leviathan et al.) or block (Sun et al.)
+# draft trees (--tree): "auto" sizes each step's tree by the target's pass costs timed at load, "off" drafts chains,
+# N allows up to N nodes; auto considers at most AUTO_TREE_NODES nodes (the widest pass costs are timed for: MAX_K)
+TREE_MODES = ("auto", "off")
+AUTO_TREE_NODES = MAX_K
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ class GenerationConfig:
     seed: int = 0
     use_chat_template: bool = True
     ignore_eos: bool = False  # vLLM's name: rows decode to max_new_tokens through their EOS (distill records them)
+    tree: str = "auto"  # draft trees: "auto", "off" (chains) or N, the most nodes per step (parse_tree)
 
     def with_verification(self, rule: str) -> GenerationConfig:
         """The same settings with another verification rule for sampled drafts."""
@@ -83,6 +88,13 @@ class GenerationConfig:
             raise ValueError(
                 f"k (num_draft_tokens) must be between {MIN_K} and {MAX_K_ENGINE}, got {self.num_draft_tokens}"
             )
+        parse_tree(self.tree)
+
+    @property
+    def tree_nodes(self) -> int | None:
+        """The tree setting as a node budget: 0 for off (chains), N for N, None for auto (sized by pass costs)."""
+        tree = parse_tree(self.tree)
+        return None if tree == "auto" else 0 if tree == "off" else int(tree)
 
 
 @dataclass(frozen=True)
@@ -265,6 +277,16 @@ class Placement:
     def as_dict(self) -> dict:
         return {"device_map": self.device_map, "max_memory": {str(k): v for k, v in self.max_memory} or None,
                 "offload_folder": self.offload_folder}
+
+
+def parse_tree(text: str | int) -> str:
+    """--tree's value normalised: 'auto', 'off', or the most nodes per step as digits (1..MAX_K_ENGINE)."""
+    tree = str(text).strip().lower()
+    if tree in TREE_MODES:
+        return tree
+    if tree.isdigit() and 1 <= int(tree) <= MAX_K_ENGINE:
+        return str(int(tree))
+    raise ValueError(f"--tree takes auto, off or a node count 1..{MAX_K_ENGINE}, got '{text}'")
 
 
 def parse_max_memory(text: str | None) -> tuple[tuple[int | str, str], ...]:

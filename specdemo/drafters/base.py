@@ -24,23 +24,38 @@ if TYPE_CHECKING:  # no torch at import: the registry, which imports this packag
 @dataclass
 class DraftRequest:
     """What a drafter is asked, for each row r: continue ids[r] (prompt + generated; the last token is not yet in the
-    target's cache) with at most ks[r] tokens (0: nothing this step), sampling from generators[r]."""
+    target's cache) with at most ks[r] tokens (0: nothing this step), sampling from generators[r].
+
+    tree_nodes[r] > 0 lets a drafter that drafts trees propose one of up to that many nodes, none deeper than ks[r]
+    (empty or 0: a chain, as every drafter proposes by default). tree_by_cost (--tree auto): cut each tree where its
+    nodes stop paying for the wider pass, by the target's pass costs the drafter was given at load; a drafter without
+    them proposes a chain."""
 
     ids: Sequence[list[int]]
     ks: Sequence[int]
     sampling: SamplingConfig
     generators: Sequence[torch.Generator | None]
     eos_token_ids: frozenset[int] = frozenset()
+    tree_nodes: Sequence[int] = ()
+    tree_by_cost: bool = False
 
     def row(self, r: int, k: int | None = None) -> DraftRequest:
         """Row r alone (with another k when given), for drafters that work row by row."""
         return DraftRequest([self.ids[r]], [self.ks[r] if k is None else k], self.sampling, [self.generators[r]],
-                            self.eos_token_ids)
+                            self.eos_token_ids, self.tree_nodes[r : r + 1], self.tree_by_cost)
+
+    def nodes(self, r: int) -> int:
+        """Row r's node budget for a tree (0: a chain)."""
+        return self.tree_nodes[r] if r < len(self.tree_nodes) else 0
 
 
 @dataclass
 class Proposal:
     """One row's drafted tokens (n,) and their draft distributions q (n, V); probs None means a deterministic drafter.
+
+    parents: None for a chain; for a tree, each node's parent node (-1: the pending token), a parent before its
+    children (engine.tree.TokenTree), and then row j of probs is the law node j was drawn from given the nodes before
+    it (tree_accept's exactness condition).
 
     token_probs: q(x_i), the draft's probability of each drafted token under its own processed distribution (greedy
     drafters fill it too: the softmax of their logits at the token); None for a deterministic drafter (q = 1). Only
@@ -52,15 +67,18 @@ class Proposal:
     probs: torch.Tensor | None = None
     token_probs: list[float] | None = None
     source: str | None = None
+    parents: list[int] | None = None
 
 
 @dataclass
 class Verdict:
-    """The target's answer to one row's proposal: how many drafts it kept and the sequence now committed."""
+    """The target's answer to one row's proposal: how many drafts it kept (for a tree: the nodes on the accepted
+    path) and the sequence now committed."""
 
     num_accepted: int
     ids: list[int]  # committed sequence, ending with the target's correction or bonus token
     target_hidden: torch.Tensor | None = None  # (num_accepted + 1, W) target features, for drafters that read them
+    path: list[int] | None = None  # a tree's accepted nodes, root to leaf (None: a chain's first num_accepted)
 
 
 class Chains:
@@ -96,6 +114,9 @@ class Drafter(ABC):
     name: str = "drafter"
     needs_target_hidden: bool = False  # if True, the engine passes the target's last hidden states
     target_layers: tuple[int, ...] = ()  # and, after them, these decoder layers' hidden states
+    drafts_trees: bool = False  # whether it proposes a tree when a request allows one (DraftRequest.tree_nodes)
+    pass_costs: dict[int, float] | None = None  # {n: an (n+1)-token target pass over a 1-token one}, timed on the
+    # target at load, for drafters that size their drafts by them (--tree auto, cost-aware suffix decoding)
 
     @abstractmethod
     def begin(self, prompts: Sequence[list[int]], target_hidden: Sequence[torch.Tensor] | None = None) -> None:

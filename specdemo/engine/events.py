@@ -43,10 +43,11 @@ class StepEvent:
     text: str  # text delta for those tokens (empty when the run was asked for no text)
     elapsed: float
     num_generated: int  # this row's committed new tokens after this step
-    drafted: list[int] = field(default_factory=list)  # spec: the proposal, in order
-    num_accepted: int = 0  # spec: drafted[:num_accepted] were kept
-    correction: int | None = None  # spec: the target's token replacing drafted[num_accepted]
-    bonus: int | None = None  # spec: the target's extra token after a full acceptance
+    drafted: list[int] = field(default_factory=list)  # spec: the proposal, in order (a tree's nodes)
+    num_accepted: int = 0  # spec: drafted[:num_accepted] were kept (a tree: the nodes of accepted_path)
+    correction: int | None = None  # spec: the target's token replacing drafted[num_accepted] (a tree: a child of
+    # the path's last node, or of the pending token)
+    bonus: int | None = None  # spec: the target's extra token after a full acceptance (a tree: a path to a leaf)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     k: int = 0  # k asked of the drafter for this row this step
@@ -56,6 +57,9 @@ class StepEvent:
     draft_token_probs: list[float] | None = None  # spec: q(x_i) of each drafted token; None: deterministic (q = 1)
     draft_source: str | None = None  # spec: where the proposal came from (Proposal.source)
     verification: str | None = None  # spec: the rule that decided the step: "greedy", "token" or "block"
+    parents: list[int] | None = None  # spec: a draft tree's parent of each drafted node (-1: the pending token);
+    # None: a chain
+    accepted_path: list[int] | None = None  # spec, a tree: the accepted nodes (indices into drafted), root to leaf
 
     @property
     def target_top_ids(self) -> list[list[int]]:
@@ -74,9 +78,20 @@ class StepEvent:
         return self.inspection.token_probs if self.inspection else []
 
     @property
+    def accepted(self) -> list[int]:
+        """The drafted tokens that were kept, in order (a tree's along its accepted path)."""
+        if self.accepted_path is None:
+            return self.drafted[: self.num_accepted]
+        return [self.drafted[j] for j in self.accepted_path]
+
+    @property
     def rejected(self) -> list[int]:
-        """Drafted tokens that were thrown away (the first one is replaced by `correction`)."""
-        return self.drafted[self.num_accepted :]
+        """Drafted tokens that were thrown away (a chain's first one is replaced by `correction`; a tree's are its
+        nodes off the accepted path, in order)."""
+        if self.accepted_path is None:
+            return self.drafted[self.num_accepted :]
+        on = set(self.accepted_path)
+        return [t for j, t in enumerate(self.drafted) if j not in on]
 
 
 @dataclass

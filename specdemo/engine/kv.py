@@ -63,6 +63,20 @@ class Slots:
         self.valid = torch.cat([self.valid, real], dim=1)
         self.counts = [c + n for c, n in zip(self.counts, real.sum(1).tolist())]
 
+    def keep_entries(self, width: int, entries: Sequence[Sequence[int]]) -> int:
+        """Of the last pass's `width` entries (the storage's last columns), keep these per row (entry 0 is the pass's
+        first); the rest become holes, as a draft tree's nodes off its accepted path do. Each row's kept entries must
+        hold its next positions in order (a tree's root and accepted path do). Returns the trimmed storage length."""
+        keep = torch.zeros(len(entries), width, dtype=torch.bool)
+        for r, e in enumerate(entries):
+            keep[r, list(e)] = True
+        tail = self.valid[:, self.length - width :]
+        kept = tail & keep.to(tail.device)
+        dropped = (tail & ~kept).sum(1).tolist()
+        self.valid = torch.cat([self.valid[:, : self.length - width], kept], dim=1)
+        self.counts = [c - d for c, d in zip(self.counts, dropped)]
+        return self.trim()
+
     def keep(self, counts: Sequence[int]) -> int:
         """Keep each row's first counts[r] valid slots (in storage order); returns the trimmed storage length."""
         if list(counts) != self.counts:
@@ -130,6 +144,11 @@ class BatchKV:
     def counts(self) -> list[int]:
         return self.slots.counts
 
+    @property
+    def takes_trees(self) -> bool:
+        """Whether a pass may feed a draft tree: the model's attention must take a 4D mask (sdpa or eager)."""
+        return self.model.config._attn_implementation in ("sdpa", "eager")
+
     def inputs(self, tokens: torch.Tensor, real: torch.Tensor) -> dict:
         """Forward keyword arguments for tokens (B, T) whose real entries are `real` (B, T) bool."""
         mask = self.slots.mask(real)
@@ -138,12 +157,27 @@ class BatchKV:
         return dict(input_ids=tokens, attention_mask=mask, position_ids=self.slots.positions(real), use_cache=True,
                     **with_cache(self.model, self.cache))
 
-    def forward(self, tokens: torch.Tensor, real: torch.Tensor, keep: int,
-                layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def tree_inputs(self, tokens: torch.Tensor, tree) -> dict:
+        """Forward keyword arguments for a draft tree's pass (engine.tree.TreeBatch, entry 0 the pending token): each
+        entry at its row's next position plus its depth, attending to the row's valid slots and its ancestors (a 4D
+        mask (B, 1, T, L + T): bool for sdpa, additive for eager attention)."""
+        b, t = tokens.shape
+        past = self.slots.valid[:, None, :].expand(b, t, self.slots.length)
+        mask = torch.cat([past, tree.mask], dim=2)[:, None]  # (B, 1, T, L + T)
+        if self.model.config._attn_implementation == "eager":
+            dtype = self.model.dtype
+            mask = torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+        positions = torch.tensor(self.counts, device=tokens.device)[:, None] + tree.depths
+        return dict(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
+                    **with_cache(self.model, self.cache))
+
+    def forward(self, tokens: torch.Tensor, real: torch.Tensor, keep: int, layers: tuple[int, ...] | None = None,
+                tree=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the model on tokens (B, T) after the cache; logits (B, keep, V) and, unless layers is None, the
-        features (B, T, W) of target_features (below)."""
+        features (B, T, W) of target_features (below). `tree`: the pass is a draft tree's (tree_inputs)."""
         before = self.cache.get_seq_length()
-        inputs = self.inputs(tokens, real)
+        inputs = self.inputs(tokens, real) if tree is None else self.tree_inputs(tokens, tree)
+        self.width = tokens.shape[1]
         features = None
         # grouped products only for one query per row: sdpa is faster for a verify pass or a prefill
         with grouped_attention_on(self.model) if self.grouped and tokens.shape[1] == 1 else contextlib.nullcontext():
@@ -175,6 +209,11 @@ class BatchKV:
     def keep(self, counts: Sequence[int]) -> None:
         """Roll each row back to its first counts[r] valid positions."""
         crop_cache(self.cache, self.slots.keep(counts))
+
+    def keep_entries(self, entries: Sequence[Sequence[int]]) -> None:
+        """Of the last forward's entries keep these per row (a tree's root and accepted path): the others become
+        holes, masked like a rollback's (Slots.keep_entries), and nothing is copied."""
+        crop_cache(self.cache, self.slots.keep_entries(self.width, entries))
 
     def select(self, rows: Sequence[int]) -> None:
         """Keep only these rows (finished ones leave the batch)."""

@@ -13,13 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import MAX_K_ENGINE, GenerationConfig, SamplingConfig
+from ..config import AUTO_TREE_NODES, MAX_K_ENGINE, GenerationConfig, SamplingConfig
 from ..drafters.base import Drafter, DraftRequest, Proposal, Verdict
 from . import graphs
 from .events import BatchEvent, Committer, Inspection, StepEvent, check_request, eos_ids
 from .kv import check_cache, right_padded
 from .static import needed_capacity
 from .timing import Clock
+from .tree import TokenTree, TreeBatch, greedy_tree_accept_batch, tree_accept_batch
 from .verify import (
     ACCEPT_RULES,
     greedy_accept_batch,
@@ -76,16 +77,22 @@ def _choose(logits: torch.Tensor, sampling: SamplingConfig, gens) -> list[int]:
 
 @dataclass
 class _Verified:
-    """One row's verdict from a verify pass."""
+    """One row's verdict from a verify pass: the accepted nodes (a chain's: its first num_accepted) and the next
+    token."""
 
-    num_accepted: int
+    path: list[int]
     next_token: int
     inspection: Inspection | None
 
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path)
 
-def _verify(logits: torch.Tensor, tokens: torch.Tensor, drafted: list[list[int]], proposals: list[Proposal],
+
+def _verify(logits: torch.Tensor, tokens: torch.Tensor, drafted: list[list[int]], qs: list[torch.Tensor | None],
             sampling: SamplingConfig, gens, inspect: bool) -> list[_Verified]:
-    """Each row's acceptance from the verify pass: logits (B, W, V), tokens (B, W) = pending token + drafts."""
+    """Each row's acceptance of its chain from the verify pass: logits (B, W, V), tokens (B, W) = pending token +
+    drafts, qs each row's draft distributions (None: a deterministic drafter)."""
     lengths = [len(d) for d in drafted]
     if sampling.greedy:
         accepted, nxt = greedy_accept_batch(tokens[:, 1:], torch.tensor(lengths, device=tokens.device), logits)
@@ -94,14 +101,75 @@ def _verify(logits: torch.Tensor, tokens: torch.Tensor, drafted: list[list[int]]
         probs = logits_to_probs(logits, sampling)  # (B, W, V)
         accept = ACCEPT_RULES[sampling.verification]
         accepted, nxt = [], []
-        for r, (n, p) in enumerate(zip(lengths, proposals)):
-            q = p.probs[:n].to(probs.device) if p.probs is not None else None
+        for r, (n, q) in enumerate(zip(lengths, qs)):
+            q = q[:n].to(probs.device) if q is not None else None
             a, t = accept(tokens[r, 1 : 1 + n], q, probs[r, : n + 1], gens[r])
             accepted.append(a)
             nxt.append(t)
     seen = [inspect_verify(logits[r, : n + 1], None if probs is None else probs[r, : n + 1], tokens[r, 1 : 1 + n])
             if inspect else None for r, n in enumerate(lengths)]
-    return [_Verified(a, t, s) for a, t, s in zip(accepted, nxt, seen)]
+    return [_Verified(list(range(a)), t, s) for a, t, s in zip(accepted, nxt, seen)]
+
+
+def _verify_trees(logits: torch.Tensor, tokens: torch.Tensor, trees: list[TokenTree], batch: TreeBatch,
+                  qs: list[torch.Tensor | None], sampling: SamplingConfig, gens, inspect: bool) -> list[_Verified]:
+    """Each row's acceptance of its tree (a chain row's: its chain as a tree) from the verify pass: greedy, the
+    longest path the target agrees with; sampling, recursive rejection sampling (engine.tree.tree_accept)."""
+    if sampling.greedy:
+        paths, nxt = greedy_tree_accept_batch(trees, logits, batch)
+        probs = None
+    else:
+        probs = logits_to_probs(logits, sampling)  # (B, W, V)
+        rows = [None if q is None else q[: len(t)].to(probs.device) for t, q in zip(trees, qs)]
+        paths, nxt = tree_accept_batch(trees, rows, probs, gens)
+    seen = [inspect_verify(logits[r, : len(t) + 1], None if probs is None else probs[r, : len(t) + 1],
+                           tokens[r, 1 : 1 + len(t)], list(t.parents)) if inspect else None
+            for r, t in enumerate(trees)]
+    return [_Verified(p, t, s) for p, t, s in zip(paths, nxt, seen)]
+
+
+def _as_verified(p: Proposal, k: int, nodes: int) -> tuple[TokenTree | None, list[int], torch.Tensor | None]:
+    """A row's proposal as it is verified: (its tree, None for a chain; the drafted tokens; their q rows, None for a
+    deterministic drafter). A tree keeps its first `nodes` nodes no deeper than k (asked for none: the chain of its
+    first children); a tree that is a chain is verified as one."""
+    if p.parents is None:
+        return None, p.tokens[:k], p.probs
+    tree = TokenTree(p.tokens, p.parents)
+    if nodes > 0:
+        keep = [j for j, d in enumerate(tree.depths) if d <= k][: min(nodes, MAX_K_ENGINE)]
+    else:
+        keep, node = [], -1
+        while tree.children(node) and len(keep) < k:
+            node = tree.children(node)[0]
+            keep.append(node)
+    tree = tree.select(keep)
+    probs = None if p.probs is None else p.probs[torch.tensor(keep, dtype=torch.long, device=p.probs.device)]
+    return (None if tree.is_chain() else tree), list(tree.tokens), probs
+
+
+def _path_features(features: torch.Tensor | None, r: int, path: list[int], tree: TokenTree | None):
+    """Row r's target features (num_accepted + 1, W) at the pending token and its accepted drafts, or None."""
+    if features is None:
+        return None
+    if tree is None:
+        return features[r, : len(path) + 1]
+    return features[r, torch.tensor([0] + [j + 1 for j in path], device=features.device)]
+
+
+def _tree_setting(config: GenerationConfig, drafter: Drafter | None, kv) -> tuple[int, bool]:
+    """(each row's node budget for a draft tree, whether the drafter cuts it by pass costs): --tree N, or under auto
+    up to AUTO_TREE_NODES cut by the drafter's pass costs. Chains (0) where trees are off, where the drafter drafts
+    none or, under auto, has no pass costs to size one by, under block verification (it judges chains only), and
+    where the target's attention takes no tree mask."""
+    nodes = config.tree_nodes
+    if (nodes == 0 or drafter is None or not drafter.drafts_trees or config.sampling.rule == "block"
+            or not kv.takes_trees):
+        return 0, False
+    if nodes is not None:
+        return nodes, False
+    if not drafter.pass_costs:
+        return 0, False
+    return min(AUTO_TREE_NODES, max(drafter.pass_costs)), True
 
 
 class _Run:
@@ -121,6 +189,7 @@ class _Run:
         self.layers = tuple(drafter.target_layers) if drafter is not None and drafter.needs_target_hidden else None
         self.chosen: list[int] = []
         self.row_k = [config.num_draft_tokens] * len(prompts)
+        self.tree_nodes, self.tree_by_cost = _tree_setting(config, drafter, self.kv)
 
     def warm(self, widths: Sequence[int]) -> None:
         """Capture the passes of these widths before the clock runs, where a graph runner serves the target."""
@@ -141,7 +210,7 @@ class _Run:
         return bool(keep)
 
     def event(self, kind: str, done, draft_seconds=0.0, verify_seconds=0.0, k=0, width=1, ks=None, drafted=None,
-              verified=None, proposals=None) -> BatchEvent:
+              verified=None, proposals=None, trees=None) -> BatchEvent:
         steps = []
         for r, (kept, delta) in enumerate(done):
             out = self.rows.out[r]
@@ -149,13 +218,15 @@ class _Run:
                              verify_seconds=verify_seconds, finish_reason=out.finish_reason,
                              target_cache_length=self.kv.counts[r])
             if verified is not None:
-                d, v, p = drafted[r], verified[r], proposals[r]
-                full = v.num_accepted == len(d)
+                d, v, p, tree = drafted[r], verified[r], proposals[r], trees[r]
+                full = v.num_accepted == len(d) if tree is None else not tree.children(v.path[-1] if v.path else -1)
                 step.drafted, step.num_accepted, step.k = d, v.num_accepted, ks[r]
                 step.correction = None if full else v.next_token
                 step.bonus = v.next_token if full and d else None
                 step.draft_token_probs = p.token_probs[: len(d)] if p.token_probs is not None else None
                 step.draft_source, step.verification, step.inspection = p.source, self.sampling.rule, v.inspection
+                if tree is not None:
+                    step.parents, step.accepted_path = list(tree.parents), v.path
             steps.append(step)
         return BatchEvent(kind, list(self.rows.index), steps, self.clock.total, self.rows.generated, draft_seconds,
                           verify_seconds, k, width)
@@ -182,35 +253,47 @@ def _ar_step(run: _Run) -> BatchEvent:
 
 
 def _spec_step(run: _Run, k_policy: KPolicy | None) -> BatchEvent:
-    """Draft up to k per row, verify every row's drafts in one target pass (B x (k+1) positions, padded for rows that
-    drafted fewer), keep each row's agreed prefix plus the target's own next token, roll back the rest."""
+    """Draft up to k per row (a tree of up to run.tree_nodes nodes where allowed), verify every row's drafts in one
+    target pass (B x (n+1) positions, padded for rows that drafted fewer), keep each row's agreed prefix (a tree's
+    accepted path) plus the target's own next token, roll back the rest."""
     config, rows, drafter = run.config, run.rows, run.drafter
     if k_policy is not None:
         run.row_k = [k_policy(len(rows))] * len(rows)
     ids = [out.ids for out in rows.out]  # ids[r][-1] is pending: not yet in the target's cache
     ks = [max(0, min(k, config.max_new_tokens - out.num_generated - 1)) for k, out in zip(run.row_k, rows.out)]
-    proposals = (drafter.propose(DraftRequest(ids, ks, run.sampling, rows.gens, run.eos)) if max(ks) > 0
-                 else [Proposal([]) for _ in ks])
-    drafted = [p.tokens[:k] for p, k in zip(proposals, ks)]
+    nodes = [run.tree_nodes if k > 0 else 0 for k in ks]
+    proposals = (drafter.propose(DraftRequest(ids, ks, run.sampling, rows.gens, run.eos, nodes, run.tree_by_cost))
+                 if max(ks) > 0 else [Proposal([]) for _ in ks])
+    trees, drafted, qs = map(list, zip(*(_as_verified(p, k, n) for p, k, n in zip(proposals, ks, nodes))))
     draft_seconds = run.clock.stop()
 
     run.clock.start()
     tokens, real = right_padded([[row[-1]] + d for row, d in zip(ids, drafted)], run.device)
-    before = list(run.kv.counts)
-    logits, features = run.kv.forward(tokens, real, tokens.shape[1], run.layers)  # (B, W, V)
-    verified = _verify(logits, tokens, drafted, proposals, run.sampling, rows.gens, run.inspect)
-    run.kv.keep([n + 1 + v.num_accepted for n, v in zip(before, verified)])  # the pending token and accepted drafts
-    new = [d[: v.num_accepted] + [v.next_token] for d, v in zip(drafted, verified)]
-    drafter.update([Verdict(v.num_accepted, row + n, None if features is None else features[r, : v.num_accepted + 1])
-                    for r, (v, row, n) in enumerate(zip(verified, ids, new))])
+    width = tokens.shape[1]
+    if all(t is None for t in trees):  # chains: the pending token and the accepted drafts stay, the rest rolls back
+        before = list(run.kv.counts)
+        logits, features = run.kv.forward(tokens, real, width, run.layers)  # (B, W, V)
+        verified = _verify(logits, tokens, drafted, qs, run.sampling, rows.gens, run.inspect)
+        run.kv.keep([n + 1 + v.num_accepted for n, v in zip(before, verified)])
+    else:  # trees (chain rows as one-branch trees): each entry at its depth under the ancestry mask; the accepted
+        # path's entries stay
+        as_trees = [t if t is not None else TokenTree.chain(d) for t, d in zip(trees, drafted)]
+        batch = TreeBatch.stack(as_trees, width - 1, run.device)
+        logits, features = run.kv.forward(tokens, real, width, run.layers, tree=batch)  # (B, W, V)
+        verified = _verify_trees(logits, tokens, as_trees, batch, qs, run.sampling, rows.gens, run.inspect)
+        run.kv.keep_entries([[0] + [j + 1 for j in v.path] for v in verified])
+    new = [[d[j] for j in v.path] + [v.next_token] for d, v in zip(drafted, verified)]
+    drafter.update([Verdict(v.num_accepted, row + n, _path_features(features, r, v.path, tree),
+                            None if tree is None else v.path)
+                    for r, (v, row, n, tree) in enumerate(zip(verified, ids, new, trees))])
     done = rows.commit(new)
     run.kv.compact()
     verify_seconds = run.clock.stop()
     if config.dynamic_k and k_policy is None:  # transformers' heuristic per row: +2 after a full acceptance, else -1
         run.row_k = [(min(k + 2, MAX_K_ENGINE) if v.num_accepted == len(d) == k else max(1, k - 1)) if d else k
                      for k, v, d in zip(run.row_k, verified, drafted)]
-    return run.event("spec", done, draft_seconds, verify_seconds, max(ks), tokens.shape[1], ks, drafted, verified,
-                     proposals)
+    return run.event("spec", done, draft_seconds, verify_seconds, max(ks), width, ks, drafted, verified, proposals,
+                     trees)
 
 
 @torch.inference_mode()
@@ -218,14 +301,15 @@ def decode(target, tokenizer, prompts: Sequence[list[int]], config: GenerationCo
            *, k_policy: KPolicy | None = None, inspect: bool = False, text: bool = True) -> Iterator[BatchEvent]:
     """Decode every prompt: prefill, then a speculative step per target pass with a drafter, else an autoregressive
     one. k is config.num_draft_tokens, or k_policy(rows still decoding) at every step when given; with
-    config.dynamic_k each row adapts its own k. `inspect` fills each spec StepEvent's inspection from the verify
+    config.dynamic_k each row adapts its own k. config.tree lets a drafter that drafts trees propose one (at most k
+    deep), verified in the same one pass under an ancestry mask (_tree_setting says when). `inspect` fills each spec StepEvent's inspection from the verify
     logits; `text` gives each StepEvent its text delta (stop strings are honoured either way). Finished rows leave the
     batch after the step that ends them. The target's cache comes from its runner (engine.graphs): a static one,
     graph-captured on CUDA, or the eager engine's.
     """
     run = _Run(target, tokenizer, prompts, config, drafter, inspect, text)
     try:
-        run.warm([1] if drafter is None else range(1, config.num_draft_tokens + 2))
+        run.warm([1] if drafter is None else range(1, max(config.num_draft_tokens, run.tree_nodes) + 2))
         yield _prefill(run, prompts)
         while True:
             run.clock.start()

@@ -3,9 +3,12 @@ its own positions. The forwards that feed it are plain tensor code over those bu
 them (engine.graphs); on a CPU the same code runs uncaptured.
 
 Row r holds its positions 0..lengths[r]-1 contiguously, with no holes: a pass writes row r's j-th entry at slot
-lengths[r] + j and attends to slots <= that one (explicit RoPE positions, a device-side mask). Rollback sets a row's
-length and copies nothing: what lies past it is never read and is overwritten by the next pass. Knows nothing of
-drafting, acceptance or graphs.
+lengths[r] + j and attends to the slots before them and, among its own entries, to those the pass's layout allows (a
+chain: the earlier ones; a draft tree: its ancestors, each at its row's length plus its depth). The layout sits in
+device buffers, so one captured graph per width serves chains and trees. Rollback sets a row's length and copies
+nothing: what lies past it is never read and is overwritten by the next pass; after a tree, the accepted path's
+entries are copied down to follow the row's length (at most its depth per layer). Knows nothing of drafting,
+acceptance or graphs.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ from collections.abc import Sequence
 
 import torch
 
+from ..config import MAX_K_ENGINE
 from ..models.placement import execution_device
 from .kv import PAD, right_padded, target_features, with_cache
 
 CAPACITY_STEP = 256  # a storage's positions per row are a multiple of this, so nearby requests share one (and graphs)
+LAYOUT_WIDTH = MAX_K_ENGINE + 1  # the widest pass whose layout (depths, ancestry) comes from the buffers: any verify
 
 
 @functools.cache
@@ -100,6 +105,13 @@ class Storage:
         self.slots = torch.arange(capacity, device=self.device)  # (capacity,)
         self.tokens = torch.full((rows * capacity,), PAD, dtype=torch.long, device=self.device)
         self.write = self.lengths[:1, None]  # (b, T): set by each pass before the model runs
+        # each pass's layout over its entries: depth (rows, W) and ancestry (rows, W, W), [j, i] = entry j sees entry
+        # i; a chain's is arange and causal (set_layout); a wider pass (a long prefill) is causal by construction
+        self.chain_depth = torch.arange(LAYOUT_WIDTH, device=self.device)
+        self.chain_ancestry = torch.ones(LAYOUT_WIDTH, LAYOUT_WIDTH, dtype=torch.bool, device=self.device).tril()
+        self.depth = self.chain_depth.repeat(rows, 1)
+        self.ancestry = self.chain_ancestry.repeat(rows, 1, 1)
+        self.tree_rows = 0  # rows whose layout a tree pass changed (set back before the next chain pass)
         self.cache = _classes()[1](self, num_cache_layers(model))
         self.cache_argument = with_cache(model, self.cache)  # once: nothing to look up inside a captured pass
         self.eager_mask = model.config._attn_implementation == "eager"  # an additive float mask instead of a bool
@@ -110,17 +122,37 @@ class Storage:
         """The (b, T) input ids a pass of that shape reads: the front of the flat token buffer."""
         return self.tokens[: b * t].view(b, t)
 
+    def set_layout(self, tree=None) -> None:
+        """The next pass's layout: a draft tree's (engine.tree.TreeBatch: its rows' depths and ancestry masks), or
+        with None the chain's (written back only where a tree pass changed it)."""
+        if tree is not None:
+            b, t = tree.depths.shape
+            self.depth[:b, :t].copy_(tree.depths, non_blocking=True)
+            self.ancestry[:b, :t, :t].copy_(tree.mask, non_blocking=True)
+            self.tree_rows = max(self.tree_rows, b)
+        elif self.tree_rows:
+            self.depth[: self.tree_rows] = self.chain_depth
+            self.ancestry[: self.tree_rows] = self.chain_ancestry
+            self.tree_rows = 0
+
     def run(self, b: int, t: int, keep: int,
             layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One pass of the first b rows over input_view(b, t): logits (b, keep, V) and, with layers, features
         (b, T, W). Straight-line tensor code over fixed buffers (what a graph captures); lengths are not moved."""
         tokens = self.input_view(b, t)
-        self.write = self.lengths[:b, None] + self.slots[None, :t]  # (b, T): positions, and the slots written
-        allowed = self.slots[None, None, None, :] <= self.write[:, None, :, None]  # (b, 1, T, capacity)
+        self.write = self.lengths[:b, None] + self.slots[None, :t]  # (b, T): the slots written
+        if t <= LAYOUT_WIDTH:  # each entry at its row's length plus its depth, seeing the past and what the layout says
+            positions = self.lengths[:b, None] + self.depth[:b, :t]
+            allowed = (self.slots[None, None, :] < self.lengths[:b, None, None]).expand(b, t, self.capacity)
+            allowed = allowed.contiguous().scatter_(2, self.write[:, None, :].expand(b, t, t),
+                                                    self.ancestry[:b, :t, :t])[:, None]  # (b, 1, T, capacity)
+        else:  # a long prefill: causal
+            positions = self.write
+            allowed = self.slots[None, None, None, :] <= self.write[:, None, :, None]  # (b, 1, T, capacity)
         if self.eager_mask:
             dtype = self.model.dtype
             allowed = torch.zeros((), dtype=dtype, device=self.device).masked_fill(~allowed, torch.finfo(dtype).min)
-        inputs = dict(input_ids=tokens, attention_mask=allowed, position_ids=self.write, use_cache=True,
+        inputs = dict(input_ids=tokens, attention_mask=allowed, position_ids=positions, use_cache=True,
                       **self.cache_argument)
         if layers is None:
             return self.model(**inputs, logits_to_keep=keep).logits, None
@@ -150,10 +182,13 @@ class StaticKV:
     def rows(self) -> int:
         return len(self.counts)
 
-    def _pass(self, tokens: torch.Tensor, keep: int, layers, graph: bool = True):
+    takes_trees = True  # a pass may feed a draft tree (Storage.set_layout)
+
+    def _pass(self, tokens: torch.Tensor, keep: int, layers, graph: bool = True, tree=None):
         need = max(self.counts) + tokens.shape[1]
         if need > self.storage.capacity:
             self._grow(need)
+        self.storage.set_layout(tree)
         return self.runner.replay(self.storage, tokens, keep, layers, graph)
 
     def _grow(self, need: int) -> None:
@@ -186,14 +221,33 @@ class StaticKV:
         hidden = [last[r] if feats is None else torch.cat([feats[r, : len(h)], last[r]]) for r, h in enumerate(head)]
         return logits[:, -1], hidden
 
-    def forward(self, tokens: torch.Tensor, real: torch.Tensor, keep: int,
-                layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, tokens: torch.Tensor, real: torch.Tensor, keep: int, layers: tuple[int, ...] | None = None,
+                tree=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Tokens (B, T), right-padded (`real` marks each row's first n entries): logits (B, keep, V) of the last
-        `keep` columns and, with layers, features (B, T, W); each row's length grows by its real entries."""
+        `keep` columns and, with layers, features (B, T, W); each row's length grows by its real entries. `tree`: the
+        pass is a draft tree's (engine.tree.TreeBatch; entry 0 the pending token)."""
         fed = real.sum(1).tolist()  # before the pass is queued: reading it after would wait for the whole pass
-        logits, features = self._pass(tokens, keep, layers)
+        logits, features = self._pass(tokens, keep, layers, tree=tree)
+        self.start = list(self.counts)
         self._advance(fed)
         return logits, features
+
+    def keep_entries(self, entries: Sequence[Sequence[int]]) -> None:
+        """Of the last forward's entries keep these per row (a tree's root and accepted path, ascending from 0): they
+        are copied down to follow the row's length, every layer at once (a gather of at most the path's depth per
+        row; a chain's kept entries already lie there, and nothing is copied)."""
+        start = self.start
+        if any(list(e) != list(range(len(e))) for e in entries):
+            m = max(len(e) for e in entries)
+            src = torch.tensor([[s + (e[i] if i < len(e) else i) for i in range(m)] for s, e in zip(start, entries)],
+                               device=self.device)  # (rows, m): entries past a row's path stay where they are
+            dst = torch.tensor(start, device=self.device)[:, None] + torch.arange(m, device=self.device)
+            for layer in self.storage.cache.layers:
+                if layer.is_initialized:
+                    for buf in (layer.keys, layer.values):
+                        _move_slots(buf[: self.rows], src, dst)
+        self.counts = [s + len(e) for s, e in zip(start, entries)]
+        self.storage.lengths[: self.rows].copy_(torch.tensor(self.counts), non_blocking=True)
 
     def step(self, feeds: Sequence[Sequence[int]]) -> torch.Tensor:
         """Feed each row its own tokens (a row may feed none); logits (B, V) at each row's newest token."""
@@ -232,6 +286,13 @@ class StaticKV:
     def release(self) -> None:
         """Hand the storage back to the runner (the decode or drafter that held it is done)."""
         self.runner.release(self.storage)
+
+
+def _move_slots(buf: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """buf (B, H, L, D): each row's slots src (B, m) copied to its slots dst (B, m), in place (read before written)."""
+    b, h, _, d = buf.shape
+    shape = (b, h, src.shape[1], d)
+    buf.scatter_(2, dst[:, None, :, None].expand(shape), buf.gather(2, src[:, None, :, None].expand(shape)))
 
 
 def needed_capacity(prompts: Sequence[list[int]], max_new_tokens: int, width: int) -> int:

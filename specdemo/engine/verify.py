@@ -173,16 +173,20 @@ def expected_accepted(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | No
 ACCEPT_RULES = {"token": rejection_accept, "block": block_accept}  # SamplingConfig.verification -> rule
 
 
-def inspect_verify(logits: torch.Tensor, target_probs: torch.Tensor | None, drafted: torch.Tensor) -> Inspection:
+def inspect_verify(logits: torch.Tensor, target_probs: torch.Tensor | None, drafted: torch.Tensor,
+                   parents: list[int] | None = None) -> Inspection:
     """A StepEvent's Inspection from one row of a verify pass: logits (k+1, V); target_probs (k+1, V) when
-    sampling, None when greedy (then p is the softmax at temperature 1); drafted (k,). One topk, no extra pass."""
+    sampling, None when greedy (then p is the softmax at temperature 1); drafted (k,). One topk, no extra pass.
+    A tree's (parents: each node's parent node, -1 the pending token): the top tokens after each entry, and p of each
+    node's token after its parent."""
     k, n = drafted.shape[0], min(TOP_N, logits.shape[-1])
-    rows = torch.arange(k, device=logits.device)
+    at = torch.arange(k) if parents is None else torch.tensor(parents, dtype=torch.long) + 1
+    rows = at.to(logits.device)  # the entry each drafted token was chosen after
     if target_probs is None:
         logits = logits.float()
         top = torch.topk(logits, n, dim=-1)  # (k+1, n)
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # (k+1, 1)
-        top_probs, token_probs = (top.values - lse).exp(), (logits[rows, drafted] - lse[:k, 0]).exp()
+        top_probs, token_probs = (top.values - lse).exp(), (logits[rows, drafted] - lse[rows, 0]).exp()
         gap = top.values[:, 0] - top.values[:, 1] if n > 1 else torch.zeros_like(lse[:, 0])
     else:
         top = torch.topk(target_probs, n, dim=-1)
