@@ -15,10 +15,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from statistics import median
 
+import torch
+
 from ..config import MAX_K_ENGINE, GenerationConfig
 from ..engine.timing import PROBE_TEXT, forward_costs
-from .base import Drafter, DraftRequest, Proposal
+from .base import Drafter, DraftRequest, Proposal, Verdict
 from .ngram import NgramDrafter
+from .trees import best_subtree, lookup_tree, lookup_values, shifted_costs
 
 log = logging.getLogger(__name__)
 
@@ -36,17 +39,29 @@ class HybridDrafter(Drafter):
     distribution and rejection sampling stays exact. The draft follows along when skipped: a row that looked up is
     asked for nothing that step, and catches up at its next proposal (ModelDrafter from the ids, Eagle3Drafter from the
     target features it kept pending).
+
+    Where a request allows trees, the lookup half proposes its tree, and the draft's chain gets prompt lookup's
+    branches of shorter matches beside it (one-hot nodes after the chain, valued by their share of the matches times
+    the chance the chain's first token fails, cut by pass costs under --tree auto; the chain itself is never cut).
     """
 
     name = "hybrid"
 
-    def __init__(self, model: Drafter, min_match: int = 3, model_k: int | None = None, lookup: Drafter | None = None):
+    def __init__(self, model: Drafter, min_match: int = 3, model_k: int | None = None, lookup: Drafter | None = None,
+                 pass_costs: dict[int, float] | None = None):
         self.model = model
         self.model_k = model_k
         # a match of min_match tokens or more proposes up to k tokens; a shorter one proposes nothing
         self.lookup = lookup or NgramDrafter(min_ngram=min_match, full_ngram=min_match)
+        self.branches = NgramDrafter()  # the branches of any match beside the draft's chain, in a tree
         self.needs_target_hidden = model.needs_target_hidden
         self.target_layers = model.target_layers
+        self.drafts_trees = self.lookup.drafts_trees
+        self.pass_costs = pass_costs
+        if self.lookup.pass_costs is None:
+            self.lookup.pass_costs = pass_costs
+        self._chains: list[list[int]] = []  # per row: the draft's chain inside this step's tree (its cache holds it)
+        self._starts: list[int] = []  # per row: the length of the ids it was asked to continue
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -78,15 +93,51 @@ class HybridDrafter(Drafter):
             p.source = p.source or "lookup"
         for m in modeled:
             m.source = "model"
-        return [p if p.tokens else m for p, m in zip(looked, modeled)]
+        self._chains, self._starts = [[] for _ in looked], [len(ids) for ids in request.ids]
+        return [p if p.tokens else self._with_branches(m, request, r) if request.nodes(r) > len(m.tokens) > 0
+                else m for r, (p, m) in enumerate(zip(looked, modeled))]
+
+    def _with_branches(self, chain: Proposal, request: DraftRequest, r: int) -> Proposal:
+        """Row r's tree: the draft's chain, then prompt lookup's branches as further children of the pending token
+        (one-hot q rows; each node's existence depends only on nodes before it, so tree_accept stays exact)."""
+        n, ids = len(chain.tokens), request.ids[r]
+        tree, support = lookup_tree(self.branches, ids, request.ks[r], self.branches.branches, request.eos_token_ids)
+        if not len(tree):
+            return chain
+        reach = [1.0]  # the chain's chance of acceptance at each depth, by the draft's own q
+        for q in chain.token_probs or [1.0] * n:
+            reach.append(reach[-1] * q)
+        values = [v * (1.0 - reach[1]) for v in lookup_values(tree, support)]
+        costs = shifted_costs(self.pass_costs, n) if request.tree_by_cost and self.pass_costs else None
+        tree, _ = best_subtree(tree, values, costs, request.nodes(r) - n, start=sum(reach))
+        if not len(tree):
+            return chain
+        self._chains[r] = chain.tokens
+        probs = chain.probs
+        if probs is not None:
+            onehot = torch.zeros(len(tree), probs.shape[1], dtype=probs.dtype, device=probs.device)
+            onehot[torch.arange(len(tree)), torch.tensor(tree.tokens)] = 1.0
+            probs = torch.cat([probs, onehot])
+        return Proposal(chain.tokens + list(tree.tokens), probs,
+                        None if chain.token_probs is None else chain.token_probs + [1.0] * len(tree), "model",
+                        list(range(-1, n - 1)) + [a + n if a >= 0 else -1 for a in tree.parents])
 
     def update(self, verdicts) -> None:
-        self.model.update(verdicts)
+        model = list(verdicts)
+        for r, chain in enumerate(self._chains):
+            if chain:  # the draft's cache holds its chain: it keeps what the committed tokens share with it
+                v, start = verdicts[r], self._starts[r]
+                new = v.ids[start:]
+                same = next((i for i, (a, b) in enumerate(zip(chain, new)) if a != b), min(len(chain), len(new)))
+                model[r] = Verdict(v.num_accepted, v.ids[: start + same + 1], v.target_hidden, v.path)
+        self._chains = []
+        self.model.update(model)
         self.lookup.update(verdicts)
 
     def select(self, rows) -> None:
         self.model.select(rows)
         self.lookup.select(rows)
+        self._chains = []
 
 
 # What hybrid_model_k assumes of a draft that carries no held-out figures of its own: the chance that its first and
@@ -190,9 +241,10 @@ def calibrate(model: Drafter, target, speculative: Speculative, draft_name: str 
 
 
 def calibrated_hybrid(model: Drafter, target, speculative: Speculative, draft_name: str | None = None,
-                      probe: list[int] | None = None, lookup: Drafter | None = None
-                      ) -> tuple[HybridDrafter, HybridCalibration]:
+                      probe: list[int] | None = None, lookup: Drafter | None = None,
+                      pass_costs: dict[int, float] | None = None) -> tuple[HybridDrafter, HybridCalibration]:
     """A hybrid over `model` (and `lookup`, default prompt lookup) whose cap follows this machine's costs (the draft
-    timed in a short run of `speculative`, engine.speculative), and the calibration behind it."""
+    timed in a short run of `speculative`, engine.speculative), and the calibration behind it; `pass_costs` size its
+    trees (--tree auto)."""
     calibration = calibrate(model, target, speculative, draft_name, probe)
-    return HybridDrafter(model, model_k=calibration.model_k, lookup=lookup), calibration
+    return HybridDrafter(model, model_k=calibration.model_k, lookup=lookup, pass_costs=pass_costs), calibration

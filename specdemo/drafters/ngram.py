@@ -1,4 +1,5 @@
-"""Prompt lookup: copy what followed the context's last n-gram where it appeared before. No model, no state."""
+"""Prompt lookup: copy what followed the context's last n-gram where it appeared before (or, as a draft tree, what
+followed each of its best matches). No model, no state."""
 
 from __future__ import annotations
 
@@ -15,12 +16,16 @@ class NgramDrafter(Drafter):
     """
 
     name = "ngram"
+    drafts_trees = True
 
-    def __init__(self, max_ngram: int = 8, min_ngram: int = 1, full_ngram: int = 3, latest: bool = False):
+    def __init__(self, max_ngram: int = 8, min_ngram: int = 1, full_ngram: int = 3, latest: bool = False,
+                 branches: int = 4, pass_costs: dict[int, float] | None = None):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.full_ngram = full_ngram
         self.latest = latest
+        self.branches = branches  # a tree's most matches (drafters.trees.lookup_tree)
+        self.pass_costs = pass_costs
 
     def begin(self, prompts, target_hidden=None) -> None:
         pass
@@ -50,5 +55,19 @@ class NgramDrafter(Drafter):
         count = k if length >= self.full_ngram else min(k, length)
         return cut_at_eos(ids[end + 1 : end + 1 + count], eos)
 
+    def tree(self, ids: list[int], k: int, nodes: int, eos: frozenset[int], by_cost: bool = False) -> Proposal:
+        """One row's lookup tree: what followed each of the best `branches` matches, merged by prefix: the chain
+        `lookup` proposes, then the other matches' nodes by their share of the matches, up to `nodes` nodes, those
+        beyond the chain cut by pass costs when asked (drafters.trees.branch_out)."""
+        from .trees import branch_out, lookup_tree, lookup_values  # trees builds on this module
+
+        tree, support = lookup_tree(self, ids, k, self.branches, eos)
+        if not len(tree):
+            return Proposal([])
+        tree, _ = branch_out(tree, lookup_values(tree, support), self.pass_costs if by_cost else None, nodes)
+        return Proposal(list(tree.tokens), parents=list(tree.parents))
+
     def propose(self, request: DraftRequest) -> list[Proposal]:
-        return [Proposal(self.lookup(ids, k, request.eos_token_ids)) for ids, k in zip(request.ids, request.ks)]
+        eos = request.eos_token_ids
+        return [self.tree(ids, k, request.nodes(r), eos, request.tree_by_cost) if request.nodes(r) and k > 0
+                else Proposal(self.lookup(ids, k, eos)) for r, (ids, k) in enumerate(zip(request.ids, request.ks))]

@@ -197,25 +197,30 @@ def draft_drafter(target: LoadedModel, draft: str | None, options: BuildOptions)
     return ModelDrafter(loaded.model, target.device), resolved.name, None
 
 
+def tree_pass_costs(target: LoadedModel) -> dict[int, float]:
+    """The target's pass costs that size draft trees (--tree auto) and cost-aware suffix drafts: timed at its first
+    load (engine.timing.load_time_verify_costs), then remembered."""
+    from ..config import MAX_K
+    from ..engine.timing import PROBE_TEXT, load_time_verify_costs
+
+    return load_time_verify_costs(target.model, target.tokenizer(PROBE_TEXT)["input_ids"], MAX_K)
+
+
 def lookup_drafter(target: LoadedModel, draft: str | None, options: BuildOptions) -> Built:
-    """Prompt lookup: no model."""
+    """Prompt lookup: no model; the target's pass costs size its trees."""
     from .ngram import NgramDrafter
 
-    return NgramDrafter(), None, None
+    return NgramDrafter(pass_costs=tree_pass_costs(target)), None, None
 
 
 def suffix_drafter(target: LoadedModel, draft: str | None, options: BuildOptions) -> Built:
-    """Suffix decoding: no model; earlier answers come from the SuffixCache in options.shared. Cost-aware, it times
-    the target's verify passes at load."""
+    """Suffix decoding: no model; earlier answers come from the SuffixCache in options.shared. The target's pass
+    costs, timed at load, size its trees and, cost-aware, cut its chains."""
     from .suffix import SuffixCache, SuffixDrafter
 
-    config, costs = options.of("suffix"), None
-    if config.cost_aware:
-        from ..config import MAX_K
-        from ..engine.timing import PROBE_TEXT, load_time_verify_costs
-
-        costs = load_time_verify_costs(target.model, target.tokenizer(PROBE_TEXT)["input_ids"], MAX_K)
-    return SuffixDrafter(SuffixCache.of(options.shared, config), config, pass_costs=costs), None, None
+    config = options.of("suffix")
+    return SuffixDrafter(SuffixCache.of(options.shared, config), config, pass_costs=tree_pass_costs(target),
+                         cost_aware=config.cost_aware), None, None
 
 
 def hybrid_drafter(target: LoadedModel, draft: str | None, options: BuildOptions) -> Built:
@@ -234,7 +239,8 @@ def hybrid_drafter(target: LoadedModel, draft: str | None, options: BuildOptions
         suffix = options.of("suffix")
         lookup = SuffixDrafter(SuffixCache.of(options.shared, suffix), suffix, min_match=3)
     model, name, _ = draft_drafter(target, draft, options)
-    hybrid, calibration = calibrated_hybrid(model, target, options.speculative, name, lookup=lookup)
+    hybrid, calibration = calibrated_hybrid(model, target, options.speculative, name, lookup=lookup,
+                                            pass_costs=tree_pass_costs(target))
     return hybrid, name, calibration
 
 

@@ -265,6 +265,14 @@ class SuffixCache:
         with self._lock:
             return self._tree.speculate(context, max_tokens, config, min_match)
 
+    def subtree(self, context: Sequence[int], max_tokens: int, config: SuffixConfig, min_match: int = 1,
+                max_depth: int | None = None):
+        """drafters.trees.suffix_subtree over the earlier answers: (TokenTree, each node's probability, match)."""
+        from .trees import suffix_subtree  # trees builds on this module
+
+        with self._lock:
+            return suffix_subtree(self._tree, context, max_tokens, config, min_match, max_depth)
+
     @contextmanager
     def paused(self) -> Iterator[None]:
         """Requests opened inside leave no answer behind (a warm-up, or a second run of one prompt)."""
@@ -311,14 +319,17 @@ class SuffixDrafter(Drafter):
     """
 
     name = "suffix"
+    drafts_trees = True
 
     def __init__(self, cache: SuffixCache | None = None, config: SuffixConfig = SuffixConfig(), min_match: int = 1,
-                 pass_costs: dict[int, float] | None = None):
+                 pass_costs: dict[int, float] | None = None, cost_aware: bool | None = None):
         config.validate()
         self.config = config
         self.cache = cache if cache is not None else SuffixCache(config.max_tree_depth, config.max_cached_requests)
         self.min_match = min_match
         self.pass_costs = pass_costs
+        # cut chains by pass costs (None: where pass costs are given); trees are cut by them under --tree auto
+        self.cost_aware = bool(pass_costs) if cost_aware is None else cost_aware
         self._rows: list[_Row] = []
         self._eos: frozenset[int] = frozenset()
 
@@ -340,37 +351,71 @@ class SuffixDrafter(Drafter):
     def propose(self, request: DraftRequest) -> list[Proposal]:
         self._eos = request.eos_token_ids
         out = []
-        for row, ids, k in zip(self._rows, request.ids, request.ks):
+        for r, (row, ids, k) in enumerate(zip(self._rows, request.ids, request.ks)):
             row.sync(ids, self.cache, self._eos)
-            out.append(self._draft(row, ids, k))
+            nodes = request.nodes(r)
+            out.append(self._tree(row, ids, k, nodes, request.tree_by_cost) if nodes and k > 0
+                       else self._draft(row, ids, k))
         return out
 
-    def _draft(self, row: _Row, ids: Sequence[int], k: int) -> Proposal:
+    def _tree(self, row: _Row, ids: Sequence[int], k: int, nodes: int, by_cost: bool) -> Proposal:
+        """A tree draft: the chain draft (_draft's, cost-aware cut included) as its first branch, grafted with the
+        better-scoring subtree of the row's and the cache's matches (drafters.trees.suffix_subtree, at most k deep
+        and `nodes` nodes, cut after an EOS), whose other nodes are kept by estimated probability, cut by pass costs
+        when asked (branch_out)."""
+        from .trees import branch_out, cut_after, graft, suffix_subtree  # trees builds on this module
+
+        chain, values = self._draft(row, ids, min(k, nodes), with_values=True)
+        if self.cost_aware and self.pass_costs and not chain.tokens:
+            return chain  # drafting does not pay here
+        context = list(ids[-self.config.max_tree_depth :])
+        own = suffix_subtree(row.tree, context, nodes, self.config, self.min_match, k)
+        earlier = self.cache.subtree(context, nodes, self.config, self.min_match, k)
+        (tree, probs, _), source = (own, None) if sum(own[1]) >= sum(earlier[1]) else (earlier, "earlier")
+        tree, keep = cut_after(tree, self._eos)
+        tree, values = graft(chain.tokens, values, tree, [probs[j] for j in keep])
+        if not len(tree):
+            return chain
+        tree, _ = branch_out(tree, values, self.pass_costs if by_cost else None, nodes)
+        return Proposal(list(tree.tokens), parents=list(tree.parents), source=chain.source or source)
+
+    @staticmethod
+    def _where(row: _Row, draft: Draft) -> str:
+        """A draft from the row's own tree: "answer" where its substring last began inside the answer, else
+        "prompt"."""
+        start = draft.last - (draft.match_len + len(draft.tokens)) + 1  # where the drafted substring last began
+        return "answer" if start >= row.prompt_len else "prompt"
+
+    def _draft(self, row: _Row, ids: Sequence[int], k: int, with_values: bool = False):
+        """A chain draft (with with_values: and its tokens' estimated probabilities)."""
         row.kinds = []
         if k <= 0:
-            return Proposal([])
+            return (Proposal([]), []) if with_values else Proposal([])
         context = ids[-self.config.max_tree_depth :]
         own = row.tree.speculate(context, k, self.config, self.min_match)
         earlier = self.cache.speculate(context, k, self.config, self.min_match)
         if own.score >= earlier.score:
             if not own.tokens:
-                return Proposal([])
-            start = own.last - (own.match_len + len(own.tokens)) + 1  # where the drafted substring last began
-            draft, source = own, "answer" if start >= row.prompt_len else "prompt"
+                return (Proposal([]), []) if with_values else Proposal([])
+            draft, source = own, self._where(row, own)
         else:
             draft, source = earlier, "earlier"
         tokens = cut_at_eos(draft.tokens, self._eos)
-        if self.pass_costs and tokens:
+        if self.cost_aware and self.pass_costs and tokens:
             ratios = [p / q for p, q in zip(draft.probs, [1.0, *draft.probs])][: len(tokens)]
             kinds = DraftValue.kinds(source, draft.match_len, ratios)
             keep = self.cache.value.length(kinds, ratios, self.pass_costs)
             tokens, row.kinds = tokens[:keep], kinds[:keep]
-        return Proposal(tokens, source=source)
+        proposal = Proposal(tokens, source=source)
+        return (proposal, draft.probs[: len(tokens)]) if with_values else proposal
 
     def update(self, verdicts) -> None:
         for row, verdict in zip(self._rows, verdicts):
-            if row.kinds:
-                self.cache.value.record(row.kinds, verdict.num_accepted)
+            if row.kinds:  # a tree's chain is its first nodes: accepted as far as the path follows them
+                path = verdict.path
+                on_chain = verdict.num_accepted if path is None else next(
+                    (i for i, j in enumerate(path) if i != j), len(path))
+                self.cache.value.record(row.kinds, on_chain)
                 row.kinds = []
             row.sync(verdict.ids, self.cache, self._eos)
 

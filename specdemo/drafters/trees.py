@@ -60,11 +60,12 @@ def lookup_tree(drafter: NgramDrafter, ids: Sequence[int], k: int, branches: int
 
 
 def suffix_subtree(tree: SuffixTree, context: Sequence[int], max_tokens: int, config: SuffixConfig,
-                   min_match: int = 1) -> tuple[TokenTree, list[float], int]:
+                   min_match: int = 1, max_depth: int | None = None) -> tuple[TokenTree, list[float], int]:
     """Suffix decoding's tree draft (arctic_inference's _speculate_tree): for each match length m of context's
     suffix, grow from the match's node best-first by estimated probability (the product of count ratios down from
-    it), children below min_token_prob left out, at most min(max_tokens, max_spec_factor * m) nodes; the match whose
-    nodes' probabilities sum highest wins (ties to the longer). Returns (tree, each node's probability, m)."""
+    it), children below min_token_prob (or deeper than max_depth) left out, at most min(max_tokens, max_spec_factor *
+    m) nodes; the match whose nodes' probabilities sum highest wins (ties to the longer). Returns (tree, each node's
+    probability, m)."""
     context = list(context[-tree.max_depth :])
     n = len(context)
     best: tuple[float, TokenTree, list[float], int] = (0.0, TokenTree((), ()), [], 0)
@@ -78,19 +79,22 @@ def suffix_subtree(tree: SuffixTree, context: Sequence[int], max_tokens: int, co
         if m < min_match:
             continue
         limit = max(0, min(max_tokens, int(_f32(m * factor) + 1e-6)))
-        tokens, parents, probs, score = _grow(node, limit, min_prob)
+        tokens, parents, probs, score = _grow(node, limit, min_prob, max_depth)
         if tokens and score >= best[0]:
             best = (score, TokenTree(tokens, parents), probs, m)
     return best[1], best[2], best[3]
 
 
-def _grow(match, limit: int, min_prob: float) -> tuple[list[int], list[int], list[float], float]:
+def _grow(match, limit: int, min_prob: float, max_depth: int | None = None
+          ) -> tuple[list[int], list[int], list[float], float]:
     """Best-first growth from a suffix-tree node: (tokens, parents, probabilities, their float32 sum)."""
-    tokens, parents, probs, score = [], [], [], 0.0
+    tokens, parents, probs, depths, score = [], [], [], [], 0.0
     heap: list = []  # (-probability, arrival, suffix-tree node, parent in the draft, probability)
     arrival = itertools.count()  # equal probabilities: the first pushed first
 
     def push(at, parent: int, prob: float) -> None:
+        if max_depth is not None and (depths[parent] if parent >= 0 else 0) >= max_depth:
+            return
         for child in at.order or ():  # most frequent first: the rest are no more likely
             p = _f32(prob * _f32(child.count / at.count))
             if p < min_prob:
@@ -103,17 +107,20 @@ def _grow(match, limit: int, min_prob: float) -> tuple[list[int], list[int], lis
         tokens.append(child.token)
         parents.append(parent)
         probs.append(p)
+        depths.append(depths[parent] + 1 if parent >= 0 else 1)
         score = _f32(score + p)
         push(child, len(tokens) - 1, p)
     return tokens, parents, probs, score
 
 
-def tree_budget(values: Sequence[float], pass_costs: dict[int, float]) -> int:
+def tree_budget(values: Sequence[float], pass_costs: dict[int, float], start: float = 1.0) -> int:
     """How many nodes a tree should keep: values are its nodes' estimated probabilities of being accepted, in the
     order they would be kept; keeping N costs an (N+1)-token pass, pass_costs[N] (a 1-token pass costs 1) and is
     expected to yield 1 + the sum of the first N values tokens. The N that maximises tokens per unit of pass cost
-    (0: none), never past the widest pass measured. DraftValue.length's rule for chains, for trees."""
-    best, keep, expected = 1.0, 0, 1.0
+    (0: none), never past the widest pass measured. DraftValue.length's rule for chains, for trees. `start`: the
+    tokens expected without these nodes, where they would widen a pass that already verifies others (whose costs
+    pass_costs are then relative to)."""
+    best, keep, expected = start, 0, start
     for n, v in enumerate(values[: max(pass_costs, default=0)], start=1):
         expected += v
         value = expected / pass_costs[n]
@@ -122,15 +129,91 @@ def tree_budget(values: Sequence[float], pass_costs: dict[int, float]) -> int:
     return keep
 
 
-def best_subtree(tree: TokenTree, values: Sequence[float], pass_costs: dict[int, float]) -> tuple[TokenTree, list[int]]:
+def best_subtree(tree: TokenTree, values: Sequence[float], pass_costs: dict[int, float] | None,
+                 limit: int | None = None, start: float = 1.0) -> tuple[TokenTree, list[int]]:
     """The part of `tree` worth verifying on this machine: nodes taken best value first among those whose parent is
-    already taken (so the kept part is a tree: EAGLE-2's rerank), cut at tree_budget. Returns (tree, kept nodes)."""
+    already taken (so the kept part is a tree: EAGLE-2's rerank), at most `limit`, cut at tree_budget (None: no cost
+    cut; `start` as there). Returns (tree, kept nodes)."""
     order, frontier = [], [(-values[c], c) for c in tree.children(-1)]
     heapq.heapify(frontier)
-    while frontier:
+    while frontier and (limit is None or len(order) < limit):
         _, c = heapq.heappop(frontier)
         order.append(c)
         for g in tree.children(c):
             heapq.heappush(frontier, (-values[g], g))
-    kept = sorted(order[: tree_budget([values[c] for c in order], pass_costs)])
+    if pass_costs is not None:
+        order = order[: tree_budget([values[c] for c in order], pass_costs, start)]
+    kept = sorted(order)
     return tree.select(kept), kept
+
+
+def branch_out(tree: TokenTree, values: Sequence[float], pass_costs: dict[int, float] | None,
+               limit: int) -> tuple[TokenTree, list[int]]:
+    """The draft a tree drafter proposes: the tree's first branch (first children from the root: the drafter's chain
+    draft), then its other nodes best value first among those whose parent is in, at most `limit` nodes in all; with
+    pass_costs (--tree auto) only the branches that pay for widening the chain's pass (tree_budget from the chain's
+    expected tokens), so where none pays the draft is the chain. Returns (tree, kept nodes)."""
+    chain, node = [], -1
+    while tree.children(node) and len(chain) < limit:
+        node = tree.children(node)[0]
+        chain.append(node)
+    on = set(chain)
+    frontier = [(-values[c], c) for a in (-1, *chain) for c in tree.children(a) if c not in on]
+    heapq.heapify(frontier)
+    extra: list[int] = []
+    while frontier and len(chain) + len(extra) < limit:
+        _, c = heapq.heappop(frontier)
+        extra.append(c)
+        for g in tree.children(c):
+            heapq.heappush(frontier, (-values[g], g))
+    if pass_costs is not None:
+        start = 1.0 + sum(values[c] for c in chain)
+        extra = extra[: tree_budget([values[c] for c in extra], shifted_costs(pass_costs, len(chain)), start)]
+    kept = sorted(chain + extra)
+    return tree.select(kept), kept
+
+
+def graft(chain: Sequence[int], chain_values: Sequence[float], tree: TokenTree,
+          values: Sequence[float]) -> tuple[TokenTree, list[float]]:
+    """A chain as the first branch of a tree, the tree's nodes merged into it by prefix (a node on a chain prefix is
+    that chain node, valued the higher of the two). Returns (tree, each node's value)."""
+    tokens, parents, merged = list(chain), list(range(-1, len(chain) - 1)), list(chain_values)
+    index = {(a, t): j for j, (a, t) in enumerate(zip(parents, tokens))}  # (parent, token) -> node
+    at: list[int] = []  # the tree's node j -> its merged node
+    for j, (a, t) in enumerate(zip(tree.parents, tree.tokens)):
+        key = (at[a] if a >= 0 else -1, t)
+        if key in index:
+            merged[index[key]] = max(merged[index[key]], values[j])
+        else:
+            index[key] = len(tokens)
+            tokens.append(t)
+            parents.append(key[0])
+            merged.append(values[j])
+        at.append(index[key])
+    return TokenTree(tuple(tokens), tuple(parents)), merged
+
+
+def lookup_values(tree: TokenTree, support: Sequence[int]) -> list[float]:
+    """Each node of a lookup tree's estimated chance of acceptance: the share of the matches that continue through
+    it (every match passes through one child of the root)."""
+    total = sum(support[c] for c in tree.children(-1)) or 1
+    return [s / total for s in support]
+
+
+def cut_after(tree: TokenTree, stop: frozenset[int]) -> tuple[TokenTree, list[int]]:
+    """The tree without the nodes below a node whose token is in `stop` (nothing follows an end of sequence), and
+    the nodes it keeps."""
+    keep: list[int] = []
+    ended = [False] * len(tree)
+    for j, (t, a) in enumerate(zip(tree.tokens, tree.parents)):
+        if a >= 0 and (ended[a] or tree.tokens[a] in stop):
+            ended[j] = True
+        else:
+            keep.append(j)
+    return tree.select(keep), keep
+
+
+def shifted_costs(pass_costs: dict[int, float], width: int) -> dict[int, float]:
+    """{n: cost of a pass n nodes wider than one of `width` nodes, over that pass's} (its nodes kept anyway)."""
+    base = pass_costs.get(width, 1.0) if width else 1.0
+    return {n - width: c / base for n, c in pass_costs.items() if n > width}
