@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from . import checks
 from .checks import arg
-from .cliargs import add_placement_args, add_runtime_args, placement_args, runtime_args
+from .cliargs import TREE_HELP, add_placement_args, add_runtime_args, placement_args, runtime_args
 from .config import (
     BUNDLED_ID,
     DEFAULT_DRAFTER,
@@ -42,6 +42,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--k", type=arg(checks.k), default=None,
                    help=f"draft tokens per step ({MIN_K}..{MAX_K_ENGINE}; default: {k_defaults_help()})")
     p.add_argument("--dynamic-k", action="store_true", help="adapt k per step (+2 after a full acceptance, else -1)")
+    p.add_argument("--tree", type=arg(checks.tree), default=G.tree, help=TREE_HELP)
     p.add_argument("--temperature", type=arg(checks.temperature), default=S.temperature, help="0 is greedy")
     p.add_argument("--top-p", type=arg(checks.top_p), default=S.top_p)
     p.add_argument("--top-k", type=arg(checks.top_k), default=S.top_k)
@@ -73,7 +74,7 @@ def run_generate(args) -> int:
         max_new_tokens=args.max_new_tokens, num_draft_tokens=args.k or G.num_draft_tokens, dynamic_k=args.dynamic_k,
         sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.verification),
         stop_strings=tuple(args.stop),
-        seed=args.seed, use_chat_template=not args.no_chat_template,
+        seed=args.seed, use_chat_template=not args.no_chat_template, tree=args.tree,
     )
     config.validate()
     checks.prompt_tokens(args.target, args.prompt, args.max_new_tokens, runtime, not args.no_chat_template,

@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from .config import BUNDLED_ID, MAX_K_ENGINE, MIN_K, TRAINED_DRAFT_ID, VERIFICATION_RULES, Runtime
+from .config import BUNDLED_ID, MAX_K_ENGINE, MIN_K, TRAINED_DRAFT_ID, VERIFICATION_RULES, Runtime, parse_tree
 from .drafters.registry import check_draft, get, kinds, names
 
 MAX_SEED = 2**32 - 1  # numpy's and most tools' bound; torch takes more, but a seed means the same everywhere here
@@ -136,6 +136,14 @@ def verifications(text: Any, temp: float) -> list[str]:
         raise UserError(f"verification lists several rules ({', '.join(rules)}), but at temperature 0 every rule is "
                         "greedy; give a temperature above 0 (for example 1.0) or one rule.")
     return rules
+
+
+def tree(value: Any) -> str:
+    """--tree: auto, off, or the most nodes a draft tree may have per step."""
+    try:
+        return parse_tree(value)
+    except ValueError:
+        raise refused("tree", value, f"auto, off or a node count from 1 to {MAX_K_ENGINE}") from None
 
 
 def drafter(value: Any) -> str:

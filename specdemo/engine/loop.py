@@ -156,20 +156,36 @@ def _path_features(features: torch.Tensor | None, r: int, path: list[int], tree:
     return features[r, torch.tensor([0] + [j + 1 for j in path], device=features.device)]
 
 
-def _tree_setting(config: GenerationConfig, drafter: Drafter | None, kv) -> tuple[int, bool]:
-    """(each row's node budget for a draft tree, whether the drafter cuts it by pass costs): --tree N, or under auto
-    up to AUTO_TREE_NODES cut by the drafter's pass costs. Chains (0) where trees are off, where the drafter drafts
-    none or, under auto, has no pass costs to size one by, under block verification (it judges chains only), and
-    where the target's attention takes no tree mask."""
+@dataclass(frozen=True)
+class TreePlan:
+    """How a decode drafts: each row's node budget for a draft tree (0: chains), whether the drafter cuts each tree
+    by the target's pass costs (--tree auto), and why, in words."""
+
+    nodes: int
+    by_cost: bool
+    why: str
+
+
+def tree_plan(config: GenerationConfig, drafter: Drafter | None, takes_trees: bool = True) -> TreePlan:
+    """--tree N allows N nodes; auto up to AUTO_TREE_NODES, cut by the drafter's pass costs. Chains where trees are
+    off, where the drafter drafts none or, under auto, has no pass costs to size one by, under block verification
+    (it judges chains only), and where the target's attention takes no tree mask (`takes_trees`)."""
     nodes = config.tree_nodes
-    if (nodes == 0 or drafter is None or not drafter.drafts_trees or config.sampling.rule == "block"
-            or not kv.takes_trees):
-        return 0, False
+    if nodes == 0:
+        return TreePlan(0, False, "chains (--tree off)")
+    if drafter is None or not drafter.drafts_trees:
+        return TreePlan(0, False, "chains: this drafter drafts no trees")
+    if config.sampling.rule == "block":
+        return TreePlan(0, False, "chains: block verification judges chains only")
+    if not takes_trees:
+        return TreePlan(0, False, "chains: the target's attention takes no tree mask (sdpa or eager do)")
     if nodes is not None:
-        return nodes, False
+        return TreePlan(nodes, False, f"trees of up to {nodes} nodes (--tree {nodes})")
     if not drafter.pass_costs:
-        return 0, False
-    return min(AUTO_TREE_NODES, max(drafter.pass_costs)), True
+        return TreePlan(0, False, "chains: no pass costs timed on the target to size a tree by")
+    nodes = min(AUTO_TREE_NODES, max(drafter.pass_costs))
+    return TreePlan(nodes, True, f"trees of up to {nodes} nodes, branches kept where they pay for the wider pass "
+                                 f"(--tree auto)")
 
 
 class _Run:
@@ -189,7 +205,7 @@ class _Run:
         self.layers = tuple(drafter.target_layers) if drafter is not None and drafter.needs_target_hidden else None
         self.chosen: list[int] = []
         self.row_k = [config.num_draft_tokens] * len(prompts)
-        self.tree_nodes, self.tree_by_cost = _tree_setting(config, drafter, self.kv)
+        self.tree = tree_plan(config, drafter, self.kv.takes_trees)
 
     def warm(self, widths: Sequence[int]) -> None:
         """Capture the passes of these widths before the clock runs, where a graph runner serves the target."""
@@ -253,7 +269,7 @@ def _ar_step(run: _Run) -> BatchEvent:
 
 
 def _spec_step(run: _Run, k_policy: KPolicy | None) -> BatchEvent:
-    """Draft up to k per row (a tree of up to run.tree_nodes nodes where allowed), verify every row's drafts in one
+    """Draft up to k per row (a tree of up to run.tree.nodes nodes where allowed), verify every row's drafts in one
     target pass (B x (n+1) positions, padded for rows that drafted fewer), keep each row's agreed prefix (a tree's
     accepted path) plus the target's own next token, roll back the rest."""
     config, rows, drafter = run.config, run.rows, run.drafter
@@ -261,8 +277,8 @@ def _spec_step(run: _Run, k_policy: KPolicy | None) -> BatchEvent:
         run.row_k = [k_policy(len(rows))] * len(rows)
     ids = [out.ids for out in rows.out]  # ids[r][-1] is pending: not yet in the target's cache
     ks = [max(0, min(k, config.max_new_tokens - out.num_generated - 1)) for k, out in zip(run.row_k, rows.out)]
-    nodes = [run.tree_nodes if k > 0 else 0 for k in ks]
-    proposals = (drafter.propose(DraftRequest(ids, ks, run.sampling, rows.gens, run.eos, nodes, run.tree_by_cost))
+    nodes = [run.tree.nodes if k > 0 else 0 for k in ks]
+    proposals = (drafter.propose(DraftRequest(ids, ks, run.sampling, rows.gens, run.eos, nodes, run.tree.by_cost))
                  if max(ks) > 0 else [Proposal([]) for _ in ks])
     trees, drafted, qs = map(list, zip(*(_as_verified(p, k, n) for p, k, n in zip(proposals, ks, nodes))))
     draft_seconds = run.clock.stop()
@@ -302,14 +318,14 @@ def decode(target, tokenizer, prompts: Sequence[list[int]], config: GenerationCo
     """Decode every prompt: prefill, then a speculative step per target pass with a drafter, else an autoregressive
     one. k is config.num_draft_tokens, or k_policy(rows still decoding) at every step when given; with
     config.dynamic_k each row adapts its own k. config.tree lets a drafter that drafts trees propose one (at most k
-    deep), verified in the same one pass under an ancestry mask (_tree_setting says when). `inspect` fills each spec StepEvent's inspection from the verify
+    deep), verified in the same one pass under an ancestry mask (tree_plan says when). `inspect` fills each spec StepEvent's inspection from the verify
     logits; `text` gives each StepEvent its text delta (stop strings are honoured either way). Finished rows leave the
     batch after the step that ends them. The target's cache comes from its runner (engine.graphs): a static one,
     graph-captured on CUDA, or the eager engine's.
     """
     run = _Run(target, tokenizer, prompts, config, drafter, inspect, text)
     try:
-        run.warm([1] if drafter is None else range(1, max(config.num_draft_tokens, run.tree_nodes) + 2))
+        run.warm([1] if drafter is None else range(1, max(config.num_draft_tokens, run.tree.nodes) + 2))
         yield _prefill(run, prompts)
         while True:
             run.clock.start()

@@ -24,9 +24,10 @@ from ..engine import (
     graphs,
     speculative,
 )
+from ..engine.loop import tree_plan
 from ..models.loading import LoadedModel, load_model
 from ..models.placement import draft_lm, drafter_device
-from .metrics import PassCosts, RunStats, pass_costs, run_stats, speedup
+from .metrics import PassCosts, RunStats, pass_costs, run_stats, speedup, tree_steps, tree_summary
 from .spec_metrics import speculative_decoding, steps_of
 
 
@@ -105,7 +106,7 @@ def warmup(pair: Pair, rows: Sequence[list[int]], config: GenerationConfig) -> N
     nothing in what the drafter keeps across requests (a suffix drafter's answers: the timed run would draft its own
     start from it)."""
     short = GenerationConfig(max_new_tokens=WARMUP_TOKENS, num_draft_tokens=config.num_draft_tokens,
-                             sampling=config.sampling)
+                             sampling=config.sampling, tree=config.tree)
     with pair.drafter.paused():
         for drafter in (None, pair.drafter):
             for _ in decode(pair.target.model, pair.target.tokenizer, rows, short, drafter, text=False):
@@ -177,6 +178,7 @@ def result_dict(pair: Pair, config: GenerationConfig, ar_events: list[StepEvent]
         "speedup": speedup(ar, sd),
         "identical": ar_ids == sd_ids,
         "speculative_decoding": speculative_decoding(steps_of(sd_events), config.num_draft_tokens),  # vLLM's names
+        "tree": {"setting": config.tree, **tree_result(pair, config, sd_events)},
     }
     if pair.calibration is not None:  # the hybrid model's cap, and the measured pass costs it came from
         out.update(pair.calibration.as_dict())
@@ -184,6 +186,12 @@ def result_dict(pair: Pair, config: GenerationConfig, ar_events: list[StepEvent]
     if config.sampling.greedy and ar_ids != sd_ids and prompt_ids is not None:
         out["mismatch"] = first_mismatch(pair.target, prompt_ids, ar_ids, sd_ids)
     return out
+
+
+def tree_result(pair: Pair, config: GenerationConfig, sd_events: list[StepEvent]) -> dict:
+    """How the run drafted trees (metrics.tree_summary): the plan, the steps that verified one, and what auto did."""
+    return tree_summary(tree_plan(config, pair.drafter), *tree_steps(sd_events), pair.drafter.pass_costs,
+                        config.num_draft_tokens)
 
 
 def _run_json(events: list[StepEvent], stats: RunStats) -> dict:

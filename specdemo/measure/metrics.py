@@ -66,6 +66,26 @@ def run_stats(events: list[StepEvent]) -> RunStats:
     )
 
 
+def tree_steps(events: Sequence[StepEvent]) -> tuple[int, int]:
+    """(speculative steps that verified a draft tree, speculative steps that drafted anything) of one run."""
+    spec = [e for e in events if e.kind == "spec" and e.drafted]
+    return sum(e.parents is not None for e in spec), len(spec)
+
+
+def tree_summary(plan, trees: int, drafted_steps: int, pass_costs: dict[int, float] | None, k: int) -> dict:
+    """The result's `tree`: the plan (engine.loop.TreePlan: the node budget, whether auto cut it by pass costs, why)
+    and how many drafting steps verified a tree; under auto with none, that it fell back to chains, and the costs
+    that made it (a pass one node wider than the chain's)."""
+    note = plan.why
+    if plan.by_cost and drafted_steps and not trees:
+        note = "auto fell back to chains: no branch paid for the wider pass it needs"
+        if pass_costs and k in pass_costs and k + 1 in pass_costs:
+            note += (f" (here a {k + 2}-token pass costs {pass_costs[k + 1]:.2f}x a 1-token one, a {k + 1}-token "
+                     f"pass {pass_costs[k]:.2f}x)")
+    return {"nodes": plan.nodes, "by_cost": plan.by_cost, "tree_steps": trees, "drafted_steps": drafted_steps,
+            "note": note}
+
+
 def ratio(a: float, b: float) -> float:
     """a / b, 0 when b is 0: every ratio of sums in the results (tokens/s, speedups, fractions)."""
     return a / b if b > 0 else 0.0

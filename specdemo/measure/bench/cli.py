@@ -13,7 +13,7 @@ import torch
 
 from ... import checks
 from ...checks import arg
-from ...cliargs import add_placement_args, add_runtime_args, placement_args, runtime_args
+from ...cliargs import TREE_HELP, add_placement_args, add_runtime_args, placement_args, runtime_args
 from ...config import DEFAULT_DRAFTER, k_defaults_help
 from ...drafters.registry import add_flags, cli_help, names, options_from
 from ...engine import GenerationError
@@ -75,6 +75,7 @@ def parser() -> argparse.ArgumentParser:
                    help="empty what the drafter keeps across requests (suffix decoding's cache of earlier answers) "
                         "before each prompt (default: carried across the prompts in order, as a server carries it; "
                         "vLLM's suffix method then keeps no earlier answers)")
+    p.add_argument("--tree", type=arg(checks.tree), default=D.tree, help=TREE_HELP)
     p.add_argument("--out", default=D.out, help="output folder for bench.json, bench.md, bench.html "
                                                 "(default %(default)s, git-ignored)")
     p.add_argument("--device", default=D.device)
@@ -117,7 +118,7 @@ def bench_config(args: argparse.Namespace, env=os.environ) -> BenchConfig:
                          placement=placement_args(args), draft_device=args.draft_device,
                          theory=not args.no_theory, quiet=args.quiet, runtime=runtime_args(args, env),
                          batch_sizes=args.batch_sizes, max_batches=args.max_batches,
-                         drafter_options=options_from(args), suffix_cold=args.suffix_cold)
+                         drafter_options=options_from(args), suffix_cold=args.suffix_cold, tree=args.tree)
     if config.k is not None:  # None: the measured starting k, resolved once the pair is known
         checks.ks(config.k)
     checks.verifications(config.verification, config.temperature)

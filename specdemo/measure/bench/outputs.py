@@ -77,7 +77,9 @@ def markdown(report: dict) -> str:
         f"k = {c['k']}, temperature {c['temperature']}, {c['max_new_tokens']} new tokens, "
         f"{c['num_prompts']} prompts from `{Path(str(c['prompts'])).name}`"
         f"{_hybrid_line(c)}\n\n"
-        + (f"placement: {placement_line(c['placement'])}\n\n" if c.get("placement") else "") +
+        + (f"placement: {placement_line(c['placement'])}\n\n" if c.get("placement") else "")
+        + (f"draft trees (--tree {c['tree']['setting']}): {c['tree']['note']}; {c['tree']['tree_steps']} of "
+           f"{c['tree']['drafted_steps']} steps verified a tree\n\n" if c.get("tree") else "") +
         f"machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), "
         f"{m['device']} {m['dtype']}, torch {m['torch']}, transformers {m['transformers']}; "
         f"load average {fmt((m.get('load_average_start') or [None])[0])} at start, "

@@ -28,11 +28,13 @@ from ...drafters.base import SharedState
 from ...drafters.registry import get, options_of
 from ...drafters.resolve import default_draft, starting_k
 from ...engine import encode_prompt, eos_ids, graphs
+from ...engine.loop import tree_plan
 from ...engine.timing import ForwardTimer, verify_costs_for
 from ...models.eagle3 import eagle3_export
 from ...prompts import DEFAULT_PROMPTS, PromptItem, read_prompts
 from ...serve.serve_config import Lookup, serve_target
 from ..compare import Pair, first_mismatch, load_pair, pair_placement, warmup
+from ..metrics import tree_steps, tree_summary
 from ..spec_metrics import speculative_decoding, steps_of
 from ..tune_k import point, run_ar, run_sd, summarize, sweep
 from .anchors import (
@@ -86,6 +88,7 @@ class BenchConfig:
     drafter_options: Mapping = field(default_factory=dict)  # kind name -> its options (registry.options_from)
     suffix_cold: bool = False  # empty what the drafter keeps across requests before each prompt (default: carried
     # across them in order)
+    tree: str = GenerationConfig.tree  # draft trees: "auto", "off" or the most nodes per step
 
     @property
     def drafter_kind(self) -> str:
@@ -159,6 +162,7 @@ def bench_prompt(pair, item: PromptItem, prompt_ids: list[int], ks: list[int], c
             "identical": ar.ids == sd.ids,
             "steps": s.steps, "drafted": s.drafted, "accepted": s.accepted,
             "spec_tokens": sum(len(e.tokens) for e in spec),
+            "tree_steps": tree_steps(sd.run.events)[0],  # steps that verified a draft tree
             "accepted_histogram": s.accepted_histogram,
             "draft_seconds": s.draft_seconds, "verify_seconds": s.verify_seconds,
             "ar_engine_seconds": a.seconds, "sd_engine_seconds": s.seconds,
@@ -272,7 +276,8 @@ def run_bench(bc: BenchConfig) -> dict:
     kind = bc.drafter_kind
     checks.pair(bc.target, kind, bc.draft)
     config = GenerationConfig(max_new_tokens=bc.max_new_tokens, sampling=SamplingConfig(bc.temperature,
-                              verification=rules[0]), seed=bc.seed, use_chat_template=bc.chat_template)
+                              verification=rules[0]), seed=bc.seed, use_chat_template=bc.chat_template,
+                              tree=bc.tree)
     config.validate()
     if bc.vllm:
         check_vllm(bc)
@@ -336,6 +341,9 @@ def run_bench(bc: BenchConfig) -> dict:
     cache = "emptied before each prompt" if bc.suffix_cold else "one per process, carried across the prompts in order"
     for section, values in pair.drafter.settings().items():  # the options it drafted under, as generate records them
         cfg[section] = {**values, **({"cache": cache} if shared.names() else {})}  # and what it kept across prompts
+    cfg["tree"] = {"setting": bc.tree, **tree_summary(
+        tree_plan(config, pair.drafter), sum(r["tree_steps"] for r in rows), sum(r["steps"] for r in rows),
+        pair.drafter.pass_costs, ks[0])}
     if calibration:
         cfg["calibration"] = calibration
     if vllm_meta:
