@@ -64,7 +64,8 @@ class NgramDrafter(Drafter):
         tree, support = lookup_tree(self, ids, k, self.branches, eos)
         if not len(tree):
             return Proposal([])
-        tree, _ = branch_out(tree, lookup_values(tree, support), self.pass_costs if by_cost else None, nodes)
+        chain = len(self.lookup(ids, k, eos))  # the best match's copy: the tree's first nodes
+        tree, _ = branch_out(tree, lookup_values(tree, support), self.pass_costs if by_cost else None, nodes, chain)
         return Proposal(list(tree.tokens), parents=list(tree.parents))
 
     def propose(self, request: DraftRequest) -> list[Proposal]:

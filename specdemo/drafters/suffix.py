@@ -376,7 +376,7 @@ class SuffixDrafter(Drafter):
         tree, values = graft(chain.tokens, values, tree, [probs[j] for j in keep])
         if not len(tree):
             return chain
-        tree, _ = branch_out(tree, values, self.pass_costs if by_cost else None, nodes)
+        tree, _ = branch_out(tree, values, self.pass_costs if by_cost else None, nodes, len(chain.tokens) or None)
         return Proposal(list(tree.tokens), parents=list(tree.parents), source=chain.source or source)
 
     @staticmethod

@@ -147,16 +147,20 @@ def best_subtree(tree: TokenTree, values: Sequence[float], pass_costs: dict[int,
     return tree.select(kept), kept
 
 
-def branch_out(tree: TokenTree, values: Sequence[float], pass_costs: dict[int, float] | None,
-               limit: int) -> tuple[TokenTree, list[int]]:
-    """The draft a tree drafter proposes: the tree's first branch (first children from the root: the drafter's chain
-    draft), then its other nodes best value first among those whose parent is in, at most `limit` nodes in all; with
-    pass_costs (--tree auto) only the branches that pay for widening the chain's pass (tree_budget from the chain's
-    expected tokens), so where none pays the draft is the chain. Returns (tree, kept nodes)."""
-    chain, node = [], -1
-    while tree.children(node) and len(chain) < limit:
-        node = tree.children(node)[0]
-        chain.append(node)
+def branch_out(tree: TokenTree, values: Sequence[float], pass_costs: dict[int, float] | None, limit: int,
+               chain: int | None = None) -> tuple[TokenTree, list[int]]:
+    """The draft a tree drafter proposes: the drafter's chain draft, the tree's first `chain` nodes (a chain; None:
+    first children from the root), then its other nodes best value first among those whose parent is in, at most
+    `limit` nodes in all; with pass_costs (--tree auto) only those that pay for widening the chain's pass
+    (tree_budget from the chain's expected tokens), so where none pays the draft is the chain. Returns (tree, kept
+    nodes)."""
+    if chain is not None:
+        chain = list(range(min(chain, limit)))
+    else:
+        chain, node = [], -1
+        while tree.children(node) and len(chain) < limit:
+            node = tree.children(node)[0]
+            chain.append(node)
     on = set(chain)
     frontier = [(-values[c], c) for a in (-1, *chain) for c in tree.children(a) if c not in on]
     heapq.heapify(frontier)
