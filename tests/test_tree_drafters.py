@@ -9,7 +9,18 @@ import torch
 from specdemo.config import SuffixConfig
 from specdemo.drafters.ngram import NgramDrafter
 from specdemo.drafters.suffix import SuffixTree
-from specdemo.drafters.trees import best_subtree, lookup_matches, lookup_tree, suffix_subtree, tree_budget
+from specdemo.drafters.trees import (
+    best_subtree,
+    branch_out,
+    cut_after,
+    graft,
+    lookup_matches,
+    lookup_tree,
+    lookup_values,
+    shifted_costs,
+    suffix_subtree,
+    tree_budget,
+)
 from specdemo.engine.tree import TokenTree, greedy_tree_accept
 
 
@@ -109,3 +120,31 @@ def test_best_subtree_keeps_a_tree_of_the_best_nodes():
     assert kept == [0, 2] and kept_tree == TokenTree((1, 3), (-1, 0))
     assert best_subtree(tree, values, dict.fromkeys(range(1, 6), 1.0))[0] == tree
     assert best_subtree(tree, values, {1: 3.0, 2: 4.0})[1] == []
+
+
+def test_branch_out_keeps_the_chain_and_adds_what_pays():
+    """The chain (the first nodes, or the first children) always stays; other nodes join best value first, up to the
+    limit; with costs only those that pay for widening the chain's pass: flat costs keep the branch, steep ones
+    leave the chain, and a short limit cuts the chain itself."""
+    tree = TokenTree((1, 2, 3, 4, 5), (-1, 0, -1, 2, 1))  # chain 1 2, a branch 3 4, 5 under 2
+    values = [0.6, 0.5, 0.3, 0.2, 0.1]
+    assert branch_out(tree, values, None, 8)[1] == [0, 1, 2, 3, 4]
+    assert branch_out(tree, values, None, 3)[1] == [0, 1, 4]  # first children: 1 -> 2 -> 5
+    assert branch_out(tree, values, None, 3, chain=2)[1] == [0, 1, 2]  # the chain 1 2, then 3 before 5
+    assert branch_out(tree, values, dict.fromkeys(range(1, 9), 1.0), 8, chain=2)[1] == [0, 1, 2, 3, 4]
+    steep = {n: 2.0**n for n in range(1, 9)}
+    assert branch_out(tree, values, steep, 8, chain=2) == (TokenTree.chain([1, 2]), [0, 1])
+    assert branch_out(tree, values, steep, 1)[1] == [0]
+
+
+def test_graft_puts_the_chain_first_and_merges_by_prefix():
+    """A chain grafted with a tree: the chain's nodes first, a tree node on a chain prefix is that node (the higher
+    value), the rest hang where their parents went; cut_after drops what follows an EOS."""
+    tree = TokenTree((7, 8, 9, 5), (-1, 0, 0, -1))
+    merged, values = graft([7, 9], [0.5, 0.4], tree, [0.9, 0.2, 0.3, 0.1])
+    assert merged == TokenTree((7, 9, 8, 5), (-1, 0, 0, -1)) and values == [0.9, 0.4, 0.2, 0.1]
+    assert graft([], [], tree, [0.9, 0.2, 0.3, 0.1]) == (tree, [0.9, 0.2, 0.3, 0.1])
+    assert cut_after(TokenTree((7, 0, 3, 4), (-1, 0, 1, -1)), frozenset({0})) == (TokenTree((7, 0, 4), (-1, 0, -1)),
+                                                                                  [0, 1, 3])
+    assert shifted_costs({1: 1.2, 2: 1.5, 3: 1.8}, 1) == {1: 1.5 / 1.2, 2: 1.8 / 1.2}
+    assert lookup_values(*lookup_tree(NgramDrafter(), IDS, k=2, branches=3)) == [1 / 3, 1 / 3, 2 / 3, 1 / 3, 1 / 3]

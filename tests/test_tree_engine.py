@@ -221,6 +221,22 @@ def test_auto_adds_branches_only_where_they_pay(runner, tiny_target, tiny_draft,
     assert [s.drafted for s in spec_steps(steep)] == [s.drafted for s in spec_steps(off)]
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["eager-engine", "static"])
+def test_trees_under_eager_attention(tiny_tok, static):
+    """A target that attends with transformers' eager attention (an additive float mask, not sdpa's bool one): its
+    greedy tokens with prompt lookup's trees at B = 4, under both caches."""
+    from conftest import WORDS, tiny_llama
+
+    model = tiny_llama(len(WORDS) + 1, seed=1, sharpness=8.0)
+    model.set_attn_implementation("eager")
+    if static:
+        assert graphs.attach(model, "on") is not None
+    config = GenerationConfig(max_new_tokens=32, num_draft_tokens=4, tree="8")
+    events = list(decode(model, tiny_tok, PROMPTS, config, NgramDrafter()))
+    assert row_outputs(events, 4) == row_outputs(list(decode(model, tiny_tok, PROMPTS, config)), 4)
+    assert tree_steps([s for e in events for s in e.steps])[0] > 0
+
+
 def test_drafters_without_trees_and_plans_say_why(tiny_draft):
     """The plan in words: a chain drafter, --tree off, block verification and auto without pass costs give chains;
     --tree N its budget; auto the costs' widest pass (at most 16 nodes)."""
