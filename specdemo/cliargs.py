@@ -10,11 +10,10 @@ from dataclasses import replace
 
 from .config import DEVICE_MAPS, GRAPH_MODES, Placement, Runtime, placement_from, runtime_from_env
 
-
-TREE_HELP = ("draft trees, verified in one target pass: 'auto' (default) adds the branches that pay for the wider pass, "
-             "by the target's pass costs timed at load (a chain where none does); 'off': chains; N: up to N nodes "
-             "per step (prompt lookup, suffix decoding and the hybrid draft trees; block verification and drafters "
-             "without trees verify chains)")
+TREE_HELP = ("draft trees, verified in one target pass: 'auto' (default) adds the branches that pay for the wider "
+             "pass, by the target's pass costs timed at load (a chain where none does); 'off': chains; N: up to N "
+             "nodes per step (prompt lookup, suffix decoding and the hybrid draft trees; block verification and "
+             "drafters without trees verify chains)")
 
 
 def add_placement_args(p: argparse.ArgumentParser) -> None:

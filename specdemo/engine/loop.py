@@ -318,10 +318,10 @@ def decode(target, tokenizer, prompts: Sequence[list[int]], config: GenerationCo
     """Decode every prompt: prefill, then a speculative step per target pass with a drafter, else an autoregressive
     one. k is config.num_draft_tokens, or k_policy(rows still decoding) at every step when given; with
     config.dynamic_k each row adapts its own k. config.tree lets a drafter that drafts trees propose one (at most k
-    deep), verified in the same one pass under an ancestry mask (tree_plan says when). `inspect` fills each spec StepEvent's inspection from the verify
-    logits; `text` gives each StepEvent its text delta (stop strings are honoured either way). Finished rows leave the
-    batch after the step that ends them. The target's cache comes from its runner (engine.graphs): a static one,
-    graph-captured on CUDA, or the eager engine's.
+    deep), verified in the same one pass under an ancestry mask (tree_plan says when). `inspect` fills each spec
+    StepEvent's inspection from the verify logits; `text` gives each StepEvent its text delta (stop strings are
+    honoured either way). Finished rows leave the batch after the step that ends them. The target's cache comes from
+    its runner (engine.graphs): a static one, graph-captured on CUDA, or the eager engine's.
     """
     run = _Run(target, tokenizer, prompts, config, drafter, inspect, text)
     try:
