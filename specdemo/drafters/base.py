@@ -115,6 +115,7 @@ class Drafter(ABC):
     needs_target_hidden: bool = False  # if True, the engine passes the target's last hidden states
     target_layers: tuple[int, ...] = ()  # and, after them, these decoder layers' hidden states
     drafts_trees: bool = False  # whether it proposes a tree when a request allows one (DraftRequest.tree_nodes)
+    greedy_trees_only: bool = False  # whether it drafts trees only when greedy (chains when sampling)
     pass_costs: dict[int, float] | None = None  # {n: an (n+1)-token target pass over a 1-token one}, timed on the
     # target at load, for drafters that size their drafts by them (--tree auto, cost-aware suffix decoding)
 

@@ -19,6 +19,7 @@ from ..models import kernels
 from ..models.eagle3 import locate_eagle3, recorded_k
 from ..models.eagle3_head import load_head
 from .base import Chains, Drafter, DraftRequest, Proposal
+from .eagle3_tree import draft_trees
 
 if TYPE_CHECKING:
     from ..models.eagle3_head import Eagle3Head
@@ -42,6 +43,8 @@ class Eagle3Drafter(Drafter):
 
     name = "eagle3"
     needs_target_hidden = True
+    drafts_trees = True  # EAGLE-2's dynamic tree (eagle3_tree), of top candidates: greedy only
+    greedy_trees_only = True
 
     def __init__(self, head: Eagle3Head, num_speculative_tokens: int | None = None, min_confidence: float = 0.0,
                  held_out_chain: tuple[float, float] | None = None):
@@ -66,15 +69,18 @@ class Eagle3Drafter(Drafter):
     def cache_length(self) -> int:
         return 0 if self.k is None else self.k.shape[2]
 
-    def _pass(self, hidden: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    def _pass(self, hidden: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor,
+              positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """hidden (B, T, H), tokens (B, T) (the token after each hidden state's position) -> what the next draft step
-        reads, (B, T, H): the midlayer's pre-norm output, each row at its own positions."""
-        freqs = self.slots.positions(real).float()[..., None] * self.head.inv_freq  # (B, T, D/2)
+        reads, (B, T, H): the midlayer's pre-norm output, each row at its own positions. A draft tree's pass gives its
+        entries' positions (B, T) and mask (B, 1, T, L + T) (eagle3_tree)."""
+        positions = self.slots.positions(real) if positions is None else positions
+        freqs = positions.float()[..., None] * self.head.inv_freq  # (B, T, D/2)
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # (B, 1, T, D), broadcast over heads
         scale = self.head.rope_scale  # the rope type's attention scaling
         cos, sin = (emb.cos() * scale).to(hidden.dtype), (emb.sin() * scale).to(hidden.dtype)
-        mask = None  # no holes, nothing padded: the head's own causal attention (one row: always)
-        if not (bool(real.all()) and bool(self.slots.valid.all())):
+        # mask None: no holes, nothing padded, the head's own causal attention (one row: always)
+        if mask is None and not (bool(real.all()) and bool(self.slots.valid.all())):
             past, t = self.slots.length, tokens.shape[1]
             causal = torch.ones(t, past + t, dtype=torch.bool, device=self.device).tril(diagonal=past)
             mask = causal[None] & self.slots.mask(real)[:, None, :]  # (B, T, L + T)
@@ -135,6 +141,8 @@ class Eagle3Drafter(Drafter):
         chains = Chains(request)
         self._drop_drafted()
         feature = self._catch_up(ids, ks)
+        if sampling.greedy and any(request.nodes(r) for r in range(rows)):  # a dynamic tree (greedy only)
+            return draft_trees(self, request, feature)
         subset = self.head.subset
         gens = None if sampling.greedy else [generator_on(g, self.device) for g in request.generators]
         while True:

@@ -188,7 +188,9 @@ def draft_drafter(target: LoadedModel, draft: str | None, options: BuildOptions)
         raise ModelLoadError(str(exc)) from exc
     if resolved.is_head:
         try:
-            return load_eagle3(resolved.path, target), resolved.name, None
+            head = load_eagle3(resolved.path, target)
+            head.pass_costs = tree_pass_costs(target)  # sizes its dynamic trees (--tree auto)
+            return head, resolved.name, None
         except Eagle3FormatError as exc:
             raise ModelLoadError(str(exc)) from exc
     loaded = load_model(resolved.name, device=options.device, dtype=options.dtype,

@@ -177,6 +177,8 @@ def tree_plan(config: GenerationConfig, drafter: Drafter | None, takes_trees: bo
         return TreePlan(0, False, "chains: this drafter drafts no trees")
     if config.sampling.rule == "block":
         return TreePlan(0, False, "chains: block verification judges chains only")
+    if drafter.greedy_trees_only and not config.sampling.greedy:
+        return TreePlan(0, False, "chains: this drafter's trees are greedy only")
     if not takes_trees:
         return TreePlan(0, False, "chains: the target's attention takes no tree mask (sdpa or eager do)")
     if nodes is not None:
