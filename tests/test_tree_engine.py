@@ -274,8 +274,8 @@ def real_ar(bundled):
 @pytest.mark.parametrize("kind", ["ngram", "suffix", "hybrid", "model"])
 def test_trees_keep_the_bundled_models_greedy_output(bundled, real_ar, kind):
     """The real SmolLM2-135M with its drafters as the CLI builds them (pass costs timed at load; the trained EAGLE-3
-    draft alone, its dynamic trees, and in the hybrid), --tree 8 on one prompt and auto on the other: every output token for token the target's own, and
-    trees verified."""
+    draft alone, its dynamic trees, and in the hybrid), --tree 8 on one prompt and auto on the other: every output
+    token for token the target's own, and trees verified."""
     from specdemo.drafters.registry import BuildOptions, get
     from specdemo.engine import generated_ids, speculative
 
