@@ -23,6 +23,7 @@ from .config import (
     drafter_default,
     k_defaults_help,
     runtime_from_env,
+    tree_default,
 )
 from .drafters.registry import add_flags, cli_help, kinds, names, options_from
 
@@ -42,7 +43,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--k", type=arg(checks.k), default=None,
                    help=f"draft tokens per step ({MIN_K}..{MAX_K_ENGINE}; default: {k_defaults_help()})")
     p.add_argument("--dynamic-k", action="store_true", help="adapt k per step (+2 after a full acceptance, else -1)")
-    p.add_argument("--tree", type=arg(checks.tree), default=G.tree, help=TREE_HELP)
+    p.add_argument("--tree", type=arg(checks.tree), default=None, help=TREE_HELP)
     p.add_argument("--temperature", type=arg(checks.temperature), default=S.temperature, help="0 is greedy")
     p.add_argument("--top-p", type=arg(checks.top_p), default=S.top_p)
     p.add_argument("--top-k", type=arg(checks.top_k), default=S.top_k)
@@ -74,7 +75,7 @@ def run_generate(args) -> int:
         max_new_tokens=args.max_new_tokens, num_draft_tokens=args.k or G.num_draft_tokens, dynamic_k=args.dynamic_k,
         sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.verification),
         stop_strings=tuple(args.stop),
-        seed=args.seed, use_chat_template=not args.no_chat_template, tree=args.tree,
+        seed=args.seed, use_chat_template=not args.no_chat_template, tree=args.tree or tree_default(kind),
     )
     config.validate()
     checks.prompt_tokens(args.target, args.prompt, args.max_new_tokens, runtime, not args.no_chat_template,

@@ -8,12 +8,13 @@ import argparse
 from collections.abc import Mapping
 from dataclasses import replace
 
-from .config import DEVICE_MAPS, GRAPH_MODES, Placement, Runtime, placement_from, runtime_from_env
+from .config import DEVICE_MAPS, GRAPH_MODES, Placement, Runtime, placement_from, runtime_from_env, tree_defaults_help
 
-TREE_HELP = ("draft trees, verified in one target pass: 'auto' (default) adds the branches that pay for the wider "
-             "pass, by the target's pass costs timed at load (a chain where none does); 'off': chains; N: up to N "
-             "nodes per step (prompt lookup, suffix decoding and the hybrid draft trees; block verification and "
-             "drafters without trees verify chains)")
+TREE_HELP = ("draft trees, verified in one target pass: 'auto' adds the branches that pay for the wider pass, by the "
+             "target's pass costs timed at load (a chain where none does); 'off': chains; N: up to N nodes per step "
+             "(prompt lookup, suffix decoding, the hybrid and an EAGLE-3 head draft trees; block verification and "
+             "drafters without trees verify chains). Default: each drafter's best measured setting on the bundled "
+             "pair: " + tree_defaults_help())
 
 
 def add_placement_args(p: argparse.ArgumentParser) -> None:

@@ -166,21 +166,32 @@ class DrafterDefault:
     k: int  # the best measured k in `evidence`
     evidence: Evidence
     options: Evidence | None = None
+    tree: str = "auto"  # its draft trees (--tree): the setting that measured best in tree_evidence
+    tree_evidence: Evidence | None = None
 
 
 # The one place a drafter's starting settings are said. The app's presets, generate, bench, Tune k, serve-config and
 # export read them (drafters.resolve.starting_k); docs/benchmarks.md#defaults lists them with their reports.
 _ONE_ENGINE = "2026-12-02 15:23-15:37 UTC"  # the sitting of the README's figures on the one engine
+_TREES = "2026-12-04 20:40-21:07 UTC"  # trees against chains, paired (bench/trees, docs/trees.md)
 DRAFTER_DEFAULTS: tuple[DrafterDefault, ...] = (
-    DrafterDefault("model", 3, Evidence("bench/eagle3/eagle3-k1-3", _ONE_ENGINE, "dev.jsonl")),
+    DrafterDefault("model", 3, Evidence("bench/eagle3/eagle3-k1-3", _ONE_ENGINE, "dev.jsonl"),
+                   tree="auto", tree_evidence=Evidence("bench/trees/head-k3-auto-2", _TREES, "dev.jsonl",
+                                                       rivals=("bench/trees/head-k3-off-2",))),
     DrafterDefault("ngram", 4, Evidence("bench/suffix/k-sweep/repetitive-ngram", "2026-12-02 18:14-18:19 UTC",
-                                        "repetitive.jsonl")),
+                                        "repetitive.jsonl"),
+                   tree="off", tree_evidence=Evidence("bench/trees/ngram-k4-off-1", _TREES, "dev.jsonl",
+                                                      rivals=("bench/trees/ngram-k4-auto-1",))),
     DrafterDefault("hybrid", 8, Evidence("bench/eagle3/eagle3-hybrid-k8", _ONE_ENGINE, "dev.jsonl"),
                    options=Evidence("bench/suffix/hybrid-ngram", "2026-12-02 17:40-17:46 UTC", "dev.jsonl",
-                                    rivals=("bench/suffix/hybrid-suffix",))),
+                                    rivals=("bench/suffix/hybrid-suffix",)),
+                   tree="off", tree_evidence=Evidence("bench/trees/hybrid-k8-off-1", _TREES, "dev.jsonl",
+                                                      rivals=("bench/trees/hybrid-k8-auto-1",))),
     DrafterDefault("suffix", 8, Evidence("bench/suffix/cost-aware/rep-suffix-f2-k8", "2026-12-03 04:06-04:12 UTC",
                                          "repetitive.jsonl", rivals=("bench/suffix/cost-aware/rep-suffix-f2-k16-ca",
-                                                                     "bench/suffix/cost-aware/rep2-suffix-f2-k16-ca"))),
+                                                                     "bench/suffix/cost-aware/rep2-suffix-f2-k16-ca")),
+                   tree="off", tree_evidence=Evidence("bench/trees/suffix-k8-off-2", _TREES, "repetitive.jsonl",
+                                                      rivals=("bench/trees/suffix-k8-auto-2",))),
 )
 
 
@@ -190,6 +201,17 @@ TUNE_K_LARGEST = min(MAX_K, max(d.k for d in DRAFTER_DEFAULTS))  # Tune k starts
 def drafter_default(kind: str) -> DrafterDefault | None:
     """The measured starting settings of a drafter kind, or None (a kind nobody measured)."""
     return next((d for d in DRAFTER_DEFAULTS if d.kind == kind), None)
+
+
+def tree_default(kind: str) -> str:
+    """The --tree a drafter kind starts with: its measured best (DRAFTER_DEFAULTS), else "auto"."""
+    measured = drafter_default(kind)
+    return measured.tree if measured is not None else GenerationConfig.tree
+
+
+def tree_defaults_help() -> str:
+    """The tree setting each kind starts with, for --help."""
+    return ", ".join(f"{d.kind} {d.tree}" for d in DRAFTER_DEFAULTS) + f", other kinds {GenerationConfig.tree}"
 
 
 def k_defaults_help() -> str:

@@ -197,3 +197,52 @@ def test_the_app_generate_and_bench_start_the_same_pair_at_the_same_k(tmp_path, 
     cli, bench = generate_json(capsys, "--drafter", "suffix"), bench_config(tmp_path, "--drafter", "suffix")
     assert cli["k"] == bench["k"][0] == drafter_default("suffix").k
     assert cli["suffix"] == SuffixConfig().as_dict() == {n: bench["suffix"][n] for n in cli["suffix"]}
+
+
+def tree_disagreements(d: DrafterDefault) -> list[str]:
+    """What a default's tree evidence contradicts: the winning report ran another drafter, prompt set or tree setting,
+    or a rival (another tree setting, same drafter, k and prompts, same sitting) was not slower."""
+    win = report(d.tree_evidence.report)
+    c = win["config"]
+    problems = []
+    if c["drafter"] != d.kind or Path(c["prompts"]).name != d.tree_evidence.prompts:
+        problems.append(f"{d.tree_evidence.report} is not a {d.kind} run on {d.tree_evidence.prompts}")
+    if c["tree"]["setting"] != d.tree:
+        problems.append(f"{d.kind} starts with --tree {d.tree}; {d.tree_evidence.report} ran {c['tree']['setting']}")
+    for rival in d.tree_evidence.rivals:
+        r = report(rival)
+        if (r["config"]["drafter"], r["config"]["prompts"], r["config"]["k"]) != (c["drafter"], c["prompts"], c["k"]):
+            problems.append(f"{rival} is not the same drafter, prompts and k as {d.tree_evidence.report}")
+        if r["config"]["tree"]["setting"] == c["tree"]["setting"]:
+            problems.append(f"{rival} ran the same tree setting")
+        if r["overall"]["speedup"] >= win["overall"]["speedup"]:
+            problems.append(f"{rival} measured {r['overall']['speedup']:.3f}x, not below "
+                            f"{win['overall']['speedup']:.3f}x")
+    return problems
+
+
+@pytest.mark.parametrize("d", [d for d in DRAFTER_DEFAULTS if d.tree_evidence], ids=lambda d: d.kind)
+def test_each_tree_default_is_what_its_report_measured_best(d):
+    """Each kind's --tree default (auto for the trained head, chains for the others on this CPU) is the setting of
+    the report it cites, which beat the other setting in the same sitting; the other setting as the default fails."""
+    assert tree_disagreements(d) == []
+    flipped = replace(d, tree="off" if d.tree == "auto" else "auto")
+    assert any("starts with --tree" in p for p in tree_disagreements(flipped))
+    swapped = replace(d, tree_evidence=replace(d.tree_evidence, report=d.tree_evidence.rivals[0],
+                                               rivals=(d.tree_evidence.report,)))
+    assert tree_disagreements(swapped)
+
+
+def test_generate_and_bench_start_each_drafter_with_its_tree_default(capsys):
+    """--help of generate and bench names each kind's tree default; bench's config resolves it (no --tree given)."""
+    from specdemo.config import tree_default
+    from specdemo.measure.bench.run import BenchConfig
+
+    for kind in ("model", "ngram", "suffix", "hybrid"):
+        assert BenchConfig(drafter=kind).tree_setting == tree_default(kind) == drafter_default(kind).tree
+    assert BenchConfig(drafter="ngram", tree="8").tree_setting == "8"
+    for command in (["generate", "--help"], ["bench", "--help"]):
+        with pytest.raises(SystemExit):
+            main(command) if command[0] == "generate" else bench_main(command[1:])
+        out = " ".join(capsys.readouterr().out.split())
+        assert "model auto, ngram off, hybrid off, suffix off" in out

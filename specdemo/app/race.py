@@ -24,6 +24,7 @@ from ..config import (
     Placement,
     Runtime,
     SamplingConfig,
+    tree_default,
 )
 from ..drafters.registry import get
 from ..drafters.resolve import starting_k
@@ -81,11 +82,13 @@ class RunRequest:
     top_p: float
     max_new_tokens: int
     verification: str = "token"  # the rule for sampled drafts (SamplingConfig.verification); greedy ignores it
+    tree: str | None = None  # draft trees (--tree); None: the drafter's measured default (config.tree_default)
 
     def config(self) -> GenerationConfig:
         return GenerationConfig(max_new_tokens=self.max_new_tokens, num_draft_tokens=self.k, dynamic_k=self.dynamic_k,
                                 sampling=SamplingConfig(temperature=self.temperature, top_p=self.top_p,
-                                                        verification=self.verification))
+                                                        verification=self.verification),
+                                tree=self.tree or tree_default(self.drafter))
 
 
 def flag(value, name: str) -> bool:

@@ -63,7 +63,7 @@ def run_batch_bench(bc: BenchConfig) -> dict:
     checks.pair(bc.target, kind, bc.draft)
     config = GenerationConfig(max_new_tokens=bc.max_new_tokens,
                               sampling=SamplingConfig(bc.temperature, verification=rules[0]), num_draft_tokens=k or 1,
-                              seed=bc.seed, use_chat_template=bc.chat_template, tree=bc.tree)
+                              seed=bc.seed, use_chat_template=bc.chat_template, tree=bc.tree_setting)
     config.validate()
     pair = load_pair(bc.target, kind, bc.draft, bc.device, bc.dtype, bc.draft_device, runtime=bc.runtime,
                      placement=bc.placement, drafter_options=bc.drafter_options)

@@ -23,6 +23,7 @@ from ...config import (
     Placement,
     Runtime,
     SamplingConfig,
+    tree_default,
 )
 from ...drafters.base import SharedState
 from ...drafters.registry import get, options_of
@@ -88,7 +89,12 @@ class BenchConfig:
     drafter_options: Mapping = field(default_factory=dict)  # kind name -> its options (registry.options_from)
     suffix_cold: bool = False  # empty what the drafter keeps across requests before each prompt (default: carried
     # across them in order)
-    tree: str = GenerationConfig.tree  # draft trees: "auto", "off" or the most nodes per step
+    tree: str | None = None  # draft trees: "auto", "off" or the most nodes per step; None: the drafter's default
+
+    @property
+    def tree_setting(self) -> str:
+        """--tree, or the drafter's measured default (config.tree_default)."""
+        return self.tree or tree_default(self.drafter_kind)
 
     @property
     def drafter_kind(self) -> str:
@@ -277,7 +283,7 @@ def run_bench(bc: BenchConfig) -> dict:
     checks.pair(bc.target, kind, bc.draft)
     config = GenerationConfig(max_new_tokens=bc.max_new_tokens, sampling=SamplingConfig(bc.temperature,
                               verification=rules[0]), seed=bc.seed, use_chat_template=bc.chat_template,
-                              tree=bc.tree)
+                              tree=bc.tree_setting)
     config.validate()
     if bc.vllm:
         check_vllm(bc)
@@ -341,9 +347,9 @@ def run_bench(bc: BenchConfig) -> dict:
     cache = "emptied before each prompt" if bc.suffix_cold else "one per process, carried across the prompts in order"
     for section, values in pair.drafter.settings().items():  # the options it drafted under, as generate records them
         cfg[section] = {**values, **({"cache": cache} if shared.names() else {})}  # and what it kept across prompts
-    cfg["tree"] = {"setting": bc.tree, **tree_summary(
-        tree_plan(config, pair.drafter), sum(r["tree_steps"] for r in rows), sum(r["steps"] for r in rows),
-        pair.drafter.pass_costs, ks[0])}
+    cfg["tree"] = {"setting": bc.tree_setting, "source": "--tree" if bc.tree else "the drafter's measured default",
+                   **tree_summary(tree_plan(config, pair.drafter), sum(r["tree_steps"] for r in rows),
+                                  sum(r["steps"] for r in rows), pair.drafter.pass_costs, ks[0])}
     if calibration:
         cfg["calibration"] = calibration
     if vllm_meta:
