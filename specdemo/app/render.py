@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ..engine import StepEvent
 from ..engine.text import token_texts
+from .tree_view import TREE_CSS, TREE_JS, tree_info
 
 # kind -> (css class, legend label); "plain" is the autoregressive panel, where every token is the target's own
 KINDS = {
@@ -47,7 +48,7 @@ CSS = """
 .inspector table { border-collapse: collapse; margin: 4px 0; }
 .inspector td, .inspector th { padding: 1px 8px; text-align: left; font-family: ui-monospace, monospace; }
 .inspector .why { margin-top: 4px; }
-"""
+""" + TREE_CSS
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,9 @@ def step_info(event: StepEvent, tokenizer, step: int, greedy: bool) -> dict:
 
     p is the target's probability (softmax at temperature 1 when greedy; the distribution rejection sampling uses
     otherwise), q the draft's (None: a deterministic drafter such as prompt lookup, q = 1). `source` is where the
-    draft came from (DRAFT_SOURCES names it in `from`), `model_free` the deterministic drafter's name.
+    draft came from (DRAFT_SOURCES names it in `from`), `model_free` the deterministic drafter's name. A step that
+    verified a draft tree adds `tree` (tree_view.tree_info, which the script draws); its nodes' outcomes and parents
+    are the tree's, and the top tokens are those after the accepted path's last node.
     """
     n = len(event.drafted)
     at = event.num_accepted  # the first rejected position; n after a full acceptance
@@ -138,16 +141,23 @@ def step_info(event: StepEvent, tokenizer, step: int, greedy: bool) -> dict:
     drafted = [{"text": t, "outcome": "accepted" if i < at else "rejected" if i == at else "discarded",
                 "p": _at(event.target_token_probs, i), "q": q[i] if q is not None and i < len(q) else None}
                for i, t in enumerate(token_texts(tokenizer, event.drafted))]
-    ids, probs = _at(event.target_top_ids, at) or [], _at(event.target_top_probs, at) or []
+    entry, full, tree = at, at == n, None  # entry: the verify entry the target's next token came after
+    if event.parents is not None:  # a tree: the outcomes are the tree's, the next token comes after the path's end
+        tree = tree_info(event, tokenizer, greedy)
+        for d, node in zip(drafted, tree["nodes"]):
+            d["outcome"], d["parent"] = node["outcome"], node["parent"]
+        entry, full = (event.accepted_path[-1] + 1 if event.accepted_path else 0), event.correction is None
+    ids, probs = _at(event.target_top_ids, entry) or [], _at(event.target_top_probs, entry) or []
     top = [{"text": t, "p": p} for t, p in zip(token_texts(tokenizer, ids), probs)]
     committed = event.correction if event.correction is not None else event.bonus
-    return {"step": step, "k": event.k, "drafted": drafted, "accepted": at, "position": at + 1, "full": at == n,
-            "top": top, "gap": _at(event.target_top2_gap, at), "greedy": greedy, "deterministic": q is None,
+    info = {"step": step, "k": event.k, "drafted": drafted, "accepted": at, "position": at + 1, "full": full,
+            "top": top, "gap": _at(event.target_top2_gap, entry), "greedy": greedy, "deterministic": q is None,
             "committed": token_texts(tokenizer, [committed])[0] if committed is not None else None,
             "committed_kind": "correction" if event.correction is not None else "bonus" if n else "target",
             "rule": event.verification or ("greedy" if greedy else "token"), "source": event.draft_source,
             "from": DRAFT_SOURCES.get(event.draft_source) if n else None,
             "model_free": "suffix decoding" if event.draft_source in SUFFIX_SOURCES else "prompt lookup"}
+    return info | ({"tree": tree} if tree is not None else {})
 
 
 def _at(values: list | None, i: int):
@@ -205,12 +215,15 @@ INSPECTOR_JS = r"""
                                    if (cls) e.className = cls; return e; };
   const row = (cells, tag) => {
     const tr = el("tr"); cells.forEach((c) => tr.appendChild(el(tag || "td", c))); return tr; };
+  /*TREE*/
   function show(info) {
     const body = document.getElementById("inspector-body");
     if (!body) return;
     body.replaceChildren();
     const n = info.drafted.length;
-    body.appendChild(el("div", `Step ${info.step}: k = ${info.k}, ${n} drafted, ${info.accepted} accepted`
+    const what = info.tree ? `a tree of ${n} drafted nodes, ${info.accepted} accepted along its path`
+                           : `${n} drafted, ${info.accepted} accepted`;
+    body.appendChild(el("div", `Step ${info.step}: k = ${info.k}, ${what}`
       + (info.committed !== null ? `, then the target's ${info.committed_kind} ${tok(info.committed)}` : ""), "head"));
     const rules = {greedy: "greedy (a draft is kept while it is the target's top token)",
                    token: "token-wise rejection sampling (Leviathan et al.): each draft on its own",
@@ -219,16 +232,29 @@ INSPECTOR_JS = r"""
     if (info.from) body.appendChild(el("div", `Drafted from: ${info.from}`, "source"));
     const pName = info.greedy ? "p (target, softmax at temperature 1)" : "p (target, as sampled)";
     const qName = info.deterministic ? `q (${info.model_free || "prompt lookup"}: 1)` : "q (draft)";
+    if (info.tree) {
+      body.appendChild(drawTree(info.tree, pName, qName, info.deterministic));
+      body.appendChild(el("div", "Green: the accepted path; red: rejected by the target; dashed grey: not reached; "
+        + "orange or blue: the target's correction or bonus. Hover a node for its p and q.", "tree-key"));
+    }
     if (n) {
       const t = el("table", undefined, "drafted");
-      t.appendChild(row(["#", "drafted", "outcome", pName, qName], "th"));
-      info.drafted.forEach((d, i) => t.appendChild(row([String(i + 1), tok(d.text), d.outcome, fmt(d.p),
-                                                          info.deterministic ? "1" : fmt(d.q)])));
+      const after = (d) => info.tree ? [d.parent < 0 ? "start" : String(d.parent + 1)] : [];
+      t.appendChild(row(["#", ...(info.tree ? ["after #"] : []), "drafted", "outcome", pName, qName], "th"));
+      info.drafted.forEach((d, i) => t.appendChild(row([String(i + 1), ...after(d), tok(d.text), d.outcome,
+                                                          fmt(d.p), info.deterministic ? "1" : fmt(d.q)])));
       body.appendChild(t);
     }
     const where = info.full ? (n ? `every draft accepted; the bonus position ${info.position}` : "no draft this step")
                             : `first rejected position ${info.position}`;
-    if (!info.full) {
+    if (info.tree && !info.full) {
+      const tried = info.drafted.filter((d) => d.outcome === "rejected"
+        && d.parent === (info.tree.path.length ? info.tree.path[info.tree.path.length - 1] : -1)).length;
+      body.appendChild(el("div", `Why: at depth ${info.position} ${tried} drafted node(s) were tried and rejected`
+        + (info.greedy ? ": none is the target's top token there."
+                       : ", each in turn (recursive rejection sampling: a rejected node's q is taken off p before "
+                         + "the next sibling is tried), and the target's token came from what was left."), "why"));
+    } else if (!info.full) {
       const d = info.drafted[info.accepted];
       const q = info.deterministic ? 1 : d.q;
       const rule = info.greedy ? ", and greedy keeps a draft only if it is the target's top token."
@@ -261,4 +287,4 @@ INSPECTOR_JS = r"""
     show(JSON.parse(first.dataset.info));
   });
 }
-"""
+""".replace("/*TREE*/", TREE_JS)
