@@ -146,6 +146,16 @@ def tree(value: Any) -> str:
         raise refused("tree", value, f"auto, off or a node count from 1 to {MAX_K_ENGINE}") from None
 
 
+def trees(value: Any) -> list[str]:
+    """Several tree settings, 'off,auto,16' or a list of them (each once; each checked as `tree`): bench's --tree and
+    Tune k's settings to sweep."""
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    settings = list(dict.fromkeys(tree(x) for x in items if str(x).strip()))
+    if not settings:
+        raise refused("tree", value, f"auto, off or a node count from 1 to {MAX_K_ENGINE}, or a comma list of them")
+    return settings
+
+
 def drafter(value: Any) -> str:
     return choice(value, "drafter", names())
 

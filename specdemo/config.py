@@ -29,6 +29,9 @@ VERIFICATION_RULES = ("token", "block")  # when sampling: token-wise (Leviathan 
 # N allows up to N nodes; auto considers at most AUTO_TREE_NODES nodes (the widest pass costs are timed for: MAX_K)
 TREE_MODES = ("auto", "off")
 AUTO_TREE_NODES = MAX_K
+TREE_CHOICES = ("auto", "off", "4", "8", "16")  # the app's Tree setting offers these (any budget may be typed)
+TREE_DEFAULT = "default"  # the app's Tree setting meaning the drafter's measured default (tree_default)
+TUNE_TREES = ("off", "auto")  # the tree settings Tune k sweeps unless told others (few: each multiplies its runs)
 
 
 @dataclass(frozen=True)

@@ -53,9 +53,9 @@ class BatchOutputs(OrderedOutputs):
 
 
 def make_batch_request(prompts_text, use_examples, examples, target, drafter, draft, k, auto_k, temperature, top_p,
-                       new_tokens, largest, anchors, limits: AppLimits, verification="token"):
-    """Validate the Batch tab's values (make_request's rules for the shared ones, the race's verification rule among
-    them) into a batch_sizes.BatchRequest."""
+                       new_tokens, largest, anchors, limits: AppLimits, verification="token", tree=None):
+    """Validate the Batch tab's values (make_request's rules for the shared ones, the race's verification rule and
+    draft-tree setting among them) into a batch_sizes.BatchRequest."""
     from ..measure.batch_sizes import BatchRequest
 
     prompts = list(examples) if use_examples else [p.strip() for p in str(prompts_text or "").splitlines() if p.strip()]
@@ -64,7 +64,7 @@ def make_batch_request(prompts_text, use_examples, examples, target, drafter, dr
     if len(prompts) > BATCH_MAX_PROMPTS:
         raise UserError(f"At most {BATCH_MAX_PROMPTS} prompts here, got {len(prompts)}.")
     single = make_request(prompts[0], target, drafter, draft, k, False, temperature, top_p, new_tokens, limits,
-                          verification)
+                          verification, tree)
     largest = checks.whole(largest, "the largest batch size", 1, allowed=f"one of {BATCH_SIZES}")
     if largest not in BATCH_SIZES:
         raise checks.refused("the largest batch size", largest, f"one of {BATCH_SIZES}")
@@ -110,14 +110,14 @@ class BatchHandlers:
         self.step = gpu(batch_sweep) if gpu else batch_sweep
 
     def run(self, prompts_text, use_examples, target, drafter, draft, k, auto_k, temperature, top_p, new_tokens,
-            largest, anchors, verification="token", visitor: gr.Request = None) -> Iterator[dict]:
+            largest, anchors, verification="token", tree=None, visitor: gr.Request = None) -> Iterator[dict]:
         """Sweep the batch sizes: throughput and speedup against batch size, crossover marked; sampled drafts are
-        verified by the race's rule (token-wise or block)."""
+        verified by the race's rule (token-wise or block), and drafts are trees as the race's Tree setting says."""
         out, h = self.outputs, self.handlers
         try:
             request = make_batch_request(prompts_text, use_examples, self.examples, target, drafter, draft, k,
                                          auto_k, temperature, top_p, new_tokens, largest, anchors, self.limits,
-                                         verification)
+                                         verification, tree)
         except KNOWN_ERRORS as exc:
             yield {out.table: f"**Error:** {friendly_error(exc)}"}
             return

@@ -12,7 +12,7 @@ from ..drafters.registry import get
 from ..engine import StepEvent, encode_prompt
 from ..measure.compare import calibrate, iter_compare, load_pair
 from ..measure.metrics import PassCosts, cost_drift, pass_costs
-from ..measure.tune_k import Sweep, iter_sweep_summaries
+from ..measure.tune_k import Sweep, iter_sweep_summaries, plan_trees
 from .race import AppLimits, RunRequest, check_fit, placement_for
 from .render import Segment, event_segments
 from .sessions import Session
@@ -34,7 +34,8 @@ def compute(request: RunRequest, limits: AppLimits, runtime: Runtime, recalibrat
                                                       "load)…", session)
     config = request.config()
     prompt_ids = encode_prompt(pair.target.tokenizer, request.prompt, config.use_chat_template)
-    key = (request.target, request.drafter, request.draft, request.k, request.dynamic_k, config.sampling.greedy)
+    key = (request.target, request.drafter, request.draft, request.k, request.dynamic_k, config.sampling.greedy,
+           request.tree)
     calibrating = recalibrate or key not in _CALIBRATED
     if calibrating:  # calibrate warms up first, so the run needs no warm-up of its own
         yield f"Measuring what each pass costs on {pair.target.device} while nothing else is drawn (untimed)…"
@@ -59,7 +60,7 @@ def compute(request: RunRequest, limits: AppLimits, runtime: Runtime, recalibrat
 
 
 # the pass costs measured when a pair and k first ran in this process, by (target, drafter, draft, k, dynamic k,
-# greedy): what later runs are compared with
+# greedy, tree setting): what later runs are compared with
 _CALIBRATED: dict[tuple, PassCosts] = {}
 
 
@@ -76,13 +77,15 @@ def _load(request: RunRequest, limits: AppLimits, runtime: Runtime, status: str,
 
 
 def sweep_k(request: RunRequest, limits: AppLimits, runtime: Runtime, k_max: int,
-            session: Session = Session()) -> Iterator[str | Sweep]:
-    """sweep.iter_sweep_summaries on the current prompt, k = 1..k_max: status lines, then the Sweep after each k.
-    Suffix decoding drafts from the session's earlier answers and adds none: every k runs the same prompt."""
+            session: Session = Session(), trees: tuple[str, ...] | None = None) -> Iterator[str | Sweep]:
+    """sweep.iter_sweep_summaries on the current prompt, k = 1..k_max under each tree setting in `trees` (None: the
+    request's): status lines, then the Sweep after each point. Suffix decoding drafts from the session's earlier
+    answers and adds none: every k runs the same prompt."""
     pair = yield from _load(request, limits, runtime, f"Loading {request.target}…", session)
     config = request.config()
     prompt_ids = encode_prompt(pair.target.tokenizer, request.prompt, config.use_chat_template)
-    yield f"Timing the autoregressive baseline, then one speculative run per k up to {k_max}; the results are drawn " \
-          "when the timed runs are over…"
+    settings = plan_trees(pair, config, trees or (config.tree,))[0]
+    yield (f"Timing the autoregressive baseline, then one speculative run per k up to {k_max} with draft trees "
+           f"{', '.join(settings)}; the results are drawn when the timed runs are over…")
     with pair.drafter.paused():
-        yield from iter_sweep_summaries(pair, [prompt_ids], range(MIN_K, k_max + 1), config, k_max)
+        yield from iter_sweep_summaries(pair, [prompt_ids], range(MIN_K, k_max + 1), config, k_max, trees=trees)

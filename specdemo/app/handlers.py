@@ -136,23 +136,24 @@ class Handlers:
             self.stopping.discard(key)
 
     def run_compare(self, prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max_new_tokens,
-                    hide_rejected, replay=False, verification="token", visitor: gr.Request = None,
+                    hide_rejected, replay=False, verification="token", tree=None, visitor: gr.Request = None,
                     recalibrate: bool = False) -> Iterator[dict]:
         """The main run (API: /compare): validate, wait for the hardware, race both runs live (then, with `replay`,
-        play them again at their measured pace). `verification` is the rule for sampled drafts (token or block);
-        `recalibrate` measures the pass costs again first."""
+        play them again at their measured pace). `verification` is the rule for sampled drafts (token or block),
+        `tree` the draft-tree setting (auto, off or a node budget; None: auto); `recalibrate` measures the pass costs
+        again first."""
         runs = Runs()
         with self.session(visitor, "race") as stopped:
             yield from self._compare(runs, stopped, prompt, target, drafter, draft, k, dynamic_k, temperature, top_p,
                                      max_new_tokens, hide_rejected, replay, recalibrate, verification,
-                                     visitor_id(visitor))
+                                     visitor_id(visitor), tree)
 
     def _compare(self, runs: Runs, stopped: Callable[[], bool], prompt, target, drafter, draft, k, dynamic_k,
                  temperature, top_p, max_new_tokens, hide_rejected, replay, recalibrate,
-                 verification="token", owner: str | None = None) -> Iterator[dict]:
+                 verification="token", owner: str | None = None, tree=None) -> Iterator[dict]:
         try:
             request = make_request(prompt, target, drafter, draft, k, dynamic_k, temperature, top_p,
-                                    max_new_tokens, self.limits, verification)
+                                    max_new_tokens, self.limits, verification, tree)
             hide, pace = flag(hide_rejected, "hide rejected drafts"), flag(replay, "replay")
             yield from ({self.outputs.race.status: s} for s in hold_hardware(self.hardware, stopped))
             try:
@@ -195,10 +196,11 @@ class Handlers:
                 out.stats: "", out.result_json: None, **blank_plots(out)}
 
     def remeasure(self, prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max_new_tokens,
-                  hide_rejected, replay=False, verification="token", visitor: gr.Request = None) -> Iterator[dict]:
+                  hide_rejected, replay=False, verification="token", tree=None,
+                  visitor: gr.Request = None) -> Iterator[dict]:
         """The Re-measure button: the pass costs measured again on the machine as it is now, then the same run."""
         yield from self.run_compare(prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max_new_tokens,
-                                    hide_rejected, replay, verification, visitor, recalibrate=True)
+                                    hide_rejected, replay, verification, tree, visitor, recalibrate=True)
 
     def _live(self, request: RunRequest, runs: Runs, hide: bool, stopped: Callable[[], bool],
               recalibrate: bool = False, owner: str | None = None) -> Iterator[dict]:
@@ -292,13 +294,14 @@ class Handlers:
             self.stopping.add(session)
 
     def run_sweep(self, prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens,
-                  verification="token", visitor: gr.Request = None) -> Iterator[dict]:
-        """The Tune-k tab (API: /sweep_k): sweep k = 1..k_max on the current prompt; measured and expected speedup."""
+                  verification="token", trees=None, visitor: gr.Request = None) -> Iterator[dict]:
+        """The Tune-k tab (API: /sweep_k): sweep k = 1..k_max on the current prompt under each draft-tree setting in
+        `trees` (a list or a comma list like off,auto,8; None: auto); measured and expected speedup."""
         out = self.outputs.sweep
         with self.session(visitor, "sweep") as stopped:
             try:
                 yield from self._sweep(prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens,
-                                       stopped, verification, visitor_id(visitor))
+                                       stopped, verification, visitor_id(visitor), trees)
             except Stopped:
                 yield {out.table: "Stopped."}
             except KNOWN_ERRORS as exc:
@@ -306,17 +309,19 @@ class Handlers:
                 yield {out.table: f"**Error:** {friendly_error(exc)}"}
 
     def _sweep(self, prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens,
-               stopped: Callable[[], bool], verification="token", owner: str | None = None) -> Iterator[dict]:
+               stopped: Callable[[], bool], verification="token", owner: str | None = None,
+               trees=None) -> Iterator[dict]:
         out = self.outputs.sweep
         request = make_request(prompt, target, drafter, draft, MIN_K, False, temperature, top_p, max_new_tokens,
                                self.limits, verification)
         k_max = checks.whole(k_max, "the largest k", MIN_K, MAX_K)  # the Tune-k tab's own range
+        trees = tuple(checks.trees(trees)) if trees not in (None, "", []) else None
         yield from ({out.table: s} for s in hold_hardware(self.hardware, stopped))
         try:
             check_prompt_tokens(request, self.limits, self.runtime)
             result = None
             with closing(self.sweep_step(request, self.limits, self.runtime, k_max,
-                                         self.forgetting.session(owner))) as steps:
+                                         self.forgetting.session(owner), trees)) as steps:
                 for item in steps:  # the sweep so far after each k: drawn only when every k is timed
                     if stopped():
                         raise Stopped
@@ -326,14 +331,17 @@ class Handlers:
                         result = item
         finally:
             self.hardware.release()
-        best = result.best_measured_k
-        fig = charts.k_sweep([asdict(p) for p in result.points], sorted(result.theory.items()), best, result.best_k)
+        best, tree = result.best_measured_k, result.best_measured_tree
+        several = len({p.tree for p in result.points}) > 1
+        fig = charts.k_sweep([asdict(p) for p in result.points], sorted(result.theory.items()), best, result.best_k,
+                             tree if several else None)
         hint = serve_hint(request.target, request.draft, best, self.runtime)  # EAGLE-3 drafts only
         start, source = starting_k(request.drafter, request.target, request.draft, self.runtime)
-        yield {out.plot: fig, out.table: f"Done: best measured k = {best} (this pair starts at k = {start}: {source})."
-               "\n\n" + sweep_table(result)
-               + (f"\n\n{hint}" if hint else ""), out.best: best,
-               out.apply: gr.update(value=f"Use k = {best}", interactive=True)}
+        trees_said = f", draft trees {tree}" if several else ""
+        yield {out.plot: fig, out.table: f"Done: best measured k = {best}{trees_said} (this pair starts at k = "
+               f"{start}: {source})." "\n\n" + sweep_table(result) + (f"\n\n{hint}" if hint else ""),
+               out.best: (best, tree) if several else best,
+               out.apply: gr.update(value=f"Use k = {best}{trees_said}", interactive=True)}
 
     def clear_suffix_cache(self, visitor: gr.Request = None) -> dict:
         """Forget this session's earlier answers (suffix decoding's cache; no other session's is touched)."""
@@ -357,5 +365,9 @@ class Handlers:
         return dict(zip((out.target, out.drafter, out.draft), values)) | {out.k: preset_k(label, self.runtime)}
 
     def apply_best_k(self, best) -> dict:
-        """Set k to the sweep's best measured k."""
-        return {self.outputs.settings.k: best if best else gr.skip()}
+        """Set k to the sweep's best measured k (and the Tree setting to its tree setting, when the sweep ran more
+        than one)."""
+        settings = self.outputs.settings
+        if isinstance(best, (list, tuple)) and len(best) == 2:
+            return {settings.k: best[0], settings.tree: best[1]}
+        return {settings.k: best if best else gr.skip()}

@@ -38,18 +38,20 @@ class SweepOutputs(OrderedOutputs):
 
     plot: Component
     table: Component  # status line, then the sweep table
-    best: Component  # state: the best measured k, for the apply button
+    best: Component  # state: the best measured k (with its tree setting, when several ran), for the apply button
     apply: Component  # the "Use best k" button
 
 
 @dataclass(frozen=True)
 class SettingsOutputs:
-    """The settings a preset fills (target, drafter, draft) and "Use best k" sets (k)."""
+    """The settings a preset fills (target, drafter, draft) and "Use best k" sets (k, and the Tree setting when the
+    sweep ran several)."""
 
     target: Component
     drafter: Component
     draft: Component
     k: Component
+    tree: Component = None
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from ..config import (
     BUNDLED_ID,
     PRESETS,
     TRAINED_DRAFT_ID,
+    TREE_DEFAULT,
     GenerationConfig,
     Placement,
     Runtime,
@@ -102,7 +103,7 @@ def flag(value, name: str) -> bool:
 
 
 def make_request(prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max_new_tokens,
-                 limits: AppLimits, verification="token") -> RunRequest:
+                 limits: AppLimits, verification="token", tree=None) -> RunRequest:
     """Validate widget (or API) values: the checks every entry point runs (specdemo.checks), then this server's
     limits on top (max new tokens, the allowlist, local paths); raise UserError with a readable message. Cheap: the
     prompt is checked by its characters here, by its tokens later (check_prompt_tokens)."""
@@ -112,6 +113,8 @@ def make_request(prompt, target, drafter, draft, k, dynamic_k, temperature, top_
         raise checks.refused("max new tokens", max_new_tokens, f"at most {limits.max_new_tokens} here")
     temperature, top_p = checks.temperature(temperature), checks.top_p(top_p)
     verification = checks.verification("token" if verification in (None, "") else verification)
+    # none sent (an older client) or "default": the drafter's measured default (config.tree_default)
+    tree = None if tree in (None, "", TREE_DEFAULT) else checks.tree(tree)
     check_prompt_chars(prompt, limits)
     target = str(target or "").strip() or BUNDLED_ID
     # the page keeps the draft box's value when another drafter is picked: a kind that takes no draft ignores it
@@ -121,7 +124,7 @@ def make_request(prompt, target, drafter, draft, k, dynamic_k, temperature, top_
             check_model_id(name, limits)
     checks.pair(target, drafter, draft)
     return RunRequest(prompt, target, drafter, draft, k, flag(dynamic_k, "dynamic k"), temperature, top_p,
-                      max_new_tokens, verification)
+                      max_new_tokens, verification, tree)
 
 
 # ---- model ids: the allowlist and local paths ----

@@ -26,6 +26,8 @@ def final_stats_markdown(result: dict, c: float | None = None, verify_cost: floa
         f"verifying {sd['verify_seconds']:.2f} s ({sd['verify_seconds'] / spent:.0%}), "
         f"prefill {prefill:.2f} s ({prefill / spent:.0%})",
     ]
+    if result.get("tree"):
+        lines.append(f"- {tree_line(result['tree'])}")
     if c is not None and verify_cost is not None:
         lines.append(f"- {cost_line(c, verify_cost)}")
     lines.append(f"- outputs: {same}; {result['target']} on {result['device']} ({result['dtype']}), "
@@ -38,6 +40,23 @@ def final_stats_markdown(result: dict, c: float | None = None, verify_cost: floa
     if result.get("runner"):
         lines.append(f"- {runner_line(result['runner'])}")
     return "\n".join(lines + _hybrid_lines(result))
+
+
+def tree_line(tree: dict) -> str:
+    """Draft trees in words (the result's `tree`, compare.tree_result): how many passes verified one, tokens per pass
+    with them and what their first branches alone would have given, or why the run drafted chains."""
+    per_pass = tree.get("tokens_per_pass")
+    if not tree.get("tree_steps"):
+        return (f"draft trees (--tree {tree['setting']}): none, {tree['note']}"
+                + (f"; {per_pass:.2f} tokens per pass with chains" if per_pass is not None else ""))
+    line = (f"draft trees (--tree {tree['setting']}, up to {tree['nodes']} nodes): **{tree['tree_steps']} of "
+            f"{tree['drafted_steps']}** drafting passes verified a tree; **{per_pass:.2f}** tokens per pass "
+            f"({tree['tree_tokens_per_pass']:.2f} on the tree passes)")
+    chain = tree.get("first_branch_tokens_per_pass")
+    if chain is not None:
+        return line + (f"; their first branches alone (the chains the trees grew from) would have given "
+                       f"**{chain:.2f}** on the same passes")
+    return line + "; what chains give here needs a run with trees off (a sampled pass cannot be replayed as a chain)"
 
 
 def cost_line(c: float, verify_cost: float) -> str:
@@ -87,10 +106,22 @@ def _hybrid_lines(result: dict) -> list[str]:
 
 
 def sweep_table(result: Sweep) -> str:
-    """Markdown: one line per measured k, then the fitted alpha and c and the theory's best k."""
-    lines = ["| k | speedup | acceptance | mean accepted | theory |", "|---|---|---|---|---|"]
-    lines += [f"| {p.k} | {p.speedup:.2f}× | {p.acceptance_rate:.0%} | {p.mean_accepted:.2f} | "
-              f"{result.theory.get(p.k, 0.0):.2f}× |" for p in result.points]
+    """Markdown: one line per measured k (per tree setting and k when the sweep ran several), then the fitted alpha
+    and c and the theory's best k, and what each tree setting drafted."""
+    several = len({p.tree for p in result.points}) > 1
+    if several:
+        lines = ["| trees | k | speedup | tokens per pass | acceptance | passes with a tree | theory (chains) |",
+                 "|---|---|---|---|---|---|---|"]
+        lines += [f"| {p.tree} | {p.k} | {p.speedup:.2f}× | {p.mean_accepted:.2f} | {p.acceptance_rate:.0%} | "
+                  f"{p.tree_steps} | " + (f"{result.theory.get(p.k, 0.0):.2f}× |" if not p.tree_steps else "– |")
+                  for p in result.points]
+    else:
+        lines = ["| k | speedup | acceptance | mean accepted | theory |", "|---|---|---|---|---|"]
+        lines += [f"| {p.k} | {p.speedup:.2f}× | {p.acceptance_rate:.0%} | {p.mean_accepted:.2f} | "
+                  f"{result.theory.get(p.k, 0.0):.2f}× |" for p in result.points]
     lines.append(f"\nFitted α = {result.alpha:.2f} (from mean accepted length), c = {result.c:.3f} (draft cost per "
                  f"token / target cost per token), verify cost per k as measured; theory's best k = {result.best_k}.")
+    if result.trees:
+        lines.append("\nDraft trees (tokens per pass: bonus included): " + "; ".join(
+            f"**{setting}**: {what}" for setting, what in result.trees.items()) + ".")
     return "\n".join(lines)

@@ -14,11 +14,15 @@ from ..config import (
     MIN_K,
     PRESETS,
     TRAINED_DRAFT_ID,
+    TREE_CHOICES,
+    TREE_DEFAULT,
     TUNE_K_LARGEST,
+    TUNE_TREES,
     VERIFICATION_RULES,
     GenerationConfig,
     Runtime,
     SamplingConfig,
+    tree_defaults_help,
 )
 from ..drafters.registry import kinds
 from ..drafters.resolve import trained_draft_path
@@ -104,6 +108,11 @@ def build_demo(limits: AppLimits = AppLimits(), runtime: Runtime = Runtime(),
                                             visible=SamplingConfig.temperature > 0, elem_id="verification",
                                             info="both keep the target's distribution; block judges the drafts "
                                                  "jointly and accepts at least as many in expectation")
+                    tree = gr.Dropdown([(f"default ({tree_defaults_help()})", TREE_DEFAULT), *TREE_CHOICES],
+                                       value=TREE_DEFAULT, allow_custom_value=True, label="draft trees",
+                                       elem_id="tree", info="default: the drafter's best measured setting; auto: "
+                                       "branches where they pay for the wider pass; off: chains; N: up to N nodes "
+                                       "per step, verified in one pass")
                     max_new_tokens = gr.Slider(1, limits.max_new_tokens, step=1, label="max new tokens",
                                                value=min(GenerationConfig.max_new_tokens, limits.max_new_tokens))
                     with gr.Row():
@@ -145,12 +154,16 @@ def build_demo(limits: AppLimits = AppLimits(), runtime: Runtime = Runtime(),
                                           elem_id="result")
                     runs_state = gr.State(None)
                 with gr.Tab("Tune k"):
-                    gr.Markdown("Sweeps k on the current prompt and settings: one autoregressive baseline, then one "
-                                "speculative run per k. The dashed curve is the expected speedup from the measured "
-                                "acceptance α and cost ratio c (Leviathan et al. 2023). Nothing is drawn until the "
-                                "timed runs are over.")
+                    gr.Markdown("Sweeps k and the draft-tree setting on the current prompt and settings: one "
+                                "autoregressive baseline, then one speculative run per k and tree setting (a setting "
+                                "that drafts the same chains as another runs once). The dashed curve is the expected "
+                                "speedup of chains from the measured acceptance α and cost ratio c (Leviathan et al. "
+                                "2023). Nothing is drawn until the timed runs are over.")
                     with gr.Row():
                         k_max = gr.Slider(2, MAX_K, value=TUNE_K_LARGEST, step=1, label="largest k")
+                        sweep_trees = gr.CheckboxGroup(list(TREE_CHOICES),
+                                                       value=list(TUNE_TREES), label="draft trees to sweep",
+                                                       elem_id="sweep-trees")
                         sweep_btn = gr.Button("Sweep k", variant="primary")
                         sweep_stop = gr.Button("Stop", variant="stop")
                         apply_btn = gr.Button("Use best k", interactive=False)
@@ -162,7 +175,7 @@ def build_demo(limits: AppLimits = AppLimits(), runtime: Runtime = Runtime(),
         race = RaceOutputs(ar_html, sd_html, tokens_plot, speedup_plot, hist_plot, stats, status, result_json,
                            runs_state, timeline_plot, position_plot)
         tune = SweepOutputs(sweep_plot, sweep_md, best_state, apply_btn)
-        settings = SettingsOutputs(target, drafter, draft, k)
+        settings = SettingsOutputs(target, drafter, draft, k, tree)
         h = Handlers(Outputs(race, tune, settings), limits, runtime, gpu)
 
         preset.change(h.apply_preset, preset, [target, drafter, draft, k], api_name=False)
@@ -173,10 +186,11 @@ def build_demo(limits: AppLimits = AppLimits(), runtime: Runtime = Runtime(),
         # clear message instead of gradio's failed comparison
         # show_progress="hidden": gradio's progress timer redraws the page ten times a second, on the CPU the runs are
         # timed on; the status line says what is happening
-        run_btn.click(h.run_compare, inputs + [hide_rejected, replay, verification], race.order(), api_name="compare",
-                      show_progress="hidden", preprocess=False)
-        remeasure_btn.click(h.remeasure, inputs + [hide_rejected, replay, verification], race.order(), api_name=False,
-                            show_progress="hidden", preprocess=False)
+        # new inputs go last, so API clients that send the first ones keep working (a missing one: its default)
+        run_btn.click(h.run_compare, inputs + [hide_rejected, replay, verification, tree], race.order(),
+                      api_name="compare", show_progress="hidden", preprocess=False)
+        remeasure_btn.click(h.remeasure, inputs + [hide_rejected, replay, verification, tree], race.order(),
+                            api_name=False, show_progress="hidden", preprocess=False)
         replay_btn.click(h.replay_race, [runs_state, hide_rejected], race.order(), api_name=False,
                                         show_progress="hidden")
         # Stop marks the run, which ends itself at its next step (handlers.Stopped); no gradio cancel, whose
@@ -187,12 +201,12 @@ def build_demo(limits: AppLimits = AppLimits(), runtime: Runtime = Runtime(),
         demo.unload(h.forget_session)
         hide_rejected.change(h.rerender, [runs_state, hide_rejected, sd_html], sd_html, api_name=False)
         sweep_btn.click(h.run_sweep, [prompt, target, drafter, draft, k_max, temperature, top_p, max_new_tokens,
-                                      verification],
+                                      verification, sweep_trees],
                         tune.order(), api_name="sweep_k", show_progress="hidden", preprocess=False)
         sweep_stop.click(h.stop_sweep, None, None, queue=False, api_name=False)
-        apply_btn.click(h.apply_best_k, best_state, k, api_name=False)
-        batch_tab_events(batch_parts, h, [target, drafter, draft, k], [temperature, top_p], verification, limits,
-                         runtime, gpu)
+        apply_btn.click(h.apply_best_k, best_state, [k, tree], api_name=False)
+        batch_tab_events(batch_parts, h, [target, drafter, draft, k], [temperature, top_p], [verification, tree],
+                         limits, runtime, gpu)
     return demo
 
 
@@ -233,14 +247,14 @@ def batch_tab_layout(limits: AppLimits) -> dict:
                 anchors=anchors, run_btn=run_btn, stop_btn=stop_btn, outputs=BatchOutputs(throughput, speedup, table))
 
 
-def batch_tab_events(parts: dict, h: Handlers, model_inputs: list, sampling_inputs: list, verification,
+def batch_tab_events(parts: dict, h: Handlers, model_inputs: list, sampling_inputs: list, rule_inputs: list,
                      limits: AppLimits, runtime: Runtime, gpu: Callable | None) -> None:
-    """The Batch tab's events: it reads the shared target, drafter, draft, k, temperature, top-p and verification
-    rule, and shares the race's hardware lock."""
+    """The Batch tab's events: it reads the shared target, drafter, draft, k, temperature, top-p, verification rule
+    and Tree setting (rule_inputs), and shares the race's hardware lock."""
     b = BatchHandlers(parts["outputs"], [p for _, p in EXAMPLES], h, limits, runtime, gpu)
     parts["run_btn"].click(b.run, [parts["prompts"], parts["use_examples"], *model_inputs, parts["auto_k"],
                                    *sampling_inputs, parts["new_tokens"], parts["largest"], parts["anchors"],
-                                   verification],
+                                   *rule_inputs],
                            parts["outputs"].order(), api_name=False, show_progress="hidden")
     parts["stop_btn"].click(b.stop, None, None, queue=False, api_name=False)  # the run itself writes "Stopped."
 

@@ -122,11 +122,14 @@ def blank(name: str) -> go.Figure:
 
 
 def k_sweep(rows: list[dict], theory: list[tuple[int, float]], best_measured: int | None,
-            best_theory: int | None) -> go.Figure:
-    """Measured speedup and acceptance rate per k, with the theoretical speedup curve and the best k marked.
+            best_theory: int | None, best_tree: str | None = None) -> go.Figure:
+    """Measured speedup and acceptance rate per k, with the theoretical speedup curve and the best k marked; with
+    rows of several draft-tree settings, speedup and tokens per pass per k for each setting (k_tree_sweep).
 
-    rows: dicts with k, speedup, acceptance_rate; theory: (k, expected speedup) pairs.
+    rows: dicts with k, speedup, acceptance_rate (and tree, mean_accepted); theory: (k, expected speedup) pairs.
     """
+    if len({r.get("tree") for r in rows}) > 1:
+        return k_tree_sweep(rows, theory, best_measured, best_tree)
     fig = go.Figure()
     ks = [r["k"] for r in rows]
     fig.add_trace(go.Scatter(x=ks, y=[r["speedup"] for r in rows], name="measured speedup", mode="lines+markers",
@@ -146,6 +149,34 @@ def k_sweep(rows: list[dict], theory: list[tuple[int, float]], best_measured: in
     fig.update_layout(yaxis2=dict(title="acceptance rate", overlaying="y", side="right", range=[0, 1.05]))
     fig.update_xaxes(dtick=1)
     return _layout(fig, "Speedup and acceptance vs k", "k (draft tokens per step)", "speedup ×")
+
+
+TREE_DASH = {"off": "solid", "auto": "dash"}  # any node budget: dot
+
+
+def k_tree_sweep(rows: list[dict], theory: list[tuple[int, float]], best_k: int | None,
+                 best_tree: str | None) -> go.Figure:
+    """Speedup (left axis) and tokens per pass (bonus included; right axis) against k, one pair of lines per
+    draft-tree setting, beside the chains' theoretical speedup, the fastest point marked."""
+    fig = go.Figure()
+    for setting in dict.fromkeys(r["tree"] for r in rows):
+        mine = [r for r in rows if r["tree"] == setting]
+        ks, dash = [r["k"] for r in mine], TREE_DASH.get(setting, "dot")
+        fig.add_trace(go.Scatter(x=ks, y=[r["speedup"] for r in mine], name=f"speedup, trees {setting}",
+                                 mode="lines+markers", line=dict(color=SD_COLOR, dash=dash)))
+        fig.add_trace(go.Scatter(x=ks, y=[r["mean_accepted"] for r in mine], name=f"tokens per pass, trees {setting}",
+                                 mode="lines+markers", line=dict(color="#f97316", dash=dash), yaxis="y2"))
+    if theory:
+        fig.add_trace(go.Scatter(x=[k for k, _ in theory], y=[s for _, s in theory], name="theory (α, c), chains",
+                                 mode="lines", line=dict(color=THEORY_COLOR, dash="dash")))
+    if best_k is not None:
+        fig.add_vline(x=best_k, line=dict(color=SD_COLOR, dash="dot"), annotation_position="top left",
+                      annotation_text=f"best: k={best_k}, trees {best_tree}")
+    fig.add_hline(y=1.0, line=dict(color=AR_COLOR, dash="dot"))
+    fig.update_layout(yaxis2=dict(title="tokens per pass", overlaying="y", side="right", rangemode="tozero"))
+    fig.update_xaxes(dtick=1)
+    return _layout(fig, "Speedup and tokens per pass vs k, by draft-tree setting", "k (draft tokens per step)",
+                   "speedup ×")
 
 
 # ---- the batch-size sweep (specdemo.measure.batch_sizes): throughput and speedup against batch size ----

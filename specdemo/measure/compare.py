@@ -27,7 +27,16 @@ from ..engine import (
 from ..engine.loop import tree_plan
 from ..models.loading import LoadedModel, load_model
 from ..models.placement import draft_lm, drafter_device
-from .metrics import PassCosts, RunStats, pass_costs, run_stats, speedup, tree_steps, tree_summary
+from .metrics import (
+    PassCosts,
+    RunStats,
+    pass_costs,
+    run_stats,
+    speedup,
+    tree_passes,
+    tree_steps,
+    tree_summary,
+)
 from .spec_metrics import speculative_decoding, steps_of
 
 
@@ -189,9 +198,10 @@ def result_dict(pair: Pair, config: GenerationConfig, ar_events: list[StepEvent]
 
 
 def tree_result(pair: Pair, config: GenerationConfig, sd_events: list[StepEvent]) -> dict:
-    """How the run drafted trees (metrics.tree_summary): the plan, the steps that verified one, and what auto did."""
-    return tree_summary(tree_plan(config, pair.drafter), *tree_steps(sd_events), pair.drafter.pass_costs,
-                        config.num_draft_tokens)
+    """How the run drafted trees (metrics.tree_summary): the plan, the steps that verified one, what auto did, and
+    tokens per pass with the trees and, greedy, from their first branches alone (metrics.tree_passes)."""
+    return {**tree_summary(tree_plan(config, pair.drafter), *tree_steps(sd_events), pair.drafter.pass_costs,
+                           config.num_draft_tokens), **tree_passes(sd_events, config.sampling.greedy)}
 
 
 def _run_json(events: list[StepEvent], stats: RunStats) -> dict:

@@ -86,6 +86,45 @@ def tree_summary(plan, trees: int, drafted_steps: int, pass_costs: dict[int, flo
             "note": note}
 
 
+def first_branch_tokens(event: StepEvent) -> int:
+    """Under greedy, the tokens a step would have committed had it verified only its tree's first branch (the chain of
+    first children the tree drafters grow from): the accepted path's prefix along first children, plus the target's
+    token; a chain step's own tokens. Exact for that step's context (a wrong first child is never the target's top
+    token, since siblings differ); a chain run's later steps start elsewhere."""
+    if event.parents is None:
+        return len(event.tokens)
+    kept, node = 0, -1
+    for j in event.accepted_path or []:
+        if j != next((c for c, a in enumerate(event.parents) if a == node), None):
+            break
+        kept, node = kept + 1, j
+    return min(kept + 1, len(event.tokens))
+
+
+def tree_passes(events: Sequence[StepEvent], greedy: bool) -> dict:
+    """Tokens per verify pass (bonus or correction included) of a run, over its passes that verified a tree, and,
+    greedy only, what their first branches alone would have given on the same passes (first_branch_tokens; None
+    when sampling, where a pass cannot be replayed as a chain, or when no pass verified a tree)."""
+    spec = [e for e in events if e.kind == "spec"]
+    trees = [e for e in spec if e.parents is not None]
+    return {"tokens_per_pass": ratio(sum(len(e.tokens) for e in spec), len(spec)),
+            "tree_tokens_per_pass": ratio(sum(len(e.tokens) for e in trees), len(trees)) if trees else None,
+            "first_branch_tokens_per_pass": (ratio(sum(map(first_branch_tokens, spec)), len(spec))
+                                             if greedy and trees else None)}
+
+
+def verify_by_nodes(events: Sequence[StepEvent]) -> dict[str, list[float]]:
+    """{nodes verified: [passes, their verify seconds]} over a run's speculative steps (a pass of n nodes is n + 1
+    tokens wide); JSON keys, so the nodes are strings."""
+    out: dict[str, list[float]] = {}
+    for e in events:
+        if e.kind == "spec":
+            entry = out.setdefault(str(len(e.drafted)), [0, 0.0])
+            entry[0] += 1
+            entry[1] += e.verify_seconds
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+
 def ratio(a: float, b: float) -> float:
     """a / b, 0 when b is 0: every ratio of sums in the results (tokens/s, speedups, fractions)."""
     return a / b if b > 0 else 0.0

@@ -1,4 +1,5 @@
-"""The k sweep: autoregressive once per prompt, speculative at each k, measured speedups beside the theory.
+"""The k sweep: autoregressive once per prompt, speculative at each k (under each draft-tree setting asked for),
+measured speedups beside the theory.
 
 Shared by `python -m specdemo bench` and the app's "Tune k" tab. Knows decoders and metrics; no text, no UI.
 Pass costs are measured by specdemo.engine.timing.
@@ -20,6 +21,7 @@ from ..engine import (
     generated_ids,
     speculative,
 )
+from ..engine.loop import tree_plan
 from ..engine.timing import timed_call, verify_costs_for
 from .compare import Pair, warmup
 from .metrics import (
@@ -28,6 +30,7 @@ from .metrics import (
     best_k,
     expected_speedup,
     run_stats,
+    tree_steps,
 )
 
 
@@ -87,11 +90,14 @@ class SweepPoint:
     verify_cost: float  # seconds per verify step (target pass + acceptance + rollback) / seconds per AR step
     expected_speedup: float  # theory at this point's alpha, c and verify_cost
     identical: bool  # every prompt's speculative tokens equal its autoregressive tokens
+    tree: str = "off"  # the draft-tree setting of the runs (GenerationConfig.tree)
+    tree_steps: int = 0  # verify passes that verified a draft tree (0: the runs drafted chains)
 
 
 @dataclass
 class Sweep:
-    """Measured points, the pooled alpha and c, and the theoretical speedup curve over k."""
+    """Measured points (each k under each tree setting), the alpha and c pooled over the points that drafted chains,
+    and the theoretical speedup curve over k for chains."""
 
     points: list[SweepPoint]
     alpha: float  # verify-step-weighted mean of the points' alphas
@@ -100,6 +106,9 @@ class Sweep:
     theory: dict[int, float] = field(default_factory=dict)  # k -> metrics.expected_speedup
     best_k: int = 1  # metrics.best_k(alpha, c, k_max, verify_costs)
     best_measured_k: int = 1
+    best_measured_tree: str = "off"  # the tree setting of the fastest point
+    trees: dict[str, str] = field(default_factory=dict)  # each tree setting asked for -> what it drafts (or which
+    # setting it ran as, when it drafts chains as another does)
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -108,8 +117,8 @@ class Sweep:
         return out
 
 
-def point(k: int, ar_runs: Sequence[Run], sd_runs: Sequence[Run]) -> SweepPoint:
-    """Pool one k's runs (ar_runs[i] and sd_runs[i] are the same prompt)."""
+def point(k: int, ar_runs: Sequence[Run], sd_runs: Sequence[Run], tree: str = "off") -> SweepPoint:
+    """Pool one k's runs under one tree setting (ar_runs[i] and sd_runs[i] are the same prompt)."""
     ar_s = sum(r.wall_seconds for r in ar_runs)
     sd_s = sum(r.wall_seconds for r in sd_runs)
     spec = [e for r in sd_runs for e in r.events if e.kind == "spec"]
@@ -132,25 +141,46 @@ def point(k: int, ar_runs: Sequence[Run], sd_runs: Sequence[Run]) -> SweepPoint:
         alpha=alpha, c=c, verify_cost=verify_cost,
         expected_speedup=expected_speedup(alpha, c, k, verify_cost),
         identical=all(a.ids == s.ids for a, s in zip(ar_runs, sd_runs)),
+        tree=tree, tree_steps=sum(tree_steps(r.events)[0] for r in sd_runs),
     )
 
 
-def summarize(points: Sequence[SweepPoint], verify_costs: dict[int, float], k_max: int = MAX_K) -> Sweep:
-    """Pool alpha and c over points and draw the theoretical curve for k = 1..k_max.
+def summarize(points: Sequence[SweepPoint], verify_costs: dict[int, float], k_max: int = MAX_K,
+              trees: dict[str, str] | None = None) -> Sweep:
+    """Pool alpha and c over the points that drafted chains (all points when none did) and draw the theoretical
+    curve for k = 1..k_max; the fastest point gives the best measured k and tree setting.
 
     verify_costs maps k to the cost of its (k+1)-token verify pass; k missing there costs 1 (the paper's GPU case).
     """
-    weights = [p.sd_tokens / p.mean_accepted if p.mean_accepted else 0.0 for p in points]  # ~ verify steps
+    chains = [p for p in points if not p.tree_steps] or list(points)  # Leviathan et al.'s theory is of chains
+    weights = [p.sd_tokens / p.mean_accepted if p.mean_accepted else 0.0 for p in chains]  # ~ verify steps
     total = sum(weights)
-    alpha = sum(w * p.alpha for w, p in zip(weights, points)) / total if total else 0.0
-    c = sum(w * p.c for w, p in zip(weights, points)) / total if total else 0.0
+    alpha = sum(w * p.alpha for w, p in zip(weights, chains)) / total if total else 0.0
+    c = sum(w * p.c for w, p in zip(weights, chains)) / total if total else 0.0
     k_max = max([k_max] + [p.k for p in points])
     theory = {k: expected_speedup(alpha, c, k, verify_costs.get(k, 1.0)) for k in range(1, k_max + 1)}
+    best = max(points, key=lambda p: p.speedup) if points else None
     return Sweep(
         points=list(points), alpha=alpha, c=c, verify_costs=dict(verify_costs), theory=theory,
         best_k=best_k(alpha, c, k_max, verify_costs),
-        best_measured_k=max(points, key=lambda p: p.speedup).k if points else 1,
+        best_measured_k=best.k if best else 1, best_measured_tree=best.tree if best else "off",
+        trees=dict(trees or {}),
     )
+
+
+def plan_trees(pair: Pair, config: GenerationConfig, trees: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """The tree settings worth running (engine.loop.tree_plan: the first that drafts chains, and each that drafts
+    trees) and what each asked for does, in words."""
+    run, notes, chains = [], {}, None
+    for setting in dict.fromkeys(trees):
+        plan = tree_plan(replace(config, tree=setting), pair.drafter)
+        if plan.nodes == 0 and chains is not None:
+            notes[setting] = f"runs as {chains}: {plan.why}"
+            continue
+        chains = setting if plan.nodes == 0 else chains
+        run.append(setting)
+        notes[setting] = plan.why
+    return run, notes
 
 
 def encode_all(pair: Pair, prompts: str | Sequence[str] | Sequence[list[int]],
@@ -169,8 +199,11 @@ def iter_sweep(
     config: GenerationConfig,
     do_warmup: bool = True,
     on_run: Callable[[str, int | None, int], None] | None = None,
+    trees: Sequence[str] | None = None,
 ) -> Iterator[SweepPoint]:
-    """Autoregressive runs on every prompt first, then speculative runs per k; yields each k's point when done.
+    """Autoregressive runs on every prompt first, then speculative runs per tree setting and k (`trees`: settings
+    like off, auto, 8; None: config.tree; plan_trees drops those that would repeat a chain run); yields each point
+    when done.
 
     on_run(kind, k, prompt_index) is called after every run ("ar" with k None, or "sd"), e.g. for a progress bar.
     Every k sees the same prompts, so the runs leave nothing in what the drafter keeps across requests (Drafter.paused):
@@ -178,22 +211,25 @@ def iter_sweep(
     prompt.
     """
     ids = encode_all(pair, prompts, config)
+    settings = plan_trees(pair, config, trees or (config.tree,))[0]
     if do_warmup and ids:
-        warmup(pair, ids[:1], config)
+        for setting in settings:
+            warmup(pair, ids[:1], replace(config, tree=setting))
     ar_runs = []
     for i, p in enumerate(ids):
         ar_runs.append(run_ar(pair, p, config))
         if on_run:
             on_run("ar", None, i)
-    for k in ks:
-        k_config = replace(config, num_draft_tokens=k, dynamic_k=False)
-        sd_runs = []
-        for i, p in enumerate(ids):
-            with pair.drafter.paused():
-                sd_runs.append(run_sd(pair, p, k_config))
-            if on_run:
-                on_run("sd", k, i)
-        yield point(k, ar_runs, sd_runs)
+    for setting in settings:
+        for k in ks:
+            k_config = replace(config, num_draft_tokens=k, dynamic_k=False, tree=setting)
+            sd_runs = []
+            for i, p in enumerate(ids):
+                with pair.drafter.paused():
+                    sd_runs.append(run_sd(pair, p, k_config))
+                if on_run:
+                    on_run("sd", k, i)
+            yield point(k, ar_runs, sd_runs, setting)
 
 
 def sweep(
@@ -205,27 +241,32 @@ def sweep(
     measure_verify_costs: bool = True,
     do_warmup: bool = True,
     on_run: Callable[[str, int | None, int], None] | None = None,
+    trees: Sequence[str] | None = None,
 ) -> Sweep:
-    """Run the k sweep and fit the theory: per-k measured speedup, acceptance, alpha, c, verify cost; best k.
+    """Run the sweep over k (and tree settings, as iter_sweep) and fit the theory: per-point measured speedup,
+    acceptance, alpha, c, verify cost; best k.
 
     With measure_verify_costs, the theory's verify cost for each k comes from a short forward-pass micro-benchmark
     (CPU passes cost more with width); without it, a verify pass costs one 1-token pass, as in the paper.
     """
     config = config or GenerationConfig()
-    points = list(iter_sweep(pair, prompts, ks, config, do_warmup, on_run))
+    points = list(iter_sweep(pair, prompts, ks, config, do_warmup, on_run, trees))
     costs = {}
     if measure_verify_costs:
         first = encode_all(pair, prompts, config)[0]
         costs = verify_costs_for(pair.target.model, [first], max([k_max] + list(ks)))
-    return summarize(points, costs, k_max)
+    return summarize(points, costs, k_max, plan_trees(pair, config, trees or (config.tree,))[1])
 
 
 def iter_sweep_summaries(pair: Pair, prompts: str | Sequence[str] | Sequence[list[int]], ks: Sequence[int],
                          config: GenerationConfig, k_max: int = MAX_K, do_warmup: bool = True,
-                         on_run: Callable[[str, int | None, int], None] | None = None) -> Iterator[Sweep]:
-    """The Sweep so far after each k, its theory drawn with each k's verify cost as measured in its own runs (no
-    micro-benchmark, so a live view can show every k as soon as it is done)."""
+                         on_run: Callable[[str, int | None, int], None] | None = None,
+                         trees: Sequence[str] | None = None) -> Iterator[Sweep]:
+    """The Sweep so far after each point, its theory drawn with each k's verify cost as measured in its own chain runs
+    (no micro-benchmark, so a live view can show every point as soon as it is done)."""
+    notes = plan_trees(pair, config, trees or (config.tree,))[1]
     points: list[SweepPoint] = []
-    for p in iter_sweep(pair, prompts, ks, config, do_warmup, on_run):
+    for p in iter_sweep(pair, prompts, ks, config, do_warmup, on_run, trees):
         points.append(p)
-        yield summarize(points, {q.k: q.verify_cost for q in points}, k_max)
+        chains = [q for q in points if not q.tree_steps] or points
+        yield summarize(points, {q.k: q.verify_cost for q in chains}, k_max, notes)
