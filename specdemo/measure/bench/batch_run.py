@@ -56,6 +56,8 @@ def run_batch_bench(bc: BenchConfig) -> dict:
     rules = checks.verifications(bc.verification, bc.temperature)
     if len(rules) > 1:
         raise ValueError("with --batch-size, --verification takes one rule")
+    if len(checks.trees(bc.tree_setting)) > 1:
+        raise ValueError("with --batch-size, --tree takes one setting")
     if bc.vllm:
         raise ValueError("--anchors vllm compares at batch 1 and is not part of the batch sweep; use --anchors "
                          "(transformers' generate on the same padded batches) with --batch-size")

@@ -75,7 +75,9 @@ def parser() -> argparse.ArgumentParser:
                    help="empty what the drafter keeps across requests (suffix decoding's cache of earlier answers) "
                         "before each prompt (default: carried across the prompts in order, as a server carries it; "
                         "vLLM's suffix method then keeps no earlier answers)")
-    p.add_argument("--tree", type=arg(checks.tree), default=D.tree, help=TREE_HELP)
+    p.add_argument("--tree", type=arg(lambda text: ",".join(checks.trees(text))), default=D.tree,
+                   help=TREE_HELP + "; a list like off,auto,16 runs each k under each setting, chains against trees "
+                                    "at the same drafter, in one report (by_tree in bench.json)")
     p.add_argument("--out", default=D.out, help="output folder for bench.json, bench.md, bench.html "
                                                 "(default %(default)s, git-ignored)")
     p.add_argument("--device", default=D.device)

@@ -120,6 +120,8 @@ def markdown(report: dict) -> str:
             + ".\n")
     if report.get("by_verification"):
         parts.append(verification_markdown(report["by_verification"]))
+    if report.get("by_tree"):
+        parts.append(tree_markdown(report["by_tree"], report.get("tree_verify_costs") or {}, cfg.get("trees") or {}))
     if "ar_vs_hf_generate" in anchors:
         rows = [[f"our AR tok/s / HF {anchors.get('baseline', 'generate')} tok/s (the faster)",
                  anchors["ar_vs_hf_generate"]],
@@ -165,6 +167,25 @@ def verification_markdown(by_rule: dict) -> str:
     return ("## By verification rule\n\nThe same prompts, seeds and autoregressive runs under each rule; the tables "
             "above pool the rules.\n\n" + md_table(["rule", "k", "mean accepted", "acceptance", "SD tok/s",
                                                       "speedup"], rows))
+
+
+def tree_markdown(by_tree: dict, verify_costs: dict, plans: dict) -> str:
+    """Chains against trees at the same drafter: each tree setting at each k on the same prompts (tokens per pass,
+    passes that verified a tree, speedups), then what a verify pass cost by the nodes it verified, per setting."""
+    rows = [[tree, k, a["mean_accepted"], a["tree_steps"], a["sd_tokens_per_s"], a["speedup"], a["vs_chains"]]
+            for tree, by_k in by_tree.items() for k, a in by_k.items()]
+    costs = [[tree, n, c["passes"], c["ms_per_pass"], c["vs_1_token_pass"]]
+             for tree, by_nodes in verify_costs.items() for n, c in by_nodes.items()]
+    said = "".join(f"- `--tree {t}`: {p['note']}; {p['tree_steps']} of {p['drafted_steps']} drafting passes verified "
+                   f"a tree\n" for t, p in plans.items())
+    return ("## Chains against trees\n\nThe same prompts, k and autoregressive runs under each `--tree` setting; "
+            "tokens per pass include the bonus; speedup is over the autoregressive runs, `vs chains` over the "
+            "`--tree off` runs. The tables above pool the settings.\n\n" + said + "\n"
+            + md_table(["trees", "k", "tokens per pass", "passes with a tree", "SD tok/s", "speedup", "vs chains"],
+                       rows)
+            + "\nVerify passes by the nodes they verified (a pass of n nodes is n + 1 tokens wide), from the runs' "
+              "own steps:\n\n"
+            + md_table(["trees", "nodes", "passes", "ms per pass", "× a 1-token pass"], costs))
 
 
 def vllm_markdown(report: dict) -> str:

@@ -170,6 +170,31 @@ def overhead_summary(rows: list[dict]) -> dict:
     return out
 
 
+def tree_figures(rows: list[dict], chains: list[dict]) -> dict:
+    """One tree setting's figures at one k (aggregate's, with tokens per pass as mean_accepted), the passes that
+    verified a tree, the speedup over the chain rows (`chains`, --tree off, on the same prompts; None without them),
+    and the verify passes' cost by the nodes they verified: milliseconds per pass and its ratio to a 1-token pass
+    (the autoregressive runs' passes), pooled from the events."""
+    out = aggregate(rows)
+    out["tree_steps"] = sum(r["tree_steps"] for r in rows)
+    out["vs_chains"] = ratio(sum(r["sd_seconds"] for r in chains), out["sd_seconds"]) if chains else None
+    out["verify_by_nodes"] = verify_costs(rows)
+    return out
+
+
+def verify_costs(rows: list[dict]) -> dict:
+    """{nodes: passes, milliseconds per verify pass, its ratio to a 1-token pass} pooled over rows' events (a pass of
+    n nodes is n + 1 tokens wide; the 1-token passes are the autoregressive runs')."""
+    one = ratio(sum(r.get("ar_pass_seconds", 0.0) for r in rows), sum(r.get("ar_passes", 0) for r in rows))
+    pooled: dict[int, list[float]] = {}
+    for r in rows:
+        for nodes, (passes, seconds) in (r.get("verify_by_nodes") or {}).items():
+            entry = pooled.setdefault(int(nodes), [0, 0.0])
+            entry[0], entry[1] = entry[0] + passes, entry[1] + seconds
+    return {str(n): {"passes": p, "ms_per_pass": 1000 * ratio(s, p),
+                     "vs_1_token_pass": ratio(ratio(s, p), one) if one else None} for n, (p, s) in sorted(pooled.items())}
+
+
 def build_report(config: dict, machine: dict, rows: list[dict], theory: dict | None = None) -> dict:
     """The bench.json object from result rows."""
     categories = sorted({r["category"] for r in rows}, key=[r["category"] for r in rows].index)
@@ -188,6 +213,13 @@ def build_report(config: dict, machine: dict, rows: list[dict], theory: dict | N
     if len(rules) > 1:  # `bench --verification token,block`: each rule's figures at each k, over the same prompts
         report["by_verification"] = {rule: {str(k): aggregate([r for r in rows if r.get("verification") == rule
                                                                and r["k"] == k]) for k in ks} for rule in rules}
+    trees = list(dict.fromkeys(r.get("tree") for r in rows))
+    if len(trees) > 1:  # `bench --tree off,auto,16`: chains against trees at the same drafter, k and prompts
+        report["by_tree"] = {tree: {str(k): tree_figures([r for r in rows if r.get("tree") == tree and r["k"] == k],
+                                                         [r for r in rows if r.get("tree") == "off" and r["k"] == k])
+                                    for k in ks} for tree in trees}
+        report["tree_verify_costs"] = {tree: verify_costs([r for r in rows if r.get("tree") == tree])
+                                       for tree in trees}
     vllm = vllm_summary(rows)
     if vllm:
         vllm["by_category"] = {c: vllm_summary([r for r in rows if r["category"] == c]) for c in categories}

@@ -35,7 +35,7 @@ from ...models.eagle3 import eagle3_export
 from ...prompts import DEFAULT_PROMPTS, PromptItem, read_prompts
 from ...serve.serve_config import Lookup, serve_target
 from ..compare import Pair, first_mismatch, load_pair, pair_placement, warmup
-from ..metrics import tree_steps, tree_summary
+from ..metrics import tree_steps, tree_summary, verify_by_nodes
 from ..spec_metrics import speculative_decoding, steps_of
 from ..tune_k import point, run_ar, run_sd, summarize, sweep
 from .anchors import (
@@ -89,7 +89,8 @@ class BenchConfig:
     drafter_options: Mapping = field(default_factory=dict)  # kind name -> its options (registry.options_from)
     suffix_cold: bool = False  # empty what the drafter keeps across requests before each prompt (default: carried
     # across them in order)
-    tree: str | None = None  # draft trees: "auto", "off" or the most nodes per step; None: the drafter's default
+    tree: str | None = None  # draft trees: "auto", "off" or the most nodes per step, or a comma list of them (each k
+    # runs under each); None: the drafter's default
 
     @property
     def tree_setting(self) -> str:
@@ -132,13 +133,15 @@ def machine_info(device: torch.device, dtype: torch.dtype) -> dict:
 
 def bench_prompt(pair, item: PromptItem, prompt_ids: list[int], ks: list[int], config: GenerationConfig,
                  timers, anchors: bool, runs: dict, progress=None, rules: tuple[str, ...] = (),
-                 suffix_cold: bool = False) -> list[dict]:
-    """All runs for one prompt: AR once, SD per k (under each verification rule in `rules`, default the config's),
-    and the anchors; one result row per k and rule.
+                 suffix_cold: bool = False, trees: tuple[str, ...] = ()) -> list[dict]:
+    """All runs for one prompt: AR once, SD per k (under each verification rule in `rules`, default the config's,
+    and each draft-tree setting in `trees`, default the config's), and the anchors; one result row per k, rule and
+    tree setting.
 
-    runs[k] gets (ar_run, sd_run) of the first rule appended, for the sweep module's per-k figures. What the drafter
-    keeps across requests (a suffix drafter's earlier answers) gets this prompt's answer once, from the last run
-    (every k and rule drafts from the same earlier answers); suffix_cold empties it first (Drafter.forget).
+    runs[k] gets (ar_run, sd_run) of the first rule and tree setting appended, for the sweep module's per-k figures.
+    What the drafter keeps across requests (a suffix drafter's earlier answers) gets this prompt's answer once, from
+    the last run (every k, rule and setting drafts from the same earlier answers); suffix_cold empties it first
+    (Drafter.forget).
     """
     if suffix_cold:
         pair.drafter.forget()
@@ -149,18 +152,20 @@ def bench_prompt(pair, item: PromptItem, prompt_ids: list[int], ks: list[int], c
     hf_static = (measure_hf_static(model, prompt_ids, kwargs, timers, config.seed)
                  if anchors and has_static_anchor(model) else None)
     rows = []
-    rules = rules or (config.sampling.verification,)
-    runs_of = [(k, rule) for k in ks for rule in rules]
-    for k, rule in runs_of:
-        k_config = replace(config, num_draft_tokens=k).with_verification(rule)
-        with pair.drafter.paused() if (k, rule) != runs_of[-1] else contextlib.nullcontext():
+    rules, trees = rules or (config.sampling.verification,), trees or (config.tree,)
+    runs_of = [(k, rule, tree) for k in ks for rule in rules for tree in trees]
+    ar_passes = [e.verify_seconds for e in ar.run.events if e.kind == "ar"]
+    for k, rule, tree in runs_of:
+        k_config = replace(config, num_draft_tokens=k, tree=tree).with_verification(rule)
+        first = (rule, tree) == (rules[0], trees[0])
+        with pair.drafter.paused() if (k, rule, tree) != runs_of[-1] else contextlib.nullcontext():
             sd = measure_ours(lambda: run_sd(pair, prompt_ids, k_config), timers)
-        if rule == rules[0]:
+        if first:
             runs.setdefault(k, []).append((ar.run, sd.run))
         s, a = sd.run.stats, ar.run.stats
         spec = [e for e in sd.run.events if e.kind == "spec"]
         row = {
-            "id": item.id, "category": item.category, "k": k, "verification": k_config.sampling.rule,
+            "id": item.id, "category": item.category, "k": k, "verification": k_config.sampling.rule, "tree": tree,
             "prompt_tokens": len(prompt_ids),
             "ar_tokens_per_s": ratio(ar.tokens, ar.seconds), "sd_tokens_per_s": ratio(sd.tokens, sd.seconds),
             "speedup": ratio(ar.seconds, sd.seconds),
@@ -169,6 +174,8 @@ def bench_prompt(pair, item: PromptItem, prompt_ids: list[int], ks: list[int], c
             "steps": s.steps, "drafted": s.drafted, "accepted": s.accepted,
             "spec_tokens": sum(len(e.tokens) for e in spec),
             "tree_steps": tree_steps(sd.run.events)[0],  # steps that verified a draft tree
+            "verify_by_nodes": verify_by_nodes(sd.run.events),  # nodes verified -> [passes, seconds]
+            "ar_passes": len(ar_passes), "ar_pass_seconds": sum(ar_passes),  # the 1-token passes, for the costs
             "accepted_histogram": s.accepted_histogram,
             "draft_seconds": s.draft_seconds, "verify_seconds": s.verify_seconds,
             "ar_engine_seconds": a.seconds, "sd_engine_seconds": s.seconds,
@@ -184,7 +191,7 @@ def bench_prompt(pair, item: PromptItem, prompt_ids: list[int], ks: list[int], c
         row["sd_verify_logic_s"] = max(0.0, sd.overhead_s - row["sd_draft_logic_s"] - row["sd_outside_clock_s"])
         if config.sampling.greedy and not row["identical"]:
             row["mismatch"] = first_mismatch(pair.target, prompt_ids, ar.ids, sd.ids)
-        if hf is not None and rule == rules[0]:
+        if hf is not None and first:
             put(row, "hf_generate", hf, ar.ids)
             if hf_static is not None:
                 put(row, "hf_static", hf_static, ar.ids)
@@ -279,11 +286,12 @@ def run_bench(bc: BenchConfig) -> dict:
                              where=f"{bc.prompts}:{item.line}")
     ks = checks.ks(bc.k) if bc.k else None  # checked before anything loads
     rules = checks.verifications(bc.verification, bc.temperature)
+    trees = checks.trees(bc.tree_setting)
     kind = bc.drafter_kind
     checks.pair(bc.target, kind, bc.draft)
     config = GenerationConfig(max_new_tokens=bc.max_new_tokens, sampling=SamplingConfig(bc.temperature,
                               verification=rules[0]), seed=bc.seed, use_chat_template=bc.chat_template,
-                              tree=bc.tree_setting)
+                              tree=trees[0])
     config.validate()
     if bc.vllm:
         check_vllm(bc)
@@ -304,6 +312,8 @@ def run_bench(bc: BenchConfig) -> dict:
     warm(pair, prompt_ids[0], config, ks, bc.anchors)
     for rule in rules[1:]:
         warm(pair, prompt_ids[0], config.with_verification(rule), ks, False)
+    for tree in trees[1:]:
+        warm(pair, prompt_ids[0], replace(config, tree=tree), ks, False)
 
     device = pair.target.device
     draft_mods = list({id(m): m for m in drafter_modules(pair.drafter)}.values())  # an assistant is one of these
@@ -313,10 +323,11 @@ def run_bench(bc: BenchConfig) -> dict:
     rows: list[dict] = []
     runs: dict[int, list] = {}
     try:
-        with tqdm(total=len(items) * len(ks) * len(rules), desc="bench", file=sys.stderr, disable=bc.quiet) as bar:
+        with tqdm(total=len(items) * len(ks) * len(rules) * len(trees), desc="bench", file=sys.stderr,
+                  disable=bc.quiet) as bar:
             for item, ids in zip(items, prompt_ids):
                 rows += bench_prompt(pair, item, ids, ks, config, timers, bc.anchors, runs, bar, tuple(rules),
-                                     bc.suffix_cold)
+                                     bc.suffix_cold, tuple(trees))
     finally:
         for t in timers:
             if t:
@@ -328,7 +339,7 @@ def run_bench(bc: BenchConfig) -> dict:
     if bc.theory:
         # the sweep module's view of the same runs: per-k alpha, c, verify cost, and the expected-speedup curve
         k_max = max([MAX_K] + ks)
-        points = [point(k, [a for a, _ in runs[k]], [s for _, s in runs[k]]) for k in ks]
+        points = [point(k, [a for a, _ in runs[k]], [s for _, s in runs[k]], trees[0]) for k in ks]
         theory = summarize(points, verify_costs_for(pair.target.model, prompt_ids[:1], k_max), k_max).as_dict()
     vllm_meta = None
     if bc.vllm:  # after all our timing: vLLM's processes never share the CPU with our decoders
@@ -347,9 +358,13 @@ def run_bench(bc: BenchConfig) -> dict:
     cache = "emptied before each prompt" if bc.suffix_cold else "one per process, carried across the prompts in order"
     for section, values in pair.drafter.settings().items():  # the options it drafted under, as generate records them
         cfg[section] = {**values, **({"cache": cache} if shared.names() else {})}  # and what it kept across prompts
-    cfg["tree"] = {"setting": bc.tree_setting, "source": "--tree" if bc.tree else "the drafter's measured default",
-                   **tree_summary(tree_plan(config, pair.drafter), sum(r["tree_steps"] for r in rows),
-                                  sum(r["steps"] for r in rows), pair.drafter.pass_costs, ks[0])}
+    source = "--tree" if bc.tree else "the drafter's measured default"
+    plans = {t: {"setting": t, "source": source, **tree_summary(
+        tree_plan(replace(config, tree=t), pair.drafter), sum(r["tree_steps"] for r in rows if r["tree"] == t),
+        sum(r["steps"] for r in rows if r["tree"] == t), pair.drafter.pass_costs, ks[0])} for t in trees}
+    cfg["tree"] = plans[trees[0]]
+    if len(trees) > 1:  # `bench --tree off,auto,16`: what each setting drafted (the report's by_tree has its figures)
+        cfg["trees"] = plans
     if calibration:
         cfg["calibration"] = calibration
     if vllm_meta:
