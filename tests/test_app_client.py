@@ -214,6 +214,15 @@ def test_a_sampled_run_through_the_api_takes_the_verification_rule(client):
     assert client.predict(*sampled, api_name="/compare")[7]["verification"] == "token"
 
 
+def test_the_draft_tree_setting_is_the_last_input(client):
+    """/compare's 13th input is the draft-tree setting: off drafts chains and the result says so; a client that sends
+    the first 12 inputs only gets auto, the default."""
+    greedy = (CHAT, "smollm2-135m", "ngram", "", 4, False, 0.0, 1.0, 8, False, False, "token")
+    off = client.predict(*greedy, "off", api_name="/compare")[7]
+    assert off["identical"] is True and off["tree"]["setting"] == "off" and off["tree"]["tree_steps"] == 0
+    assert client.predict(*greedy, api_name="/compare")[7]["tree"]["setting"] == "auto"
+
+
 def test_two_concurrent_clients_each_get_their_own_output(server):
     """Two clients at once: both finish, each with the text of its own prompt."""
     from gradio_client import Client

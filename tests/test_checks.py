@@ -64,6 +64,8 @@ ROWS = (
     Row("top_p", 1.5, TOP_P.format(1.5), ("app", "api", "generate")),
     Row("verification", "tree", "verification must be one of token, block, got 'tree'.",
         ("app", "api", "generate", "bench", "serve-config"), {"temperature": 1.0}),
+    Row("tree", "many", "tree must be auto, off or a node count from 1 to 64, got 'many'.",
+        ("app", "api", "generate", "bench")),
     # the built-in kinds (this process also lists conftest's toy kind after them, the app server's does not)
     Row("drafter", "magic", "drafter must be one of model, ngram, hybrid, suffix",
         ("app", "api", "generate", "bench", "serve-config")),
@@ -79,15 +81,15 @@ ROWS = (
     Row("draft", "{folder}/empty", DRAFT, ("app", "generate", "bench", "serve-config", "export"), {"drafter": "model"}),
 )
 APP = dict(prompt="Say hi.", target="smollm2-135m", drafter="ngram", draft="", k=4, dynamic_k=False, temperature=0.0,
-           top_p=1.0, max_new_tokens=8, hide_rejected=False, replay=False, verification="token")
+           top_p=1.0, max_new_tokens=8, hide_rejected=False, replay=False, verification="token", tree="auto")
 # the app's own limits set wide open, so only the shared checks can refuse
 OPEN = AppLimits(max_new_tokens=8000, max_prompt_tokens=8192, allow_local_paths=True, device="cpu")
 BASE = {"generate": ["generate", "--prompt", "Say hi.", "--drafter", "ngram"], "bench": ["--drafter", "ngram"],
         "serve-config": ["serve-config", "--drafter", "ngram"],
         "export": ["export", "--draft", "smollm2-135m-draft", "--out", "{folder}/export"]}
 FLAGS = {"generate": set(APP) - {"hide_rejected", "replay"}, "bench": {"k", "max_new_tokens", "temperature",
-         "verification", "drafter", "target", "draft"}, "serve-config": {"k", "verification", "drafter", "target",
-         "draft"}, "export": {"k", "target", "draft"}}
+         "verification", "drafter", "target", "draft", "tree"},
+         "serve-config": {"k", "verification", "drafter", "target", "draft"}, "export": {"k", "target", "draft"}}
 
 
 def text(value) -> str:

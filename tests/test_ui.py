@@ -12,12 +12,13 @@ import pytest
 from specdemo.app.handlers import Handlers
 from specdemo.app.race import AppLimits
 from specdemo.app.ui import CUSTOM, build_demo, preset_choices, rule_control
-from specdemo.config import MAX_K, PRESETS, Runtime
+from specdemo.config import MAX_K, PRESETS, TREE_CHOICES, TUNE_TREES, GenerationConfig, Runtime
 
 PACKAGE = Path(__file__).resolve().parent.parent / "specdemo"
 COMPARE_INPUTS = ["Prompt", "Target model id", "Drafter", "Draft model id (same tokenizer)",
                   "k (draft tokens per step)", "dynamic k", "temperature (0 = greedy)", "top-p", "max new tokens",
-                  "hide rejected drafts", "then replay at measured pace", "verification of sampled drafts"]
+                  "hide rejected drafts", "then replay at measured pace", "verification of sampled drafts",
+                  "draft trees"]
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +31,8 @@ def event(demo: gr.Blocks, api_name: str):
 
 
 def test_compare_endpoint_keeps_its_inputs_and_outputs_order(demo):
-    """/compare takes the README's 11 inputs in order, then the verification rule; outputs[7] is the result JSON, [6]
-    the status line."""
+    """/compare takes the README's 11 inputs in order, then the verification rule, then the draft-tree setting (new
+    inputs go last, so older clients keep working); outputs[7] is the result JSON, [6] the status line."""
     fn = event(demo, "compare")
     assert [c.label for c in fn.inputs] == COMPARE_INPUTS
     assert [type(c).__name__ for c in fn.outputs] == ["HTML", "HTML", "Plot", "Plot", "Plot", "Markdown", "Markdown",
@@ -43,9 +44,11 @@ def test_compare_endpoint_keeps_its_inputs_and_outputs_order(demo):
 
 
 def test_sweep_endpoint_keeps_its_inputs_and_outputs_order(demo):
-    """/sweep_k takes the run's inputs with the largest k in k's place and updates plot, table, best k, button."""
+    """/sweep_k takes the run's inputs with the largest k in k's place, then the tree settings to sweep, and updates
+    plot, table, best k, button."""
     fn = event(demo, "sweep_k")
-    expected = COMPARE_INPUTS[:4] + ["largest k"] + COMPARE_INPUTS[6:9] + COMPARE_INPUTS[-1:]
+    expected = COMPARE_INPUTS[:4] + ["largest k"] + COMPARE_INPUTS[6:9] + COMPARE_INPUTS[-2:-1] + [
+        "draft trees to sweep"]
     assert [c.label for c in fn.inputs] == expected
     assert [type(c).__name__ for c in fn.outputs] == ["Plot", "Markdown", "State", "Button"]
     assert fn.outputs == fn.fn.__self__.outputs.sweep.order()
@@ -60,6 +63,18 @@ def test_the_verification_choice_shows_only_while_sampling(demo):
     assert [c.label for c in fn.inputs] == ["temperature (0 = greedy)"] and fn.outputs == [radio] and not fn.queue
     assert rule_control(0.7)["visible"] is True and rule_control(0)["visible"] is False
     assert "visible" not in rule_control("abc")
+
+
+def test_the_tree_setting_and_the_tree_sweep(demo):
+    """The Tree setting offers auto, off and node budgets (any other typed), starting at GenerationConfig's; Tune k
+    sweeps config.TUNE_TREES unless told others; "Use best k" sets k and the Tree setting."""
+    tree = next(c for c in demo.blocks.values() if getattr(c, "elem_id", None) == "tree")
+    assert [v for _, v in tree.choices] == list(TREE_CHOICES) and tree.value == GenerationConfig.tree
+    assert tree.allow_custom_value
+    trees = next(c for c in demo.blocks.values() if getattr(c, "elem_id", None) == "sweep-trees")
+    assert trees.value == list(TUNE_TREES) and [v for _, v in trees.choices] == list(TREE_CHOICES)
+    fn = next(fn for fn in demo.fns.values() if getattr(fn.fn, "__name__", "") == "apply_best_k")
+    assert fn.outputs[1] is tree and fn.outputs[0].label == "k (draft tokens per step)"
 
 
 def test_replay_race_reuses_the_finished_runs_and_stop_only_marks_them(demo):
