@@ -17,7 +17,7 @@ from test_tree_engine import PROMPTS
 from specdemo import checks
 from specdemo.app.handlers import Handlers, Outputs, RaceOutputs, SettingsOutputs, SweepOutputs
 from specdemo.app.race import AppLimits, make_request
-from specdemo.app.render import INSPECTOR_JS, event_segments, segments_html, step_info
+from specdemo.app.render import CSS, INSPECTOR_JS, event_segments, segments_html, step_info
 from specdemo.app.summary import sweep_table, tree_line
 from specdemo.app.tree_view import TREE_JS, layout, outcomes
 from specdemo.config import GenerationConfig, SamplingConfig
@@ -306,3 +306,46 @@ def test_the_bench_flag_takes_a_list_of_tree_settings(capsys):
     assert "tree must be auto, off or a node count from 1 to 64, got 'many'." in capsys.readouterr().err
     with pytest.raises(ValueError, match="with --batch-size, --tree takes one setting"):
         run_batch_bench(BenchConfig(tree="off,auto", batch_sizes="1,2", k="2", drafter="ngram", limit=1))
+
+
+@pytest.mark.browser
+def test_a_browser_draws_the_tree_on_a_click():
+    """In chromium: the inspector's script, on a click on the tree step's token, draws one box per node plus the
+    pending token and the correction, coloured by outcome, the accepted path's edges heavy, and p and q in each box's
+    hover title; the step's head names the tree, and the why line explains where the path stopped (or that it ran to
+    a leaf)."""
+    from test_browser import ARGS, CHROMIUM
+
+    sync_api = pytest.importorskip("playwright.sync_api")
+    bonus = StepEvent("spec", [3, 4, 5], " w3 w4 w5", 0.2, 6, drafted=[2, 3, 4], num_accepted=2, bonus=5, k=3,
+                      parents=[-1, -1, 1], accepted_path=[1, 2],
+                      inspection=Inspection([[3]] * 4, [[0.9]] * 4, [0.05, 0.9, 0.8], [2.0] * 4))
+    panel = segments_html(event_segments(TREE_STEP, TOK, speculative=True, step=2)
+                          + event_segments(bonus, TOK, speculative=True, step=3))
+    page_html = (f"<style>{CSS}</style><div id='sd-panel'>{panel}</div>"
+                 "<div class='inspector' id='inspector-body'></div>")
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        try:
+            page = browser.new_page()
+            page.set_content(page_html)
+            page.evaluate(f"({INSPECTOR_JS})()")
+            page.locator("#sd-panel span[data-step='2']").first.click()
+            classes = page.eval_on_selector_all("svg.draft-tree g", "gs => gs.map(g => g.getAttribute('class'))")
+            titles = page.eval_on_selector_all("svg.draft-tree title", "ts => ts.map(t => t.textContent)")
+            heavy = page.eval_on_selector_all("svg.draft-tree line.on", "ls => ls.length")
+            head = page.locator("#inspector-body .head").inner_text()
+            why = page.locator("#inspector-body .why").inner_text()
+            page.locator("#sd-panel span[data-step='3']").first.click()
+            leaf = page.locator("#inspector-body .why").inner_text()
+        finally:
+            browser.close()
+    assert classes == ["node node-root"] + [f"node node-{o}" for o in outcomes(PARENTS, [0, 2], True)] + [
+        "node node-correction"]
+    assert titles[3].startswith('" w3": accepted') and "p (target, softmax at temperature 1) = 0.500" in titles[3]
+    assert "q (draft) = 0.800" in titles[3] and "q (draft)" not in titles[-1] and "= 0.700" in titles[-1]
+    assert heavy == 3  # root -> 0 -> 2, then the correction
+    assert "a tree of 6 drafted nodes, 2 accepted along its path" in head
+    assert why == "Why: at depth 3, the one node drafted after the accepted path is not the target's top token."
+    assert leaf.startswith("Why: the accepted path runs to a leaf of the tree, so the target adds its bonus token; "
+                           "the one other node lies off that path: a rejected one is not the target's top token")

@@ -337,11 +337,11 @@ class Handlers:
                              tree if several else None)
         hint = serve_hint(request.target, request.draft, best, self.runtime)  # EAGLE-3 drafts only
         start, source = starting_k(request.drafter, request.target, request.draft, self.runtime)
-        trees_said = f", draft trees {tree}" if several else ""
+        trees_said = f", draft trees {tree} (the button sets both)" if several else ""
         yield {out.plot: fig, out.table: f"Done: best measured k = {best}{trees_said} (this pair starts at k = "
                f"{start}: {source})." "\n\n" + sweep_table(result) + (f"\n\n{hint}" if hint else ""),
                out.best: (best, tree) if several else best,
-               out.apply: gr.update(value=f"Use k = {best}{trees_said}", interactive=True)}
+               out.apply: gr.update(value=f"Use k = {best}", interactive=True)}
 
     def clear_suffix_cache(self, visitor: gr.Request = None) -> dict:
         """Forget this session's earlier answers (suffix decoding's cache; no other session's is touched)."""

@@ -247,13 +247,23 @@ INSPECTOR_JS = r"""
     }
     const where = info.full ? (n ? `every draft accepted; the bonus position ${info.position}` : "no draft this step")
                             : `first rejected position ${info.position}`;
-    if (info.tree && !info.full) {
+    const off = info.drafted.filter((d) => d.outcome !== "accepted").length;
+    if (info.tree && info.full && off) {
+      body.appendChild(el("div", "Why: the accepted path runs to a leaf of the tree, so the target adds its bonus "
+        + `token; ${off === 1 ? "the one other node lies" : `the other ${off} nodes lie`} off that path: `
+        + "a rejected one "
+        + (info.greedy ? "is not the target's top token after its parent"
+                       : "was rejected before its accepted sibling was tried (recursive rejection sampling)")
+        + ", and a node under it is never reached.", "why"));
+    } else if (info.tree && !info.full) {
       const tried = info.drafted.filter((d) => d.outcome === "rejected"
         && d.parent === (info.tree.path.length ? info.tree.path[info.tree.path.length - 1] : -1)).length;
-      body.appendChild(el("div", `Why: at depth ${info.position} ${tried} drafted node(s) were tried and rejected`
-        + (info.greedy ? ": none is the target's top token there."
-                       : ", each in turn (recursive rejection sampling: a rejected node's q is taken off p before "
-                         + "the next sibling is tried), and the target's token came from what was left."), "why"));
+      const one = tried === 1;
+      body.appendChild(el("div", `Why: at depth ${info.position}, ${one ? "the one node" : `the ${tried} nodes`} `
+        + "drafted after the accepted path " + (info.greedy ? `${one ? "is" : "are"} not the target's top token.`
+          : `${one ? "was" : "were"} rejected, in index order (recursive rejection sampling: a rejected node's q is `
+            + "taken off p before the next sibling is tried), and the target's token came from what was left."),
+        "why"));
     } else if (!info.full) {
       const d = info.drafted[info.accepted];
       const q = info.deterministic ? 1 : d.q;
