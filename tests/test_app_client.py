@@ -22,7 +22,7 @@ import pytest
 from specdemo.app.handlers import Handlers
 from specdemo.app.race import AppLimits, preset_ids
 from specdemo.app.ui import EXAMPLES
-from specdemo.config import Runtime
+from specdemo.config import Runtime, tree_default
 
 ROOT = Path(__file__).resolve().parent.parent
 REWRITE = next(p for c, p in EXAMPLES if c == "rewrite")
@@ -215,12 +215,12 @@ def test_a_sampled_run_through_the_api_takes_the_verification_rule(client):
 
 
 def test_the_draft_tree_setting_is_the_last_input(client):
-    """/compare's 13th input is the draft-tree setting: off drafts chains and the result says so; a client that sends
-    the first 12 inputs only gets auto, the default."""
+    """/compare's 13th input is the draft-tree setting: 8 nodes for prompt lookup comes back in the result, output
+    unchanged; a client that sends the first 12 inputs only gets the drafter's measured default."""
     greedy = (CHAT, "smollm2-135m", "ngram", "", 4, False, 0.0, 1.0, 8, False, False, "token")
-    off = client.predict(*greedy, "off", api_name="/compare")[7]
-    assert off["identical"] is True and off["tree"]["setting"] == "off" and off["tree"]["tree_steps"] == 0
-    assert client.predict(*greedy, api_name="/compare")[7]["tree"]["setting"] == "auto"
+    trees = client.predict(*greedy, "8", api_name="/compare")[7]
+    assert trees["identical"] is True and trees["tree"]["setting"] == "8" and trees["tree"]["nodes"] == 8
+    assert client.predict(*greedy, api_name="/compare")[7]["tree"]["setting"] == tree_default("ngram")
 
 
 def test_two_concurrent_clients_each_get_their_own_output(server):

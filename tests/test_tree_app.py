@@ -20,7 +20,7 @@ from specdemo.app.race import AppLimits, make_request
 from specdemo.app.render import CSS, INSPECTOR_JS, event_segments, segments_html, step_info
 from specdemo.app.summary import sweep_table, tree_line
 from specdemo.app.tree_view import TREE_JS, layout, outcomes
-from specdemo.config import GenerationConfig, SamplingConfig
+from specdemo.config import TREE_DEFAULT, GenerationConfig, SamplingConfig, tree_default
 from specdemo.drafters import ModelDrafter, NgramDrafter
 from specdemo.engine import StepEvent, decode
 from specdemo.engine.events import Inspection
@@ -155,12 +155,15 @@ def test_the_summary_says_tokens_per_pass_with_trees_and_why_there_were_none():
 
 
 def test_the_tree_setting_goes_through_the_request_checks():
-    """make_request normalises the Tree setting into GenerationConfig.tree (none sent: auto) and refuses a bad one
-    with the sentence every entry point uses; bench's list check takes each setting once."""
+    """make_request normalises the Tree setting into GenerationConfig.tree (none sent, or "default": the drafter's
+    measured default) and refuses a bad one with the sentence every entry point uses; bench's list check takes each
+    setting once."""
     ok = dict(prompt="hi", target="smollm2-135m", drafter="ngram", draft="", k=4, dynamic_k=False, temperature=0.0,
               top_p=1.0, max_new_tokens=16, limits=AppLimits())
-    assert make_request(**ok).config().tree == "auto" and make_request(**ok, tree=" OFF ").config().tree == "off"
-    assert make_request(**ok, tree=8).config().tree == "8"
+    for default in (None, "", TREE_DEFAULT):  # none sent (an older client), or the page's default choice
+        request = make_request(**ok, tree=default)
+        assert request.tree is None and request.config().tree == tree_default("ngram")
+    assert make_request(**ok, tree=" AUTO ").config().tree == "auto" and make_request(**ok, tree=8).config().tree == "8"
     with pytest.raises(checks.UserError, match=r"tree must be auto, off or a node count from 1 to 64, got 'many'\."):
         make_request(**ok, tree="many")
     assert checks.trees("off, auto,16,off") == ["off", "auto", "16"] and checks.trees(["8", "auto"]) == ["8", "auto"]

@@ -12,7 +12,7 @@ import pytest
 from specdemo.app.handlers import Handlers
 from specdemo.app.race import AppLimits
 from specdemo.app.ui import CUSTOM, build_demo, preset_choices, rule_control
-from specdemo.config import MAX_K, PRESETS, TREE_CHOICES, TUNE_TREES, GenerationConfig, Runtime
+from specdemo.config import MAX_K, PRESETS, TREE_CHOICES, TREE_DEFAULT, TUNE_TREES, Runtime
 
 PACKAGE = Path(__file__).resolve().parent.parent / "specdemo"
 COMPARE_INPUTS = ["Prompt", "Target model id", "Drafter", "Draft model id (same tokenizer)",
@@ -66,10 +66,10 @@ def test_the_verification_choice_shows_only_while_sampling(demo):
 
 
 def test_the_tree_setting_and_the_tree_sweep(demo):
-    """The Tree setting offers auto, off and node budgets (any other typed), starting at GenerationConfig's; Tune k
-    sweeps config.TUNE_TREES unless told others; "Use best k" sets k and the Tree setting."""
+    """The Tree setting starts at the drafter's measured default and offers auto, off and node budgets (any other
+    typed); Tune k sweeps config.TUNE_TREES unless told others; "Use best k" sets k and the Tree setting."""
     tree = next(c for c in demo.blocks.values() if getattr(c, "elem_id", None) == "tree")
-    assert [v for _, v in tree.choices] == list(TREE_CHOICES) and tree.value == GenerationConfig.tree
+    assert [v for _, v in tree.choices] == [TREE_DEFAULT, *TREE_CHOICES] and tree.value == TREE_DEFAULT
     assert tree.allow_custom_value
     trees = next(c for c in demo.blocks.values() if getattr(c, "elem_id", None) == "sweep-trees")
     assert trees.value == list(TUNE_TREES) and [v for _, v in trees.choices] == list(TREE_CHOICES)
