@@ -128,12 +128,13 @@ def _verify_trees(logits: torch.Tensor, tokens: torch.Tensor, trees: list[TokenT
     return [_Verified(p, t, s) for p, t, s in zip(paths, nxt, seen)]
 
 
-def _as_verified(p: Proposal, k: int, nodes: int) -> tuple[TokenTree | None, list[int], torch.Tensor | None]:
+def _as_verified(p: Proposal, k: int, nodes: int
+                 ) -> tuple[TokenTree | None, list[int], torch.Tensor | None, list[float] | None]:
     """A row's proposal as it is verified: (its tree, None for a chain; the drafted tokens; their q rows, None for a
-    deterministic drafter). A tree keeps its first `nodes` nodes no deeper than k (asked for none: the chain of its
-    first children); a tree that is a chain is verified as one."""
+    deterministic drafter; q of each kept token, for the inspector). A tree keeps its first `nodes` nodes no deeper
+    than k (asked for none: the chain of its first children); a tree that is a chain is verified as one."""
     if p.parents is None:
-        return None, p.tokens[:k], p.probs
+        return None, p.tokens[:k], p.probs, None if p.token_probs is None else p.token_probs[:k]
     tree = TokenTree(p.tokens, p.parents)
     if nodes > 0:
         keep = [j for j, d in enumerate(tree.depths) if d <= k][: min(nodes, MAX_K_ENGINE)]
@@ -144,7 +145,8 @@ def _as_verified(p: Proposal, k: int, nodes: int) -> tuple[TokenTree | None, lis
             keep.append(node)
     tree = tree.select(keep)
     probs = None if p.probs is None else p.probs[torch.tensor(keep, dtype=torch.long, device=p.probs.device)]
-    return (None if tree.is_chain() else tree), list(tree.tokens), probs
+    token_probs = None if p.token_probs is None else [p.token_probs[j] for j in keep]
+    return (None if tree.is_chain() else tree), list(tree.tokens), probs, token_probs
 
 
 def _path_features(features: torch.Tensor | None, r: int, path: list[int], tree: TokenTree | None):
@@ -228,7 +230,7 @@ class _Run:
         return bool(keep)
 
     def event(self, kind: str, done, draft_seconds=0.0, verify_seconds=0.0, k=0, width=1, ks=None, drafted=None,
-              verified=None, proposals=None, trees=None) -> BatchEvent:
+              verified=None, proposals=None, trees=None, token_probs=None) -> BatchEvent:
         steps = []
         for r, (kept, delta) in enumerate(done):
             out = self.rows.out[r]
@@ -241,7 +243,7 @@ class _Run:
                 step.drafted, step.num_accepted, step.k = d, v.num_accepted, ks[r]
                 step.correction = None if full else v.next_token
                 step.bonus = v.next_token if full and d else None
-                step.draft_token_probs = p.token_probs[: len(d)] if p.token_probs is not None else None
+                step.draft_token_probs = token_probs[r]
                 step.draft_source, step.verification, step.inspection = p.source, self.sampling.rule, v.inspection
                 if tree is not None:
                     step.parents, step.accepted_path = list(tree.parents), v.path
@@ -282,7 +284,8 @@ def _spec_step(run: _Run, k_policy: KPolicy | None) -> BatchEvent:
     nodes = [run.tree.nodes if k > 0 else 0 for k in ks]
     proposals = (drafter.propose(DraftRequest(ids, ks, run.sampling, rows.gens, run.eos, nodes, run.tree.by_cost))
                  if max(ks) > 0 else [Proposal([]) for _ in ks])
-    trees, drafted, qs = map(list, zip(*(_as_verified(p, k, n) for p, k, n in zip(proposals, ks, nodes))))
+    trees, drafted, qs, token_probs = map(list, zip(*(_as_verified(p, k, n) for p, k, n in zip(proposals, ks,
+                                                                                                 nodes))))
     draft_seconds = run.clock.stop()
 
     run.clock.start()
@@ -311,7 +314,7 @@ def _spec_step(run: _Run, k_policy: KPolicy | None) -> BatchEvent:
         run.row_k = [(min(k + 2, MAX_K_ENGINE) if v.num_accepted == len(d) == k else max(1, k - 1)) if d else k
                      for k, v, d in zip(run.row_k, verified, drafted)]
     return run.event("spec", done, draft_seconds, verify_seconds, max(ks), width, ks, drafted, verified, proposals,
-                     trees)
+                     trees, token_probs)
 
 
 @torch.inference_mode()
