@@ -153,23 +153,30 @@ class SuffixTree:
                     _decrement(node, child)
                 node = child
 
-    def speculate(self, context: Sequence[int], max_tokens: int, config: SuffixConfig, min_match: int = 1) -> Draft:
-        """The best-scoring draft over every match length m of context's suffix (m < len(context); ties to the
-        longer): from the node of the match, follow the most frequent child while the product of count ratios stays
-        >= min_token_prob, at most min(max_tokens, max_spec_factor * m) tokens (arctic's _speculate_path)."""
-        context = context[-self.max_depth :]
+    def matches(self, context: Sequence[int], max_tokens: int, config: SuffixConfig,
+                min_match: int = 1) -> Iterator[tuple[int, object, int]]:
+        """(m, the match's node, the most tokens it may draft: min(max_tokens, max_spec_factor * m)) for each match
+        length m >= min_match of context's suffix that the tree holds (m < len(context)), shortest first; arctic's
+        loop over match lengths, which speculate and a tree draft (drafters.trees.suffix_subtree) both walk."""
+        context = list(context[-self.max_depth :])
         n = len(context)
-        best = Draft([], [])
-        factor, min_prob = _f32(config.max_spec_factor), _f32(config.min_token_prob)
+        factor = _f32(config.max_spec_factor)
         for m in range(1, n):
             node = self.root
             for token in context[n - m :]:
                 node = node.children.get(token) if node.children else None
                 if node is None:
-                    return best
-            if m < min_match:
-                continue
-            limit = max(0, min(max_tokens, int(_f32(m * factor) + 1e-6)))
+                    return
+            if m >= min_match:
+                yield m, node, max(0, min(max_tokens, int(_f32(m * factor) + 1e-6)))
+
+    def speculate(self, context: Sequence[int], max_tokens: int, config: SuffixConfig, min_match: int = 1) -> Draft:
+        """The best-scoring draft over every match length m of context's suffix (m < len(context); ties to the
+        longer): from the node of the match, follow the most frequent child while the product of count ratios stays
+        >= min_token_prob, at most min(max_tokens, max_spec_factor * m) tokens (arctic's _speculate_path)."""
+        best = Draft([], [])
+        min_prob = _f32(config.min_token_prob)
+        for m, node, limit in self.matches(context, max_tokens, config, min_match):
             tokens, probs, prob, score = [], [], 1.0, 0.0
             while len(tokens) < limit and node.order:
                 child = node.order[0]

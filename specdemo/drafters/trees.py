@@ -66,19 +66,9 @@ def suffix_subtree(tree: SuffixTree, context: Sequence[int], max_tokens: int, co
     it), children below min_token_prob (or deeper than max_depth) left out, at most min(max_tokens, max_spec_factor *
     m) nodes; the match whose nodes' probabilities sum highest wins (ties to the longer). Returns (tree, each node's
     probability, m)."""
-    context = list(context[-tree.max_depth :])
-    n = len(context)
     best: tuple[float, TokenTree, list[float], int] = (0.0, TokenTree((), ()), [], 0)
-    factor, min_prob = _f32(config.max_spec_factor), _f32(config.min_token_prob)
-    for m in range(1, n):
-        node = tree.root
-        for token in context[n - m :]:
-            node = node.children.get(token) if node.children else None
-            if node is None:
-                return best[1], best[2], best[3]
-        if m < min_match:
-            continue
-        limit = max(0, min(max_tokens, int(_f32(m * factor) + 1e-6)))
+    min_prob = _f32(config.min_token_prob)
+    for m, node, limit in tree.matches(context, max_tokens, config, min_match):
         tokens, parents, probs, score = _grow(node, limit, min_prob, max_depth)
         if tokens and score >= best[0]:
             best = (score, TokenTree(tokens, parents), probs, m)
