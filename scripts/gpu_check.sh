@@ -24,7 +24,8 @@
 #                                    both runners (--graphs on / off) and both anchors (generate, and generate with a
 #                                    static compiled cache): AR and the trained head at k = 1, 2, 4 (LIMIT prompts),
 #                                    prompt lookup at k = 4 on the extractive prompts, the batch sweep 1..64, an fp32
-#                                    run, and the race's first token with the capture time (scripts/race_first_token.py);
+#                                    run, the head's trees against its chain, and the race's first token with the capture
+#                                    time (scripts/race_first_token.py);
 #                                    the first call (`keep`) also runs the CUDA unit tests of the static runner
 #   EAGLE3_HEAD=DIR EAGLE3_TARGET=T  either mode, also the benchmark of that EAGLE-3 head (e.g. a published one) with
 #                                    its target on CUDA: identical greedy output and acceptance (bench-eagle3; `real`
@@ -237,6 +238,9 @@ open(sys.argv[2],'w').write(''.join(json.dumps(r)+'\n' for r in rows if r.get('c
     stage "bench_batch_graphs_$g" "$GC" $PY -m specdemo bench --prompts "$R/prompts.jsonl" --device "$DEV" --quiet \
       "${GB[@]}" --drafter ngram --k 4 --anchors --graphs "$g" --out "$R/graphs-$g/batch-lookup"
   done
+  # issue 51's GPU target: the head's tree against its chain (>= 1.3x), where a wide pass is nearly free
+  stage bench_head_trees_graphs_on "$GC" "${G[@]}" --drafter model --k 3 --tree off,auto,16 --graphs on \
+    --out "$R/graphs-on/head-trees"
   stage bench_fp32_graphs "$GC" "${G[@]}" --limit 3 --drafter model --k 2 --dtype fp32 --graphs on \
     --out "$R/graphs-on/head-fp32"
   exit 0
