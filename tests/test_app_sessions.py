@@ -86,7 +86,7 @@ def visitor(name: str):
 def race_run(h: Handlers, who, prompt: str = PROMPT, tokens: int = 24) -> dict:
     """A suffix decoding race as `who`; the last frame."""
     last = list(h.run_compare(prompt, "tiny", "suffix", "", 8, False, 0.0, 1.0, tokens, False, False, "token",
-                              who))[-1]
+                              visitor=who))[-1]
     assert last["status"].startswith("Done"), last["status"]
     return last
 
@@ -130,7 +130,7 @@ def test_the_sweep_and_the_batch_tab_add_no_answer_to_any_cache(tiny_models):
     a = visitor("session-a")
     race_run(h, a)
     before = tiny_models.get("session-a")
-    sweep = list(h.run_sweep(PROMPT, "tiny", "suffix", "", 3, 0.0, 1.0, 12, "token", a))
+    sweep = list(h.run_sweep(PROMPT, "tiny", "suffix", "", 3, 0.0, 1.0, 12, "token", visitor=a))
     assert sweep[-1]["table"].startswith("Done"), sweep[-1]
     assert tiny_models.held("session-a") == 1 and tiny_models.get("session-a") is before
     assert before.find("suffix").recording

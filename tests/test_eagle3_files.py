@@ -131,7 +131,7 @@ def test_hub_ids_detected_from_the_cached_config_and_offline_fails_clearly(targe
         make_drafter(loaded_target(target8, tok100), "model", "someone/not-cached-eagle3", runtime=offline)
 
 
-def test_export_cli_writes_checkpoint_and_flags_and_round_trips(target8, tmp_path, capsys):
+def test_export_cli_writes_checkpoint_and_flags_and_round_trips(target8, tok100, tmp_path, capsys):
     """`export` writes config.json, model.safetensors, speculative_config.json and sglang.txt with the engines' keys;
     the exported head, loaded back by the EAGLE-3 loader, proposes exactly what the original head proposes."""
     from specdemo.__main__ import main as cli_main
@@ -159,14 +159,14 @@ def test_export_cli_writes_checkpoint_and_flags_and_round_trips(target8, tmp_pat
         assert a.tokens == b.tokens
     from specdemo.measure.compare import drafter_k, make_drafter
 
-    drafter, _, _ = make_drafter(loaded_target(target8, None), "model", str(out))
+    drafter, _, _ = make_drafter(loaded_target(target8, tok100), "model", str(out))
     assert drafter_k(drafter) == 3  # export's k is the exported head's recorded k
     assert drafter.min_confidence == 0.0
     gated = tmp_path / "gated"
     assert cli_main(["export", "--draft", str(out), "--out", str(gated), "--min-confidence", "0.8"]) == 0
-    assert make_drafter(loaded_target(target8, None), "model", str(gated))[0].min_confidence == 0.8
+    assert make_drafter(loaded_target(target8, tok100), "model", str(gated))[0].min_confidence == 0.8
     assert cli_main(["export", "--draft", str(gated), "--out", str(tmp_path / "ungated"), "--min-confidence", "0"]) == 0
-    assert make_drafter(loaded_target(target8, None), "model", str(tmp_path / "ungated"))[0].min_confidence == 0.0
+    assert make_drafter(loaded_target(target8, tok100), "model", str(tmp_path / "ungated"))[0].min_confidence == 0.0
     capsys.readouterr()
     assert cli_main(["export", "--draft", str(out), "--out", str(tmp_path / "bad"), "--min-confidence", "1.5"]) != 0
     assert "min_confidence must be in [0, 1), got 1.5" in capsys.readouterr().err
