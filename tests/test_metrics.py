@@ -73,3 +73,17 @@ def test_best_k_weighs_wider_verify_passes():
     growing = {k: 1.0 + 0.15 * k for k in range(1, 17)}
     assert best_k(0.9, 0.01, 16, growing) < best_k(0.9, 0.01, 16)
     assert best_k(0.3, 0.2, 16) == 1
+
+
+def test_a_trees_draft_positions_are_its_depths():
+    """Per-position acceptance and the accepted histogram count a tree step by depth: nodes at one depth are one
+    position (the node indices of a 5-node tree are not 5 positions)."""
+    from specdemo.measure.metrics import draft_depth, run_stats
+
+    tree = StepEvent("spec", [4, 6, 9], "", 1.0, 3, drafted=[4, 5, 6, 7, 8], num_accepted=2,
+                     parents=[-1, 0, -1, 2, 3], accepted_path=[2, 3])
+    chain = StepEvent("spec", [4, 9], "", 2.0, 5, drafted=[4, 5], num_accepted=1)
+    assert draft_depth(tree) == 3 and draft_depth(chain) == 2
+    stats = run_stats([tree, chain])
+    assert stats.per_position_acceptance == [1.0, 0.5, 0.0]  # depth 1: both; depth 2: the tree; depth 3: none
+    assert stats.accepted_histogram == [0, 1, 1, 0]

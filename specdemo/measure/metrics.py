@@ -35,6 +35,16 @@ class RunStats:
         return asdict(self)
 
 
+def draft_depth(event: StepEvent) -> int:
+    """How deep a step drafted: a chain's length, a tree's deepest node (StepEvent.parents; -1 is the root)."""
+    if event.parents is None:
+        return len(event.drafted)
+    depth: list[int] = []
+    for parent in event.parents:
+        depth.append(1 if parent < 0 else depth[parent] + 1)
+    return max(depth, default=0)
+
+
 def run_stats(events: list[StepEvent]) -> RunStats:
     """Summarize a finished (or stopped) run."""
     if not events:
@@ -44,8 +54,9 @@ def run_stats(events: list[StepEvent]) -> RunStats:
     spec = [e for e in events if e.kind == "spec"]
     drafted = sum(len(e.drafted) for e in spec)
     accepted = sum(e.num_accepted for e in spec)
-    width = max((len(e.drafted) for e in spec), default=0)
-    proposed_at = [sum(1 for e in spec if len(e.drafted) > i) for i in range(width)]
+    depths = [draft_depth(e) for e in spec]  # a tree's positions are its depths, not its node indices
+    width = max(depths, default=0)
+    proposed_at = [sum(1 for d in depths if d > i) for i in range(width)]
     accepted_at = [sum(1 for e in spec if e.num_accepted > i) for i in range(width)]
     histogram = [0] * (width + 1)
     for e in spec:
