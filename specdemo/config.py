@@ -179,8 +179,10 @@ _ONE_ENGINE = "2026-12-02 15:23-15:37 UTC"  # the sitting of the README's figure
 _TREES = "2026-12-04 20:40-21:07 UTC"  # trees against chains, paired (bench/trees, docs/trees.md)
 DRAFTER_DEFAULTS: tuple[DrafterDefault, ...] = (
     DrafterDefault("model", 3, Evidence("bench/eagle3/eagle3-k1-3", _ONE_ENGINE, "dev.jsonl"),
-                   tree="auto", tree_evidence=Evidence("bench/trees/head-k3-auto-2", _TREES, "dev.jsonl",
-                                                       rivals=("bench/trees/head-k3-off-2",))),
+                   # chains: auto measured level with them in the CLI (1.00x and 1.08x, bench/trees/head-k3-*), and the
+                   # page's race with trees missed the CLI's ratio (its AR at 0.58-0.79x the CLI's, against 0.92x
+                   # with chains: bench/app-live/trees-default, docs/notes/trees-cpu-2026-12-04.md)
+                   tree="off", tree_evidence=None),
     DrafterDefault("ngram", 4, Evidence("bench/suffix/k-sweep/repetitive-ngram", "2026-12-02 18:14-18:19 UTC",
                                         "repetitive.jsonl"),
                    tree="off", tree_evidence=Evidence("bench/trees/ngram-k4-off-1", _TREES, "dev.jsonl",
