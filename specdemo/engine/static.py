@@ -159,10 +159,6 @@ class Storage:
         last, features = target_features(self.model, layers, **inputs)
         return self.model.lm_head(last[:, -keep:]), features
 
-    def data_ptrs(self) -> list[int]:
-        """Every cache buffer's address (a test checks they never move)."""
-        return [t.data_ptr() for layer in self.cache.layers if layer.is_initialized for t in (layer.keys, layer.values)]
-
 
 class StaticKV:
     """engine.kv.BatchKV's interface over a Storage: the engine's and a draft LM's cache when a graph runner serves
@@ -198,13 +194,20 @@ class StaticKV:
         self.storage = self.runner.acquire(self.rows, rounded_capacity(need + CAPACITY_STEP))
         for mine, theirs in zip(self.storage.cache.layers, old.cache.layers):
             mine.copy_rows(theirs, self.rows)
-        self.storage.lengths.zero_()
-        self.storage.lengths[: self.rows].copy_(torch.tensor(self.counts))
+        self._set_counts(self.counts, clear=True)
         self.runner.release(old)
 
-    def _advance(self, fed: Sequence[int]) -> None:
-        self.counts = [c + n for c, n in zip(self.counts, fed)]
+    def _set_counts(self, counts: Sequence[int], clear: bool = False) -> None:
+        """Each row's length, on the host and in the storage's device tensor the passes read; `clear` also sets the
+        rows past the batch to 0 (padding that writes at slot 0 and up, never past the end), as a new storage or a
+        smaller batch needs."""
+        self.counts = list(counts)
+        if clear:
+            self.storage.lengths.zero_()
         self.storage.lengths[: self.rows].copy_(torch.tensor(self.counts), non_blocking=True)
+
+    def _advance(self, fed: Sequence[int]) -> None:
+        self._set_counts([c + n for c, n in zip(self.counts, fed)])
 
     def prefill(self, prompts: Sequence[list[int]], layers: tuple[int, ...] | None = None):
         """Feed each prompt; (logits (B, V) at each prompt's last token, per row features (len(prompt), W) or None)."""
@@ -246,8 +249,7 @@ class StaticKV:
                 if layer.is_initialized:
                     for buf in (layer.keys, layer.values):
                         _move_slots(buf[: self.rows], src, dst)
-        self.counts = [s + len(e) for s, e in zip(start, entries)]
-        self.storage.lengths[: self.rows].copy_(torch.tensor(self.counts), non_blocking=True)
+        self._set_counts([s + len(e) for s, e in zip(start, entries)])
 
     def step(self, feeds: Sequence[Sequence[int]]) -> torch.Tensor:
         """Feed each row its own tokens (a row may feed none); logits (B, V) at each row's newest token."""
@@ -263,8 +265,7 @@ class StaticKV:
         """Roll each row back to its first counts[r] positions: a length moves, nothing is copied."""
         counts = [min(a, b) for a, b in zip(self.counts, counts)]
         if counts != self.counts:
-            self.counts = counts
-            self.storage.lengths[: self.rows].copy_(torch.tensor(counts), non_blocking=True)
+            self._set_counts(counts)
 
     def select(self, rows: Sequence[int]) -> None:
         """Keep only these rows, in this order: gathered to the front of the same buffers (finished rows leave)."""
@@ -276,9 +277,7 @@ class StaticKV:
             if layer.is_initialized:
                 layer.keys[: len(rows)] = layer.keys.index_select(0, index)
                 layer.values[: len(rows)] = layer.values.index_select(0, index)
-        self.counts = [self.counts[r] for r in rows]
-        self.storage.lengths.zero_()  # rows past the batch: padding that writes at slot 0 and up, never past the end
-        self.storage.lengths[: self.rows].copy_(torch.tensor(self.counts), non_blocking=True)
+        self._set_counts([self.counts[r] for r in rows], clear=True)
 
     def compact(self) -> None:
         """Nothing to compact: rows hold no holes."""
