@@ -211,9 +211,20 @@ class BatchKV:
         crop_cache(self.cache, self.slots.keep(counts))
 
     def keep_entries(self, entries: Sequence[Sequence[int]]) -> None:
-        """Of the last forward's entries keep these per row (a tree's root and accepted path): the others become
-        holes, masked like a rollback's (Slots.keep_entries), and nothing is copied."""
-        crop_cache(self.cache, self.slots.keep_entries(self.width, entries))
+        """Of the last forward's entries keep these per row (a tree's root and accepted path, ascending from 0): they
+        are copied down to the pass's first slots, every layer at once (a gather of at most the path's depth per row;
+        a chain's kept entries already lie there, and nothing is copied), and the rest roll back as a chain's do. So a
+        tree step leaves no more holes than a chain step: holes make every later pass attend over them, under a mask,
+        until a compaction gathers the whole cache."""
+        width, entries = self.width, [list(e) for e in entries]
+        if any(e != list(range(len(e))) for e in entries):
+            base, m = self.slots.length - width, max(len(e) for e in entries)
+            src = torch.tensor([[base + (e[i] if i < len(e) else i) for i in range(m)] for e in entries])
+            dst = base + torch.arange(m).expand(len(entries), m)
+            for layer in self.cache.layers:
+                for buf in (layer.keys, layer.values):
+                    move_slots(buf, src.to(buf.device), dst.to(buf.device))
+        crop_cache(self.cache, self.slots.keep_entries(width, [range(len(e)) for e in entries]))
 
     def select(self, rows: Sequence[int]) -> None:
         """Keep only these rows (finished ones leave the batch)."""
@@ -234,6 +245,13 @@ class BatchKV:
                 layer.hold(keys, values)
             else:
                 layer.keys, layer.values = keys, values
+
+
+def move_slots(buf: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """buf (B, H, L, D): each row's slots src (B, m) copied to its slots dst (B, m), in place (read before written)."""
+    b, h, _, d = buf.shape
+    shape = (b, h, src.shape[1], d)
+    buf.scatter_(2, dst[:, None, :, None].expand(shape), buf.gather(2, src[:, None, :, None].expand(shape)))
 
 
 def left_padded(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

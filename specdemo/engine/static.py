@@ -21,6 +21,7 @@ import torch
 from ..config import MAX_K_ENGINE
 from ..models.placement import execution_device
 from .kv import PAD, right_padded, target_features, with_cache
+from .kv import move_slots as _move_slots  # the tests watch this name
 
 CAPACITY_STEP = 256  # a storage's positions per row are a multiple of this, so nearby requests share one (and graphs)
 LAYOUT_WIDTH = MAX_K_ENGINE + 1  # the widest pass whose layout (depths, ancestry) comes from the buffers: any verify
@@ -285,13 +286,6 @@ class StaticKV:
     def release(self) -> None:
         """Hand the storage back to the runner (the decode or drafter that held it is done)."""
         self.runner.release(self.storage)
-
-
-def _move_slots(buf: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """buf (B, H, L, D): each row's slots src (B, m) copied to its slots dst (B, m), in place (read before written)."""
-    b, h, _, d = buf.shape
-    shape = (b, h, src.shape[1], d)
-    buf.scatter_(2, dst[:, None, :, None].expand(shape), buf.gather(2, src[:, None, :, None].expand(shape)))
 
 
 def needed_capacity(prompts: Sequence[list[int]], max_new_tokens: int, width: int) -> int:
