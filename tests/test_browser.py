@@ -308,9 +308,11 @@ def test_use_best_k_after_a_sweep_sets_k(fresh):
 # ---- the page's ratio against the CLI's, as a user runs both ----
 
 LOOKUP = "Bundled SmolLM2-135M + prompt lookup (offline)"
-CASES = {  # name: (preset, prompt, CLI flags): the default run, and a copy-heavy prompt with prompt lookup
+CASES = {  # name: (preset, prompt, CLI flags): the default run, a copy-heavy prompt with prompt lookup, and the
+    # default run with the trained head's draft trees (the page's Tree setting and the CLI's --tree, both auto)
     "default": (None, EXAMPLES[1][1], []),  # no flags: generate's defaults are the app's default run's
     "lookup_summarize": (LOOKUP, SUMMARIZE, ["--drafter", "ngram", "--k", "4"]),
+    "head_trees": (None, EXAMPLES[1][1], ["--tree", "auto"]),
 }
 SUMMARY = re.compile(r"Speedup ([\d.]+)×.*?([\d.]+) tokens/s vs autoregressive ([\d.]+) tokens/s", re.S)
 
@@ -347,9 +349,10 @@ def user_server():
 @pytest.mark.timed
 @pytest.mark.parametrize("case", [
     "default",
-    pytest.param("lookup_summarize", marks=pytest.mark.skipif(
-        not LIVE_TIMING, reason="the figures' run (SPECDEMO_LIVE_TIMING) races this preset; "
-                                                           "the suite's default case asserts the same things")),
+    *(pytest.param(case, marks=pytest.mark.skipif(
+        not LIVE_TIMING, reason="the figures' run (SPECDEMO_LIVE_TIMING) races this case; "
+                                "the suite's default case asserts the same things"))
+      for case in ("lookup_summarize", "head_trees")),
 ])
 def test_the_page_shows_the_engines_ratio_as_a_user_runs_it(user_server, browser, case):
     """app.py and chromium unpinned on this machine, the CLI on the same prompt and settings in the same test: after
@@ -367,6 +370,10 @@ def test_the_page_shows_the_engines_ratio_as_a_user_runs_it(user_server, browser
         page.get_by_label("Preset pair").click()
         page.get_by_role("option", name=preset, exact=True).click()
         page.wait_for_function("document.querySelector('input[value=ngram]')?.checked")
+    if "--tree" in flags:
+        page.get_by_text("More settings").click()
+        page.get_by_label("draft trees").click()
+        page.get_by_role("option", name=flags[flags.index("--tree") + 1], exact=True).click()
     page.locator("#prompt textarea").fill(prompt)
     tokens = FIGURE_TOKENS if LIVE_TIMING else SUITE_TOKENS
     set_number(page, "max new tokens", tokens)
