@@ -19,7 +19,7 @@ from ..models import kernels
 from ..models.eagle3 import locate_eagle3, recorded_k
 from ..models.eagle3_head import load_head
 from .base import Chains, Drafter, DraftRequest, Proposal
-from .eagle3_tree import draft_trees
+from .eagle3_tree import draft_sampled_trees, draft_trees
 
 if TYPE_CHECKING:
     from ..models.eagle3_head import Eagle3Head
@@ -43,8 +43,7 @@ class Eagle3Drafter(Drafter):
 
     name = "eagle3"
     needs_target_hidden = True
-    drafts_trees = True  # EAGLE-2's dynamic tree (eagle3_tree), of top candidates: greedy only
-    greedy_trees_only = True
+    drafts_trees = True  # EAGLE-2's dynamic tree (eagle3_tree): top candidates when greedy, drawn ones when sampling
 
     def __init__(self, head: Eagle3Head, num_speculative_tokens: int | None = None, min_confidence: float = 0.0,
                  held_out_chain: tuple[float, float] | None = None):
@@ -141,8 +140,8 @@ class Eagle3Drafter(Drafter):
         chains = Chains(request)
         self._drop_drafted()
         feature = self._catch_up(ids, ks)
-        if sampling.greedy and any(request.nodes(r) for r in range(rows)):  # a dynamic tree (greedy only)
-            return draft_trees(self, request, feature)
+        if any(request.nodes(r) for r in range(rows)):  # a dynamic tree
+            return (draft_trees if sampling.greedy else draft_sampled_trees)(self, request, feature)
         subset = self.head.subset
         gens = None if sampling.greedy else [generator_on(g, self.device) for g in request.generators]
         while True:

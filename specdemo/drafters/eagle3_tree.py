@@ -1,10 +1,13 @@
-"""An EAGLE-3 head's dynamic draft tree (EAGLE-2, Li et al. 2024): from each expanded node the head's top candidates
-become children valued by their joint draft probability; each depth expands the chain's node and the most probable
-others in one head pass under a tree mask; the kept tree is the chain plus the best other nodes (drafters.trees.
-branch_out: those that fit the budget, or under --tree auto that pay for the wider target pass).
+"""An EAGLE-3 head's dynamic draft tree (EAGLE-2, Li et al. 2024): from each expanded node the head's candidates become
+children valued by their joint draft probability; each depth expands the chain's node and the most probable others in
+one head pass under a tree mask.
 
-Greedy only: the tree is a deterministic function of the context (top candidates, not samples), the chain is the one
-the head drafts as a chain (its min_confidence stop included). Knows the head drafter's state, not the engine.
+Greedy (draft_trees): the candidates are the head's top ones, a deterministic function of the context; the kept tree
+is the chain the head drafts as a chain (its min_confidence stop included) plus the best other nodes
+(drafters.trees.branch_out: those that fit the budget, or under --tree auto that pay for the wider target pass).
+Sampling (draft_sampled_trees): the children are drawn from the head's q without replacement and every drawn node is
+kept; how many children each node gets is fixed before they are drawn, so recursive rejection sampling stays exact
+(engine.tree.tree_accept). Knows the head drafter's state, not the engine.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..engine.tree import TokenTree
+from ..engine.verify import generator_on, logits_to_probs
 from .base import DraftRequest, Proposal
-from .trees import branch_out
+from .trees import branch_out, shifted_costs, tree_budget
 
 if TYPE_CHECKING:
     from .eagle3 import Eagle3Drafter
@@ -141,3 +145,101 @@ def _proposal(tree: _Row, nodes: int, by_cost: bool, pass_costs: dict[int, float
                                  len(tree.chain))
     return Proposal(list(kept_tree.tokens), token_probs=[tree.q[order[j]] for j in kept],
                     parents=list(kept_tree.parents))
+
+
+# ---- sampling: children drawn from q without replacement, none pruned after drawing --------------------------------
+
+Open = tuple[int, torch.Tensor, torch.Tensor]  # an expanded node (-1: the root), q after it (S,), the head's output
+
+
+def draw_without_replacement(q: torch.Tensor, count: int, generator: torch.Generator | None) -> list[int]:
+    """count indices drawn from q (S,) without replacement, in draw order: each from q less the earlier ones,
+    renormalised. The exponential race (Gumbel-top-k): q_i / E_i largest first, E_i ~ Exp(1), whose order is that
+    of sequential draws; count must not exceed q's support."""
+    race = torch.empty_like(q).exponential_(generator=generator)
+    keys = torch.where(q > 0, q / race, torch.full_like(q, -1.0))
+    return keys.topk(count).indices.tolist()
+
+
+def draft_sampled_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor) -> list[Proposal]:
+    """Each row's tree under sampling after the catch-up pass (feature (B, H)), at most request.ks[r] deep and
+    request.nodes(r) nodes, exact for tree_accept: depth by depth, each expanded node's child count is fixed from
+    what was drawn before (_allot), its children are drawn from the head's q there (logits_to_probs, as chains are)
+    without replacement with the row's generator and all kept, in draw order; the most probable drawn nodes are
+    expanded next. Each node's q row is the law it was drawn from, zero outside the draft vocabulary."""
+    rows, ks, sampling = len(request.ids), request.ks, request.sampling
+    gens = [generator_on(g, drafter.device) for g in request.generators]
+    trees = [_Row() for _ in range(rows)]
+    laws: list[list[torch.Tensor]] = [[] for _ in range(rows)]  # per node: the law it was drawn from, (S,)
+    drawn: list[list[int]] = [[] for _ in range(rows)]  # per node: its draft id
+    q = logits_to_probs(drafter.head.logits(feature), sampling)  # (B, S)
+    opened: list[list[Open]] = [[(-1, q[r], feature[r])] if ks[r] > 0 and request.nodes(r) > 0 else []
+                                for r in range(rows)]
+    base, true_valid = list(drafter.slots.counts), drafter.slots.valid.clone()  # the true entries: the past
+    costs = drafter.pass_costs if request.tree_by_cost else None
+    for depth in range(1, max(ks, default=0) + 1):
+        for r, tree in enumerate(trees):
+            counts = _allot(tree, opened[r], depth, ks[r], request.nodes(r), drafter.min_confidence, costs)
+            for (node, q_n, out), count in zip(opened[r], counts):
+                picks = draw_without_replacement(q_n, count, gens[r]) if count else []
+                for i, pick in enumerate(picks):
+                    law = q_n.clone()
+                    law[picks[:i]] = 0.0  # the earlier siblings are out
+                    laws[r].append(law / law.sum() if i else law)
+                    drawn[r].append(pick)
+                ids = drafter.head.subset[picks].tolist() if picks else []
+                tree.add(out, node, q_n[picks].tolist() if picks else [], ids, True)
+        feed = [t.to_expand(depth, request.eos_token_ids) if depth < ks[r] else [] for r, t in enumerate(trees)]
+        width = max(map(len, feed), default=0)
+        if width == 0:
+            break
+        out = _expand(drafter, trees, feed, width, depth, base, true_valid)  # (B, W, H)
+        fed = [(r, j, n) for r, nodes in enumerate(feed) for j, n in enumerate(nodes)]
+        q = logits_to_probs(drafter.head.logits(torch.stack([out[r, j] for r, j, _ in fed])), sampling)  # (N, S)
+        opened = [[] for _ in range(rows)]
+        for (r, j, n), q_n in zip(fed, q):
+            opened[r].append((n, q_n, out[r, j]))
+    vocab = drafter.head.c.vocab_size
+    return [_sampled_proposal(t, law, d, drafter.head.subset, vocab) for t, law, d in zip(trees, laws, drawn)]
+
+
+def _allot(tree: _Row, opened: list[Open], depth: int, k: int, budget: int, min_confidence: float,
+           pass_costs: dict[int, float] | None) -> list[int]:
+    """How many children each expanded node gets at this depth, from what was drawn before only (never from the
+    children themselves, so no drawn node is ever dropped): none under a node whose peak q is below min_confidence
+    (the root aside: as a chain stops); one under the chain's node first, one node kept back for each depth below it
+    (the chain's); then slot i of a node, valued its joint q times q's i-th largest value there, best first while
+    the budget lasts, and under --tree auto (pass_costs) only those that pay for the wider pass (tree_budget)."""
+    counts, used = [0] * len(opened), len(tree.tokens)
+    slots: list[tuple[float, int]] = []  # (value, which expanded node), each node's in order
+    chain_node, chain_at, chain_value = (tree.chain[-1] if tree.chain else -1), None, 0.0
+    for j, (node, q, _) in enumerate(opened):
+        top = q.topk(min(TOP, int((q > 0).sum()))).values.tolist()
+        if not top or (node >= 0 and top[0] < min_confidence):
+            continue
+        value = tree.values[node] if node >= 0 else 1.0
+        if node == chain_node and len(tree.chain) == depth - 1 and used < budget:
+            counts[j], chain_at, chain_value = 1, j, value * top[0]
+            top = top[1:]
+        slots += [(value * v, j) for v in top]
+    reserve = k - depth if chain_at is not None else 0
+    used += chain_at is not None
+    slots.sort(key=lambda s: -s[0])  # stable: a node's slots stay in order, so each node gets its first ones
+    slots = slots[: max(0, budget - used - reserve)]
+    if pass_costs is not None:
+        start = 1.0 + sum(tree.values) + chain_value  # the tokens expected of the nodes in already
+        slots = slots[: tree_budget([v for v, _ in slots], shifted_costs(pass_costs, used + reserve), start)]
+    for _, j in slots:
+        counts[j] += 1
+    return counts
+
+
+def _sampled_proposal(tree: _Row, laws: list[torch.Tensor], drawn: list[int], subset: torch.Tensor,
+                      vocab: int) -> Proposal:
+    """The row's tree in draw order, each node's q row over the target vocabulary (zero outside the subset)."""
+    if not tree.tokens:
+        return Proposal([])
+    rows = torch.stack(laws)  # (n, S)
+    probs = torch.zeros(len(laws), vocab, dtype=rows.dtype, device=rows.device).index_copy_(1, subset, rows)
+    token_probs = rows.gather(1, torch.tensor(drawn, device=rows.device)[:, None])[:, 0].tolist()
+    return Proposal(list(tree.tokens), probs, token_probs, parents=list(tree.parents))
