@@ -102,11 +102,19 @@ def test_the_inspector_draws_a_tree_step_and_keeps_a_chain_steps_view():
 
 
 def test_the_tree_travels_in_the_panel_and_the_script_draws_it_as_text():
-    """The step's first span carries the tree in its data-info (parsing back to step_info); every rejected node is
-    struck through in the panel; the script builds SVG through textContent (never innerHTML), with q and p on hover."""
+    """The step's first span carries the tree in its data-info (parsing back to step_info); the panel strikes through
+    the branch below the last accepted node, first children down (read as text where the correction goes; a chain's
+    whole rejected tail), the tree's other rejected nodes being in the inspector; the script builds SVG through
+    textContent (never innerHTML), with q and p on hover."""
     segments = event_segments(TREE_STEP, TOK, speculative=True, step=2)
-    assert [s.kind for s in segments] == ["accepted", "accepted", "rejected", "rejected", "rejected", "rejected",
-                                          "correction"]
+    assert TREE_STEP.rejected_branch == [1] and len(TREE_STEP.rejected) == 4  # node 5, under the accepted node 2
+    assert [s.kind for s in segments] == ["accepted", "accepted", "rejected", "correction"]
+    assert [s.text for s in segments] == [" w1", " w3", " w1", " w4"]
+    root_rejected = StepEvent("spec", [4], " w4", 0.1, 1, drafted=[1, 2, 3, 4, 5, 1], num_accepted=0, correction=4,
+                              k=3, parents=PARENTS, accepted_path=[])
+    assert root_rejected.rejected_branch == [1, 2]  # node 0, then its first child 1
+    chain = StepEvent("spec", [1, 2], " w1 w2", 0.1, 2, drafted=[1, 3, 5], num_accepted=1, correction=2, k=3)
+    assert chain.rejected_branch == chain.rejected == [3, 5]
     attr = re.search(r'data-info="([^"]*)"', segments_html(segments)).group(1)
     assert json.loads(html.unescape(attr)) == step_info(TREE_STEP, TOK, 2, True)
     assert TREE_JS in INSPECTOR_JS and "drawTree(info.tree" in INSPECTOR_JS and "innerHTML" not in INSPECTOR_JS

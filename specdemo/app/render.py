@@ -100,7 +100,7 @@ def _spec_segments(event: StepEvent, tokenizer, texts: list[str]) -> list[Segmen
     out = []
     for i, text in enumerate(texts):
         if i == event.num_accepted:  # the rejected drafts sit just before the target's correction
-            out += [Segment("rejected", t) for t in token_texts(tokenizer, event.rejected)]
+            out += [Segment("rejected", t) for t in token_texts(tokenizer, event.rejected_branch)]
         if i < event.num_accepted:
             kind = "accepted"
         elif event.correction is not None:

@@ -93,6 +93,19 @@ class StepEvent:
         on = set(self.accepted_path)
         return [t for j, t in enumerate(self.drafted) if j not in on]
 
+    @property
+    def rejected_branch(self) -> list[int]:
+        """The rejected drafts that read as text where the target's correction goes: a chain's rejected tail; for a
+        tree the branch below its last accepted node, first children down (what the chain of its first choices there
+        proposed). The text panel shows these; a tree's other rejected nodes are in its inspector."""
+        if self.accepted_path is None or self.parents is None:
+            return self.rejected
+        node, out = self.accepted_path[-1] if self.accepted_path else -1, []
+        while (child := next((j for j, a in enumerate(self.parents) if a == node), None)) is not None:
+            out.append(self.drafted[child])
+            node = child
+        return out
+
 
 @dataclass
 class BatchEvent:
