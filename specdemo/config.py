@@ -180,8 +180,9 @@ _TREES = "2026-12-04 20:40-21:07 UTC"  # trees against chains, paired (bench/tre
 DRAFTER_DEFAULTS: tuple[DrafterDefault, ...] = (
     DrafterDefault("model", 3, Evidence("bench/eagle3/eagle3-k1-3", _ONE_ENGINE, "dev.jsonl"),
                    # chains: auto measured level with them in the CLI (1.00x and 1.08x, bench/trees/head-k3-*), and the
-                   # page's race with trees missed the CLI's ratio (its AR at 0.58-0.79x the CLI's, against 0.92x
-                   # with chains: bench/app-live/trees-default, docs/notes/trees-cpu-2026-12-04.md)
+                   # page's race with trees missed the CLI's pace (its AR at 0.58-0.79x the CLI's, against 0.92x
+                   # with chains: bench/app-live/trees-default; again 0.78x against 0.93x in
+                   # bench/app-live/page-vs-cli-2026-12-04; docs/notes/trees-cpu-2026-12-04.md)
                    tree="off", tree_evidence=None),
     DrafterDefault("ngram", 4, Evidence("bench/suffix/k-sweep/repetitive-ngram", "2026-12-02 18:14-18:19 UTC",
                                         "repetitive.jsonl"),
