@@ -14,6 +14,7 @@ import torch
 from ..config import BUNDLED_ID, GenerationConfig, Placement, Runtime
 from ..drafters import Drafter
 from ..drafters.base import Calibration, SharedState
+from ..drafters.eagle3_static import attach as attach_head
 from ..drafters.registry import BuildOptions, get
 from ..engine import (
     StepEvent,
@@ -26,7 +27,7 @@ from ..engine import (
 )
 from ..engine.loop import tree_plan
 from ..models.loading import LoadedModel, load_model
-from ..models.placement import draft_lm, drafter_device
+from ..models.placement import draft_head, draft_lm, drafter_device
 from .metrics import (
     PassCosts,
     RunStats,
@@ -86,6 +87,8 @@ def load_pair(target: str, kind: str = "model", draft: str | None = None, device
                                                     runtime, drafter_options=drafter_options, shared=shared)
     if draft_lm(drafter) is not None:
         graphs.attach(draft_lm(drafter), runtime.graphs)
+    if draft_head(drafter) is not None:
+        attach_head(draft_head(drafter), runtime.graphs)
     return Pair(loaded, drafter, kind, draft_name, calibration)
 
 
@@ -97,10 +100,11 @@ def pair_placement(pair: Pair) -> dict:
 
 
 def runner_info(pair: Pair) -> dict:
-    """How the target's passes (and a draft LM's) run: CUDA graphs, the static cache uncaptured, or eager, and why
-    (engine.graphs.describe); the result JSON's `runner`."""
+    """How the target's passes (and a draft LM's or an EAGLE-3 head's) run: CUDA graphs, the static cache
+    uncaptured, or eager, and why (engine.graphs.describe); the result JSON's `runner`."""
     out = {"target": graphs.describe(pair.target.model)}
     draft = draft_lm(pair.drafter)
+    draft = draft_head(pair.drafter) if draft is None else draft
     if draft is not None:
         out["draft"] = graphs.describe(draft)
     return out
