@@ -87,6 +87,32 @@ def test_static_trees_are_the_eager_trees(eagle3_target, tiny_tok, head, rows):
     assert any(p is not None and p != list(range(-1, len(p) - 1)) for _, p in static[0])  # real branching
 
 
+def test_a_loaded_head_takes_the_targets_graphs_setting(eagle3_target, tiny_tok, tmp_path):
+    """The draft kind's factory loads a head under the runtime's --graphs: `on` gives it a runner (the static cache),
+    `auto` on a CPU and `off` the eager cache, and the result's runner line names how its draft steps run."""
+    from conftest import loaded
+
+    from specdemo.config import Runtime
+    from specdemo.drafters.registry import BuildOptions, get
+    from specdemo.measure.compare import Pair, runner_info
+    from specdemo.models.eagle3 import save_eagle3
+
+    save_eagle3(random_head(eagle3_target, 0, vocab=draft_vocab(12, 0, vocab=16)), tmp_path, dtype=torch.float32)
+    heads = {}
+    for mode in ("on", "auto", "off"):
+        options = BuildOptions(runtime=Runtime(graphs=mode))
+        heads[mode] = get("model").factory(loaded(eagle3_target, tiny_tok), str(tmp_path), options)[0]
+    cuda = TEST_DEVICE.type == "cuda"
+    assert isinstance(graphs.runner_of(heads["on"].head), HeadRunner) and graphs.runner_of(heads["off"].head) is None
+    assert (graphs.runner_of(heads["auto"].head) is not None) == cuda
+
+    def line(mode):
+        return runner_info(Pair(loaded(eagle3_target, tiny_tok), heads[mode], "model", "head"))["draft"]
+
+    assert line("on").startswith("CUDA graphs" if cuda else "static KV cache, no graphs")
+    assert line("off") == "eager (--graphs off)" and (cuda or "computes on cpu" in line("auto"))
+
+
 def _buffers(kv: StaticHeadKV) -> list[torch.Tensor]:
     return kv.storage.buffers()
 

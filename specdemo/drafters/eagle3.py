@@ -19,7 +19,7 @@ from ..models import kernels
 from ..models.eagle3 import locate_eagle3, recorded_k
 from ..models.eagle3_head import load_head
 from .base import Chains, Drafter, DraftRequest, Proposal
-from .eagle3_static import StaticHeadKV, new_head_kv
+from .eagle3_static import StaticHeadKV, attach, new_head_kv
 from .eagle3_tree import draft_sampled_trees, draft_trees
 
 if TYPE_CHECKING:
@@ -279,12 +279,14 @@ class Eagle3Drafter(Drafter):
 
 
 def load_eagle3(spec: str | Path, target_loaded, runtime: Runtime = Runtime()) -> Eagle3Drafter:
-    """An Eagle3Drafter from a checkpoint folder or hub id, bound to the target in a loading.LoadedModel."""
+    """An Eagle3Drafter from a checkpoint folder or hub id, bound to the target in a loading.LoadedModel; its draft
+    steps run as runtime.graphs says (eagle3_static.attach: as the target's passes do, the same --graphs)."""
     folder = locate_eagle3(str(spec), runtime) or Path(spec)
     head, meta = load_head(folder, target_loaded.model)
     fast = getattr(target_loaded, "fast_linear", True)
     if fast and kernels.enabled_for(head.norm.weight.device, head.norm.weight.dtype):
         kernels.patch_linears(head)
+    attach(head, runtime.graphs)
     chain = (meta.get("metrics") or {}).get("chain") or []
     return Eagle3Drafter(head, recorded_k(folder), float(meta.get("min_confidence", 0.0)),
                          tuple(chain[:2]) if len(chain) >= 2 else None)

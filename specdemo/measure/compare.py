@@ -14,7 +14,6 @@ import torch
 from ..config import BUNDLED_ID, GenerationConfig, Placement, Runtime
 from ..drafters import Drafter
 from ..drafters.base import Calibration, SharedState
-from ..drafters.eagle3_static import attach as attach_head
 from ..drafters.registry import BuildOptions, get
 from ..engine import (
     StepEvent,
@@ -87,8 +86,6 @@ def load_pair(target: str, kind: str = "model", draft: str | None = None, device
                                                     runtime, drafter_options=drafter_options, shared=shared)
     if draft_lm(drafter) is not None:
         graphs.attach(draft_lm(drafter), runtime.graphs)
-    if draft_head(drafter) is not None:
-        attach_head(draft_head(drafter), runtime.graphs)
     return Pair(loaded, drafter, kind, draft_name, calibration)
 
 
