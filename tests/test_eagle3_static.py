@@ -168,7 +168,7 @@ def _one_step_ready(head, rows: int = 2):
     c, device = head.c, kv.device
     hidden = torch.randn(rows, 3, c.hidden_size, dtype=head.norm.weight.dtype, device=device)
     tokens = torch.randint(1, 16, (rows, 3), device=device)
-    kv.run(hidden, tokens, torch.tensor([[True, True, True], [True, True, False]][:rows]))
+    kv.run(hidden, tokens, torch.tensor([[True, True, r % 2 == 0] for r in range(rows)]))
     kv.storage.feature[:rows].copy_(hidden[:, -1])
     kv.storage.token[:rows].copy_(tokens[:, 0])
     return kv
@@ -188,15 +188,30 @@ def test_the_draft_step_compiles_whole(head, static_head):
     kv.release()
 
 
+@pytest.mark.skipif(TEST_DEVICE.type == "cuda", reason="on CUDA the step captures")
+def test_a_step_that_will_not_capture_falls_back_with_one_line(eagle3_target, tiny_tok, head, static_head, caplog):
+    """A head runner asked to capture a step that cannot be captured (here: no CUDA at all) says why once, runs the
+    same static code eagerly from then on, and drafts the eager cache's chains."""
+    config = GenerationConfig(max_new_tokens=24, num_draft_tokens=3)
+    static_head.capture = True
+    with caplog.at_level("WARNING", logger="specdemo.engine.graphs"):
+        fallen = drafts(eagle3_target, tiny_tok, head, PROMPTS[:2], config)
+    graphs.detach(head)
+    eager = drafts(eagle3_target, tiny_tok, head, PROMPTS[:2], config)
+    assert fallen[0] == eager[0] and fallen[2] == eager[2]
+    assert not static_head.capture and "did not capture" in static_head.reason
+    assert len([r for r in caplog.records if "Eagle3Head eagerly" in r.message]) == 1
+
+
 @pytest.mark.skipif(TEST_DEVICE.type != "cuda", reason="CUDA graphs: scripts/gpu_check.sh runs this (GRAPH_TESTS=1)")
 def test_the_captured_step_is_the_eager_step(head, static_head):
     """On CUDA the runner captures the draft step per padded batch size (3 rows run as 4): a replay gives the eager
     step's outputs, and the runner says it captured."""
     assert static_head.capture
     with torch.inference_mode():
-        kv = _one_step_ready(head, 2)
-        inputs = kv.storage.feature[:2].clone(), kv.storage.token[:2].clone()
-        eager = kv.storage.step(2)
+        kv = _one_step_ready(head, 3)
+        inputs = kv.storage.feature[:3].clone(), kv.storage.token[:3].clone()
+        eager = kv.storage.step(3)
         replayed = static_head.step(kv.storage, *inputs)
         again = static_head.step(kv.storage, *inputs)
     assert static_head.graphs >= 1 and graphs.describe(head).startswith("CUDA graphs")
