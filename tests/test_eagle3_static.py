@@ -9,7 +9,7 @@ import torch
 from conftest import TEST_DEVICE, draft_vocab, random_head
 from test_tree_engine import PROMPTS
 
-from specdemo.config import GenerationConfig
+from specdemo.config import GenerationConfig, SamplingConfig
 from specdemo.drafters import eagle3_static
 from specdemo.drafters.eagle3 import Eagle3Drafter
 from specdemo.drafters.eagle3_static import HeadRunner, StaticHeadKV, attach
@@ -73,10 +73,13 @@ def test_static_chains_are_the_eager_chains(eagle3_target, tiny_tok, head, gate,
 
 
 @pytest.mark.parametrize("rows", [1, 4])
-def test_static_trees_are_the_eager_trees(eagle3_target, tiny_tok, head, rows):
-    """Dynamic trees (up to 4 deep, 8 nodes): the static cache's trees (each level a pass with explicit positions and
-    an ancestry mask over the fixed buffers) are the eager cache's, node for node."""
-    config = GenerationConfig(max_new_tokens=32, num_draft_tokens=4, tree="8")
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_static_trees_are_the_eager_trees(eagle3_target, tiny_tok, head, temperature, rows):
+    """Dynamic trees (up to 4 deep, 8 nodes), greedy and sampled (the same seeds): the static cache's trees (each
+    level a pass with explicit positions and an ancestry mask over the fixed buffers) are the eager cache's, node for
+    node, and so is the output."""
+    config = GenerationConfig(max_new_tokens=32, num_draft_tokens=4, tree="8",
+                              sampling=SamplingConfig(temperature=temperature), seed=2)
     eager = drafts(eagle3_target, tiny_tok, head, PROMPTS[:rows], config)
     attach(head, "on")
     try:
@@ -84,7 +87,8 @@ def test_static_trees_are_the_eager_trees(eagle3_target, tiny_tok, head, rows):
     finally:
         graphs.detach(head)
     assert static[0] == eager[0] and static[2] == eager[2]
-    assert any(p is not None and p != list(range(-1, len(p) - 1)) for _, p in static[0])  # real branching
+    trees = [p for _, p in static[0] if p is not None]
+    assert trees and (temperature or any(p != list(range(-1, len(p) - 1)) for p in trees))  # greedy: branching
 
 
 def test_a_loaded_head_takes_the_targets_graphs_setting(eagle3_target, tiny_tok, tmp_path):
