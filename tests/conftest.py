@@ -192,10 +192,17 @@ def random_head(target, seed: int = 0, size: int = 60, aux=None, vocab: torch.Te
 
 
 def eagle3_drafter(target, seed: int = 0):
-    """An EAGLE-3 drafter with a random head over 12 of the 16 ids (EOS and a shuffled part of the rest)."""
+    """An EAGLE-3 drafter with a random head over 12 of the 16 ids (EOS and a shuffled part of the rest), its head
+    served as its target is (the static cache where the target has a runner: load_pair attaches both with one
+    --graphs)."""
     from specdemo.drafters.eagle3 import Eagle3Drafter
+    from specdemo.drafters.eagle3_static import attach
+    from specdemo.engine import graphs
 
-    return Eagle3Drafter(random_head(target, seed, vocab=draft_vocab(12, seed, vocab=16)))
+    head = random_head(target, seed, vocab=draft_vocab(12, seed, vocab=16))
+    if graphs.runner_of(target) is not None:
+        attach(head, graphs.runner_of(target).mode)
+    return Eagle3Drafter(head)
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ def test_rollback_keeps_only_true_feature_entries(target8, tok100):
             continue
         rejections += event.num_accepted < len(event.drafted)
         # the last num_accepted + 1 features are pending; everything before them is cached, nothing more
-        assert drafter.cache_length == drafter.slots.counts[0] == len(ids) - 2 - event.num_accepted
+        assert drafter.cache_length == drafter.kv.counts[0] == len(ids) - 2 - event.num_accepted
         with torch.inference_mode():
             again = propose_one(copy.deepcopy(drafter), ids, 4, eos=frozenset([0])).tokens
             fresh = Eagle3Drafter(random_head(target8, seed=1))

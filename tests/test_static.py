@@ -10,6 +10,8 @@ from test_engine import test_dynamic_k_is_lossless_and_adapts, test_sampled_dist
 
 from specdemo.config import GenerationConfig
 from specdemo.drafters import ModelDrafter, NgramDrafter
+from specdemo.drafters.eagle3 import Eagle3Drafter
+from specdemo.drafters.eagle3_static import StaticHeadKV
 from specdemo.engine import decode, graphs, row_outputs
 from specdemo.engine.kv import with_cache
 from specdemo.engine.static import StaticKV
@@ -21,22 +23,26 @@ __all__ = ["test_dynamic_k_is_lossless_and_adapts", "test_sampled_distribution_m
 
 
 @pytest.fixture(autouse=True)
-def static(tiny_target, tiny_draft):
-    """The tiny target and draft served by the static runner (uncaptured on the CPU) for the test's duration."""
-    assert graphs.attach(tiny_target, "on") is not None and graphs.attach(tiny_draft, "on") is not None
+def static(tiny):
+    """The tiny targets and draft served by the static runner (uncaptured on the CPU) for the test's duration; an
+    EAGLE-3 head built for the 8-layer target follows it (conftest.eagle3_drafter)."""
+    for model in (tiny.target, tiny.draft, tiny.eagle3_target):
+        assert graphs.attach(model, "on") is not None
     yield
-    graphs.detach(tiny_target)
-    graphs.detach(tiny_draft)
+    for model in (tiny.target, tiny.draft, tiny.eagle3_target):
+        graphs.detach(model)
 
 
-def _eager(tiny_target, tiny_draft, fn):
-    graphs.detach(tiny_target)
-    graphs.detach(tiny_draft)
+def _eager(*models_and_fn):
+    """fn() with these models (and whatever drafter fn builds for them) on the eager engine."""
+    *models, fn = models_and_fn
+    for model in models:
+        graphs.detach(model)
     try:
         return fn()
     finally:
-        graphs.attach(tiny_target, "on")
-        graphs.attach(tiny_draft, "on")
+        for model in models:
+            graphs.attach(model, "on")
 
 
 @pytest.mark.parametrize("rows", [1, 4])
@@ -44,22 +50,20 @@ def _eager(tiny_target, tiny_draft, fn):
 @pytest.mark.parametrize("case", [None, *drafter_cases()], ids=str)
 def test_static_runner_gives_the_eager_engines_greedy_tokens(tiny, tiny_tok, case, k, rows):
     """Every registered drafter kind (conftest's cases; and none: AR), at k = 1, 2, 4, 8 and B = 1 and 4: the same
-    greedy tokens as the eager engine, and through a StaticKV."""
+    greedy tokens as the eager engine, and through a StaticKV (an EAGLE-3 head's drafts through its StaticHeadKV)."""
     prompts, config = PROMPTS[:rows], GenerationConfig(max_new_tokens=40, num_draft_tokens=k)
     target = case.build(tiny)[0] if case else tiny.target
-    own = target is not tiny.target and graphs.attach(target, "on") is not None  # an EAGLE-3 head's 8-layer target
+    drafters = []
 
     def tokens():
-        return row_outputs(list(decode(target, tiny_tok, prompts, config, case.build(tiny)[1] if case else None)),
-                           rows)
+        drafters.append(case.build(tiny)[1] if case else None)
+        return row_outputs(list(decode(target, tiny_tok, prompts, config, drafters[-1])), rows)
 
-    try:
-        eager = _eager(target, tiny.draft, tokens)
-        assert isinstance(graphs.new_kv(target, 1, 256), StaticKV)
-        assert tokens() == eager
-    finally:
-        if own:
-            graphs.detach(target)
+    eager = _eager(target, tiny.draft, tokens)
+    assert isinstance(graphs.new_kv(target, 1, 256), StaticKV)
+    assert tokens() == eager
+    heads = [d for d in (drafters[-1], getattr(drafters[-1], "model", None)) if isinstance(d, Eagle3Drafter)]
+    assert all(isinstance(d.kv, StaticHeadKV) for d in heads)
 
 
 def _buffers(kv: StaticKV) -> list[torch.Tensor]:

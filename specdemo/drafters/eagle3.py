@@ -13,21 +13,94 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import Runtime
-from ..engine.kv import PAD, Slots, gather_slots, left_padded
+from ..engine.kv import PAD, Slots, gather_slots, left_padded, right_padded
 from ..engine.verify import generator_on, logits_to_probs
 from ..models import kernels
 from ..models.eagle3 import locate_eagle3, recorded_k
 from ..models.eagle3_head import load_head
 from .base import Chains, Drafter, DraftRequest, Proposal
+from .eagle3_static import StaticHeadKV, attach, new_head_kv
 from .eagle3_tree import draft_sampled_trees, draft_trees
 
 if TYPE_CHECKING:
     from ..models.eagle3_head import Eagle3Head
 
 
+class EagerHeadKV:
+    """The head's own keys and values (B, KV, L, D), grown by one concatenation per pass, with per-row slots
+    (engine.kv.Slots: left padding and cut drafts are holes, compacted by one gather once they pile up). What the
+    drafter uses while its head has no runner (eagle3_static: the static cache)."""
+
+    pad_right = False  # the catch-up's rows end in the last column
+
+    def __init__(self, head: Eagle3Head, rows: int, device: torch.device):
+        self.head, self.device = head, device
+        self.slots = Slots(rows, device)
+        self.k = self.v = None  # (B, KV, L, D)
+
+    @property
+    def counts(self) -> list[int]:
+        return self.slots.counts
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def run(self, hidden: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor,
+            positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden (B, T, H), tokens (B, T) and real (B, T) bool (the host's) -> the pre-norm outputs (B, T, H), each
+        row at its own positions, appended to the cache; a tree's pass gives positions (B, T) and mask (B, 1, T,
+        L + T)."""
+        real = real.to(self.device)
+        positions = self.slots.positions(real) if positions is None else positions
+        # mask None: no holes, nothing padded, the head's own causal attention (one row: always)
+        if mask is None and not (bool(real.all()) and bool(self.slots.valid.all())):
+            past, t = self.slots.length, tokens.shape[1]
+            causal = torch.ones(t, past + t, dtype=torch.bool, device=self.device).tril(diagonal=past)
+            mask = causal[None] & self.slots.mask(real)[:, None, :]  # (B, T, L + T)
+            mask = (mask | ~mask.any(-1, keepdim=True))[:, None]  # a query with nothing to see reads garbage, not NaN
+        out, k, v = self.head(hidden, tokens, positions, self.k, self.v, mask)
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        self.slots.append(real)
+        return out
+
+    def keep(self, counts: list[int]) -> None:
+        """Keep each row's first counts[r] entries (the rest become holes; columns no row holds are cut)."""
+        self._crop(self.slots.keep(counts))
+
+    def _crop(self, length: int) -> None:
+        if self.k is not None and self.k.shape[2] > length:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+    def select(self, rows) -> None:
+        if self.k is not None:
+            index = torch.tensor(rows, device=self.device)
+            self.k, self.v = self.k[index], self.v[index]
+        self._crop(self.slots.select(rows))
+
+    def compact(self) -> None:
+        index = self.slots.compaction()
+        if index is not None and self.k is not None:
+            self.k, self.v = gather_slots(self.k, index), gather_slots(self.v, index)
+
+    def visible(self) -> torch.Tensor:
+        """(B, L) bool: the slots each row holds now."""
+        return self.slots.valid.clone()
+
+    def tree_columns(self, width: int) -> tuple[int, list[int]]:
+        """Before a pass of `width` entries: the width of its mask and where each row's entries start."""
+        return self.slots.length + width, [self.slots.length] * len(self.counts)
+
+    def release(self) -> None:
+        """Nothing to hand back."""
+
+
 class Eagle3Drafter(Drafter):
-    """Drafts with an Eagle3Head: its own keys and values with per-row slots, the midlayer over (embedding, hidden),
-    the pre-norm output fed back.
+    """Drafts with an Eagle3Head: its own keys and values with per-row positions, the midlayer over (embedding,
+    hidden), the pre-norm output fed back. The cache is the head's runner's static one where the head has a runner
+    (eagle3_static, chosen by --graphs: greedy chains then run every draft step with no host synchronisation, as
+    CUDA graphs on a GPU), else EagerHeadKV.
 
     Between proposals the cache holds entries computed from true target features only; the entries of drafted
     features sit after `true_counts` and are cut at the next verdict. A row that another drafter served (the hybrid's
@@ -55,50 +128,33 @@ class Eagle3Drafter(Drafter):
         self.device = head.norm.weight.device
         self.dtype = head.norm.weight.dtype
         self.confidences: list[list[float]] = []  # per row: the peak draft probability of each proposed token
+        self.kv: EagerHeadKV | StaticHeadKV | None = None  # the cache of the current batch (begin)
 
     def begin(self, prompts, target_hidden=None) -> None:
         if target_hidden is None:
             raise ValueError("Eagle3Drafter needs the target's hidden states (needs_target_hidden)")
-        self.slots = Slots(len(prompts), self.device)
-        self.k = self.v = None  # (B, KV, L, D)
+        if self.kv is not None:
+            self.kv.release()
+        self.kv = new_head_kv(self.head, prompts) or EagerHeadKV(self.head, len(prompts), self.device)
         self.pending: list[torch.Tensor | None] = list(target_hidden)  # true features not yet fed, (m, W)
         self.true_counts: list[int] | None = None  # counts after the last catch-up pass: the true entries
 
     @property
     def cache_length(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
+        return self.kv.length
 
     def _pass(self, hidden: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor,
               positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden (B, T, H), tokens (B, T) (the token after each hidden state's position) -> what the next draft step
-        reads, (B, T, H): the midlayer's pre-norm output, each row at its own positions. A draft tree's pass gives its
-        entries' positions (B, T) and mask (B, 1, T, L + T) (eagle3_tree)."""
-        positions = self.slots.positions(real) if positions is None else positions
-        freqs = positions.float()[..., None] * self.head.inv_freq  # (B, T, D/2)
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # (B, 1, T, D), broadcast over heads
-        scale = self.head.rope_scale  # the rope type's attention scaling
-        cos, sin = (emb.cos() * scale).to(hidden.dtype), (emb.sin() * scale).to(hidden.dtype)
-        # mask None: no holes, nothing padded, the head's own causal attention (one row: always)
-        if mask is None and not (bool(real.all()) and bool(self.slots.valid.all())):
-            past, t = self.slots.length, tokens.shape[1]
-            causal = torch.ones(t, past + t, dtype=torch.bool, device=self.device).tril(diagonal=past)
-            mask = causal[None] & self.slots.mask(real)[:, None, :]  # (B, T, L + T)
-            mask = (mask | ~mask.any(-1, keepdim=True))[:, None]  # a query with nothing to see reads garbage, not NaN
-        head = self.head
-        out, k, v = head.midlayer(head.embed(tokens).to(hidden.dtype), hidden, cos, sin, self.k, self.v, mask)
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-        self.slots.append(real)
-        return out
+        """hidden (B, T, H), tokens (B, T) (the token after each hidden state's position), real (B, T) bool on the
+        host -> what the next draft step reads, (B, T, H): the midlayer's pre-norm output, each row at its own
+        positions. A draft tree's pass gives its entries' positions (B, T) and mask (B, 1, T, columns) (eagle3_tree,
+        kv.tree_columns)."""
+        return self.kv.run(hidden, tokens, real, positions, mask)
 
     def _drop_drafted(self) -> None:
         if self.true_counts is not None:
-            self._crop(self.slots.keep(self.true_counts))
+            self.kv.keep(self.true_counts)
             self.true_counts = None
-
-    def _crop(self, length: int) -> None:
-        if self.k is not None and self.k.shape[2] > length:
-            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
 
     def _catch_up(self, ids, ks) -> torch.Tensor:
         """Feed each row its pending true features, paired with the token that follows each position; returns the
@@ -108,7 +164,7 @@ class Eagle3Drafter(Drafter):
         for r in range(rows):
             pend = self.pending[r]
             m = 0 if pend is None else len(pend)
-            n = self.slots.counts[r]
+            n = self.kv.counts[r]
             if n + m != len(ids[r]) - 1:
                 raise ValueError(f"draft state of row {r} covers {n + m} positions but the request has "
                                  f"{len(ids[r]) - 1}")
@@ -116,19 +172,25 @@ class Eagle3Drafter(Drafter):
                 raise ValueError(f"row {r} has no new target features to draft from")
             feats.append(pend)
             feeds.append(ids[r][n + 1:])
-        tok, real = left_padded(feeds, self.device)
+        right = self.kv.pad_right
+        tok, real = (right_padded if right else left_padded)(feeds, torch.device("cpu"))  # real stays on the host
+        t = tok.shape[1]
         width = next(f.shape[-1] for f in feats if f is not None)  # the engine's features: final and aux layers
         if rows == 1:
             x = feats[0][None].to(self.dtype)
         else:
-            x = torch.zeros(rows, tok.shape[1], width, dtype=self.dtype, device=self.device)
+            x = torch.zeros(rows, t, width, dtype=self.dtype, device=self.device)
             for r, f in enumerate(feats):
                 if f is not None and len(f):
-                    x[r, tok.shape[1] - len(f):] = f.to(self.dtype)
-        out = self._pass(self.head.prepare(x.to(self.device)), tok, real)[:, -1]  # (B, H)
+                    at = 0 if right else t - len(f)
+                    x[r, at : at + len(f)] = f.to(self.dtype)
+        out = self._pass(self.head.prepare(x.to(self.device)), tok.to(self.device, non_blocking=True), real)
         self.pending = [None] * rows
-        self.true_counts = list(self.slots.counts)
-        return out
+        self.true_counts = list(self.kv.counts)
+        if not right:
+            return out[:, -1]  # (B, H)
+        last = torch.tensor([max(len(f) - 1, 0) for f in feeds]).to(self.device, non_blocking=True)
+        return out[torch.arange(rows, device=self.device), last]
 
     @torch.inference_mode()
     def propose(self, request: DraftRequest) -> list[Proposal]:
@@ -142,6 +204,8 @@ class Eagle3Drafter(Drafter):
         feature = self._catch_up(ids, ks)
         if any(request.nodes(r) for r in range(rows)):  # a dynamic tree
             return (draft_trees if sampling.greedy else draft_sampled_trees)(self, request, feature)
+        if sampling.greedy and isinstance(self.kv, StaticHeadKV):
+            return self._fixed_chains(chains, feature, max(ks))
         subset = self.head.subset
         gens = None if sampling.greedy else [generator_on(g, self.device) for g in request.generators]
         while True:
@@ -176,8 +240,26 @@ class Eagle3Drafter(Drafter):
                 break
             step_tok = torch.tensor([[t[-1] if a else PAD] for t, a in zip(chains.tokens, chains.active)],
                                     device=self.device)
-            step_real = torch.tensor([[a] for a in chains.active], device=self.device)
-            feature = self._pass(feature[:, None], step_tok, step_real)[:, -1]
+            feature = self._pass(feature[:, None], step_tok, torch.tensor([[a] for a in chains.active]))[:, -1]
+        return chains.proposals()
+
+    def _fixed_chains(self, chains: Chains, feature: torch.Tensor, k: int) -> list[Proposal]:
+        """Greedy chains over the static cache: k draft steps for every row, one fixed shape with no host
+        synchronisation between them (StaticHeadKV.chain), the min_confidence stop kept on the device as a mask (a
+        row stops before its first token under it; the first is always proposed), then one read of tokens, q and
+        mask. A row also stops at its own k and after an end of sequence (Chains.add), as the eager loop does."""
+        tokens, peaks = self.kv.chain(feature, k)  # (B, k), (B, k)
+        peaks = peaks.double()  # compared as the eager loop compares: in Python floats
+        sure = peaks >= self.min_confidence
+        sure[:, 0] = True
+        kept = sure.cumprod(1)  # (B, k): 1 up to the row's first unsure token
+        for r, (row_tokens, row_q, row_kept) in enumerate(zip(*torch.stack([tokens.double(), peaks, kept]).tolist())):
+            for token, q, ok in zip(row_tokens, row_q, row_kept):
+                if not (ok and chains.active[r]):
+                    break
+                self.confidences[r].append(q)
+                chains.q_tokens[r].append(q)
+                chains.add(r, int(token))
         return chains.proposals()
 
     def update(self, verdicts) -> None:
@@ -187,30 +269,24 @@ class Eagle3Drafter(Drafter):
                 raise ValueError("Eagle3Drafter needs the target's hidden states in the verdict")
             hidden = v.target_hidden.to(self.dtype)
             self.pending[r] = hidden if self.pending[r] is None else torch.cat([self.pending[r], hidden])
-        self._compact()
+        self.kv.compact()
 
     def select(self, rows) -> None:
         self._drop_drafted()
-        if self.k is not None:
-            index = torch.tensor(rows, device=self.device)
-            self.k, self.v = self.k[index], self.v[index]
-        self._crop(self.slots.select(rows))
+        self.kv.select(rows)
         self.pending = [self.pending[r] for r in rows]
-        self._compact()
-
-    def _compact(self) -> None:
-        index = self.slots.compaction()
-        if index is not None and self.k is not None:
-            self.k, self.v = gather_slots(self.k, index), gather_slots(self.v, index)
+        self.kv.compact()
 
 
 def load_eagle3(spec: str | Path, target_loaded, runtime: Runtime = Runtime()) -> Eagle3Drafter:
-    """An Eagle3Drafter from a checkpoint folder or hub id, bound to the target in a loading.LoadedModel."""
+    """An Eagle3Drafter from a checkpoint folder or hub id, bound to the target in a loading.LoadedModel; its draft
+    steps run as runtime.graphs says (eagle3_static.attach: as the target's passes do, the same --graphs)."""
     folder = locate_eagle3(str(spec), runtime) or Path(spec)
     head, meta = load_head(folder, target_loaded.model)
     fast = getattr(target_loaded, "fast_linear", True)
     if fast and kernels.enabled_for(head.norm.weight.device, head.norm.weight.dtype):
         kernels.patch_linears(head)
+    attach(head, runtime.graphs)
     chain = (meta.get("metrics") or {}).get("chain") or []
     return Eagle3Drafter(head, recorded_k(folder), float(meta.get("min_confidence", 0.0)),
                          tuple(chain[:2]) if len(chain) >= 2 else None)

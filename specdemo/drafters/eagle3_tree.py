@@ -93,7 +93,7 @@ def draft_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Te
     for r in range(rows):
         if ks[r] > 0 and request.nodes(r) > 0:
             trees[r].add(feature[r], -1, probs[r], ids[r], True)
-    base, true_valid = list(drafter.slots.counts), drafter.slots.valid.clone()  # the true entries: the past
+    base, true_valid = list(drafter.kv.counts), drafter.kv.visible()  # the true entries: the past
     for depth in range(1, max(ks, default=0)):
         feed = [t.to_expand(depth, request.eos_token_ids) if depth < ks[r] else [] for r, t in enumerate(trees)]
         width = max(map(len, feed), default=0)
@@ -110,23 +110,25 @@ def draft_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Te
 def _expand(drafter: Eagle3Drafter, trees: list[_Row], feed: list[list[int]], width: int, depth: int,
             base: list[int], true_valid: torch.Tensor) -> torch.Tensor:
     """One head pass over each row's nodes to expand (B, W): each at its row's next position plus depth - 1, reading
-    the output it was chosen from, attending to the row's true entries, its ancestors' entries and itself."""
+    the output it was chosen from, attending to the row's true entries, its ancestors' entries and itself. Where each
+    entry lands (its column in the mask) is the cache's to say (kv.tree_columns)."""
     rows, device = len(trees), drafter.device
-    length = drafter.slots.length
+    columns, start = drafter.kv.tree_columns(width)
     hidden = torch.zeros(rows, width, feature_width(trees), dtype=drafter.dtype, device=device)
-    tokens = torch.zeros(rows, width, dtype=torch.long, device=device)
-    real = torch.zeros(rows, width, dtype=torch.bool, device=device)
-    positions = torch.zeros(rows, width, dtype=torch.long, device=device)
-    mask = torch.zeros(rows, width, length + width, dtype=torch.bool, device=device)
-    mask[:, :, : true_valid.shape[1]] = true_valid[:, None, :]
-    mask[:, torch.arange(width), length + torch.arange(width)] = True  # each entry sees itself (padding too)
+    tokens = torch.zeros(rows, width, dtype=torch.long)  # the host's, moved once
+    real = torch.zeros(rows, width, dtype=torch.bool)
+    positions = torch.zeros(rows, width, dtype=torch.long)
+    seen = [(r, j, start[r] + j) for r in range(rows) for j in range(width)]  # each entry sees itself (padding too)
     for r, (tree, nodes) in enumerate(zip(trees, feed)):
         for j, n in enumerate(nodes):
             hidden[r, j] = tree.source[n].to(drafter.dtype)
             tokens[r, j], real[r, j], positions[r, j] = tree.tokens[n], True, base[r] + depth - 1
-            mask[r, j, [tree.column[a] for a in tree.ancestors(tree.parents[n])]] = True
-            tree.column[n] = length + j
-    return drafter._pass(hidden, tokens, real, positions, mask[:, None])
+            seen += [(r, j, tree.column[a]) for a in tree.ancestors(tree.parents[n])]
+            tree.column[n] = start[r] + j
+    mask = torch.zeros(rows, width, columns, dtype=torch.bool, device=device)
+    mask[:, :, : true_valid.shape[1]] = true_valid[:, None, :]
+    mask[tuple(torch.tensor(seen).T.to(device))] = True
+    return drafter._pass(hidden, tokens.to(device), real, positions.to(device), mask[:, None])
 
 
 def feature_width(trees: list[_Row]) -> int:
@@ -175,7 +177,7 @@ def draft_sampled_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: 
     q = logits_to_probs(drafter.head.logits(feature), sampling)  # (B, S)
     opened: list[list[Open]] = [[(-1, q[r], feature[r])] if ks[r] > 0 and request.nodes(r) > 0 else []
                                 for r in range(rows)]
-    base, true_valid = list(drafter.slots.counts), drafter.slots.valid.clone()  # the true entries: the past
+    base, true_valid = list(drafter.kv.counts), drafter.kv.visible()  # the true entries: the past
     costs = drafter.pass_costs if request.tree_by_cost else None
     for depth in range(1, max(ks, default=0) + 1):
         for r, tree in enumerate(trees):

@@ -188,7 +188,7 @@ def draft_drafter(target: LoadedModel, draft: str | None, options: BuildOptions)
         raise ModelLoadError(str(exc)) from exc
     if resolved.is_head:
         try:
-            head = load_eagle3(resolved.path, target)
+            head = load_eagle3(resolved.path, target, options.runtime)
             head.pass_costs = tree_pass_costs(target)  # sizes its dynamic trees (--tree auto)
             return head, resolved.name, None
         except Eagle3FormatError as exc:

@@ -30,11 +30,15 @@ MAX_STORAGES = 4  # free storages a runner keeps for reuse (each holds its graph
 
 @dataclass
 class Captured:
-    """One captured pass: the graph and the output tensors its replays overwrite."""
+    """One captured pass: the graph and the output tensors its replays overwrite (None where the pass gives none)."""
 
     graph: object
-    logits: torch.Tensor
-    features: torch.Tensor | None
+    outputs: tuple[torch.Tensor | None, ...]
+
+    def replay(self, b: int) -> tuple[torch.Tensor | None, ...]:
+        """Replay; the first b rows of each output, the caller's own (the next replay overwrites the graph's)."""
+        self.graph.replay()
+        return tuple(None if o is None else o[:b].clone() for o in self.outputs)
 
 
 @dataclass
@@ -52,6 +56,11 @@ class Runner:
     storages: list[Storage] = field(default_factory=list)
     pool: object = None  # the CUDA graphs' shared memory pool
 
+    @staticmethod
+    def refusal(model, mode: str) -> str | None:
+        """Why `mode` gives `model` no runner of this kind (None: it can have one)."""
+        return why_not(model, mode)
+
     def acquire(self, rows: int, capacity: int) -> Storage:
         """A free storage with room for `rows` rows (padded to the ladder) of `capacity` positions; made if none."""
         rows = padded_batch(rows) if self.capture else rows
@@ -62,10 +71,13 @@ class Runner:
         free = [s for s in self.storages if not s.busy]
         if len(free) >= MAX_STORAGES:  # the smallest free one goes, with its graphs
             self.storages.remove(min(free, key=lambda s: s.rows * s.capacity))
-        storage = Storage(self.model, rows, capacity)
+        storage = self.new_storage(rows, capacity)
         storage.busy = True
         self.storages.append(storage)
         return storage
+
+    def new_storage(self, rows: int, capacity: int) -> Storage:
+        return Storage(self.model, rows, capacity)
 
     def release(self, storage: Storage) -> None:
         storage.busy = False
@@ -84,11 +96,11 @@ class Runner:
         done = self._captured(storage, (bp, t, keep, layers))
         if done is None:  # capture failed: this runner now runs eagerly
             return storage.run(b, t, keep, layers)
-        done.graph.replay()
-        return done.logits[:b].clone(), None if done.features is None else done.features[:b].clone()
+        return done.replay(b)
 
-    def _captured(self, storage: Storage, key: tuple) -> Captured | None:
-        """The graph for key (b, T, keep, layers), captured now if new; None once capture has failed."""
+    def _captured(self, storage, key: tuple) -> Captured | None:
+        """The graph for key (the arguments of _capture after the storage), captured now if new; None once capture
+        has failed."""
         if key not in storage.graphs and self.capture:
             try:
                 storage.graphs[key] = self._capture(storage, *key)
@@ -99,26 +111,31 @@ class Runner:
         return storage.graphs.get(key)
 
     def _capture(self, storage: Storage, b: int, t: int, keep: int, layers) -> Captured:
-        """Capture storage.run for this shape (after warm-up runs on a side stream, as CUDA graphs need). The runs
-        write only past each row's length, which no row reads, so capturing mid-decode changes nothing."""
+        """Capture storage.run for this shape. The runs write only past each row's length, which no row reads, so
+        capturing mid-decode changes nothing."""
+        return self.record(storage.device, lambda: storage.run(b, t, keep, layers), f"a {b} x {t} pass")
+
+    def record(self, device: torch.device, fn, what: str) -> Captured:
+        """fn() captured as a CUDA graph in this runner's pool, after warm-up runs on a side stream (as CUDA graphs
+        need); its outputs are the tensors the replays overwrite. Counts the graph and the seconds spent."""
         start = time.perf_counter()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(device=storage.device)
-        side.wait_stream(torch.cuda.current_stream(storage.device))
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                storage.run(b, t, keep, layers)
-        torch.cuda.current_stream(storage.device).wait_stream(side)
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits, features = storage.run(b, t, keep, layers)
-        torch.cuda.synchronize(storage.device)
+            outputs = fn()
+        torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
         self.capture_seconds += seconds
         self.graphs += 1
-        log.debug("captured a %d x %d pass in %.3fs", b, t, seconds)
-        return Captured(graph, logits, features)
+        log.debug("captured %s in %.3fs", what, seconds)
+        return Captured(graph, outputs)
 
     def warm(self, kv: StaticKV, rows: int, widths: Sequence[int], layers: tuple[int, ...] | None = None) -> float:
         """Capture the passes a decode of `rows` rows will run (one graph per width), before it is timed; returns the
@@ -151,13 +168,20 @@ _RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> Ru
 _WHY_EAGER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> why the eager engine serves it
 
 
-def why_not(model, mode: str) -> str | None:
-    """Why `mode` gives this model no static runner (None: it can have one)."""
+def why_not_here(model, mode: str) -> str | None:
+    """Why `mode` gives a model on its device no runner at all (None: it may have one)."""
     if mode == "off":
         return "--graphs off"
     dev = execution_device(model)
     if mode == "auto" and dev.type != "cuda":
         return f"the model computes on {dev.type}: graphs are for CUDA (--graphs on runs the static cache uncaptured)"
+    return None
+
+
+def why_not(model, mode: str) -> str | None:
+    """Why `mode` gives this causal LM no static runner (None: it can have one)."""
+    if (reason := why_not_here(model, mode)) is not None:
+        return reason
     if getattr(model, "hf_device_map", None):
         return "a device map spreads the model over devices (offloaded parts stream in at every pass)"
     types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
@@ -170,23 +194,24 @@ def why_not(model, mode: str) -> str | None:
     return None
 
 
-def attach(model, mode: str = "auto") -> Runner | None:
+def attach(model, mode: str = "auto", kind: type[Runner] = Runner) -> Runner | None:
     """Choose how `model`'s passes run (at load), logging one line: a Runner (captured on CUDA) or None (eager). The
-    same mode again keeps what was chosen, and the graphs captured so far."""
+    same mode again keeps what was chosen, and the graphs captured so far. `kind`: another model's runner class (an
+    EAGLE-3 head's, drafters.eagle3_static.HeadRunner), whose `refusal` says why a model cannot have one."""
     if mode not in GRAPH_MODES:
         raise ValueError(f"--graphs must be one of {', '.join(GRAPH_MODES)}, not {mode!r}")
     if model in _RUNNERS and _RUNNERS[model].mode == mode:
         return _RUNNERS[model]
     if _WHY_EAGER.get(model, ("",))[0] == mode:
         return None
-    reason = why_not(model, mode)
+    reason = kind.refusal(model, mode)
     if reason is not None:
         _RUNNERS.pop(model, None)
         _WHY_EAGER[model] = (mode, reason)
         log.info("graph runner off for %s: %s", type(model).__name__, reason)
         return None
     capture = execution_device(model).type == "cuda"
-    runner = Runner(model, capture, mode, "" if capture else "the model computes on the CPU")
+    runner = kind(model, capture, mode, "" if capture else "the model computes on the CPU")
     _RUNNERS[model] = runner
     _WHY_EAGER.pop(model, None)
     log.info("graph runner on for %s: %s", type(model).__name__, runner.describe())

@@ -119,6 +119,15 @@ class Storage:
         self.busy = False  # held by one decode (or drafter) at a time
         self.graphs: dict = {}  # (b, T, features) -> engine.graphs.Captured, kept with the addresses they read
 
+    def buffers(self) -> list[torch.Tensor]:
+        """Every cache buffer (rows, H, capacity, D): each layer's keys and values, once allocated."""
+        return [t for layer in self.cache.layers if layer.is_initialized for t in (layer.keys, layer.values)]
+
+    def copy_rows(self, other: Storage, rows: int) -> None:
+        """Hold the first `rows` rows of another storage's cache (a smaller one's), position for position."""
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.copy_rows(theirs, rows)
+
     def input_view(self, b: int, t: int) -> torch.Tensor:
         """The (b, T) input ids a pass of that shape reads: the front of the flat token buffer."""
         return self.tokens[: b * t].view(b, t)
@@ -161,15 +170,12 @@ class Storage:
         return self.model.lm_head(last[:, -keep:]), features
 
 
-class StaticKV:
-    """engine.kv.BatchKV's interface over a Storage: the engine's and a draft LM's cache when a graph runner serves
-    the model (engine.graphs.Runner), captured passes where it captured them, the same code eagerly elsewhere.
+class StaticRows:
+    """Rows over a storage of static buffers (a Storage, or an EAGLE-3 head's, drafters.eagle3_static): each row's
+    length on the host and in the device tensor the passes read, rollback (a length moves), row selection (gathered
+    to the front of the same buffers) and growth (one copy into a larger storage from the runner)."""
 
-    Prefill runs each prompt but its last token as one right-padded pass, then the last tokens as a one-token pass,
-    so every row's first logits come from an ordinary decode-shaped pass.
-    """
-
-    def __init__(self, runner, storage: Storage, rows: int):
+    def __init__(self, runner, storage, rows: int):
         self.runner, self.storage = runner, storage
         self.device = storage.device
         self.counts = [0] * rows  # the host's copy of each row's length
@@ -179,22 +185,18 @@ class StaticKV:
     def rows(self) -> int:
         return len(self.counts)
 
-    takes_trees = True  # a pass may feed a draft tree (Storage.set_layout)
-
-    def _pass(self, tokens: torch.Tensor, keep: int, layers, graph: bool = True, tree=None):
-        need = max(self.counts) + tokens.shape[1]
+    def reserve(self, width: int) -> None:
+        """Room for a pass of `width` entries past every row's length (growing the storage if it lacks it)."""
+        need = max(self.counts, default=0) + width
         if need > self.storage.capacity:
             self._grow(need)
-        self.storage.set_layout(tree)
-        return self.runner.replay(self.storage, tokens, keep, layers, graph)
 
     def _grow(self, need: int) -> None:
-        """Move to a storage with room for `need` positions and more (one copy; a draft LM's cache, which is not
-        told the answer's length, may need it)."""
+        """Move to a storage with room for `need` positions and more (one copy; a draft's cache, which is not told
+        the answer's length, may need it)."""
         old = self.storage
         self.storage = self.runner.acquire(self.rows, rounded_capacity(need + CAPACITY_STEP))
-        for mine, theirs in zip(self.storage.cache.layers, old.cache.layers):
-            mine.copy_rows(theirs, self.rows)
+        self.storage.copy_rows(old, self.rows)
         self._set_counts(self.counts, clear=True)
         self.runner.release(old)
 
@@ -209,6 +211,45 @@ class StaticKV:
 
     def _advance(self, fed: Sequence[int]) -> None:
         self._set_counts([c + n for c, n in zip(self.counts, fed)])
+
+    def keep(self, counts: Sequence[int]) -> None:
+        """Roll each row back to its first counts[r] positions: a length moves, nothing is copied."""
+        counts = [min(a, b) for a, b in zip(self.counts, counts)]
+        if counts != self.counts:
+            self._set_counts(counts)
+
+    def select(self, rows: Sequence[int]) -> None:
+        """Keep only these rows, in this order: gathered to the front of the same buffers (finished rows leave)."""
+        rows = list(rows)
+        if rows == list(range(self.rows)):
+            return
+        index = torch.tensor(rows, device=self.device)
+        for buf in self.storage.buffers():
+            buf[: len(rows)] = buf.index_select(0, index)
+        self._set_counts([self.counts[r] for r in rows], clear=True)
+
+    def compact(self) -> None:
+        """Nothing to compact: rows hold no holes."""
+
+    def release(self) -> None:
+        """Hand the storage back to the runner (the decode or drafter that held it is done)."""
+        self.runner.release(self.storage)
+
+
+class StaticKV(StaticRows):
+    """engine.kv.BatchKV's interface over a Storage: the engine's and a draft LM's cache when a graph runner serves
+    the model (engine.graphs.Runner), captured passes where it captured them, the same code eagerly elsewhere.
+
+    Prefill runs each prompt but its last token as one right-padded pass, then the last tokens as a one-token pass,
+    so every row's first logits come from an ordinary decode-shaped pass.
+    """
+
+    takes_trees = True  # a pass may feed a draft tree (Storage.set_layout)
+
+    def _pass(self, tokens: torch.Tensor, keep: int, layers, graph: bool = True, tree=None):
+        self.reserve(tokens.shape[1])
+        self.storage.set_layout(tree)
+        return self.runner.replay(self.storage, tokens, keep, layers, graph)
 
     def prefill(self, prompts: Sequence[list[int]], layers: tuple[int, ...] | None = None):
         """Feed each prompt; (logits (B, V) at each prompt's last token, per row features (len(prompt), W) or None)."""
@@ -246,10 +287,8 @@ class StaticKV:
             src = torch.tensor([[s + (e[i] if i < len(e) else i) for i in range(m)] for s, e in zip(start, entries)],
                                device=self.device)  # (rows, m): entries past a row's path stay where they are
             dst = torch.tensor(start, device=self.device)[:, None] + torch.arange(m, device=self.device)
-            for layer in self.storage.cache.layers:
-                if layer.is_initialized:
-                    for buf in (layer.keys, layer.values):
-                        _move_slots(buf[: self.rows], src, dst)
+            for buf in self.storage.buffers():
+                _move_slots(buf[: self.rows], src, dst)
         self._set_counts([s + len(e) for s, e in zip(start, entries)])
 
     def step(self, feeds: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -261,31 +300,6 @@ class StaticKV:
         last = torch.tensor([max(len(f) - 1, 0) for f in feeds], device=self.device)
         self._advance([len(f) for f in feeds])
         return logits[torch.arange(len(feeds), device=self.device), last]
-
-    def keep(self, counts: Sequence[int]) -> None:
-        """Roll each row back to its first counts[r] positions: a length moves, nothing is copied."""
-        counts = [min(a, b) for a, b in zip(self.counts, counts)]
-        if counts != self.counts:
-            self._set_counts(counts)
-
-    def select(self, rows: Sequence[int]) -> None:
-        """Keep only these rows, in this order: gathered to the front of the same buffers (finished rows leave)."""
-        rows = list(rows)
-        if rows == list(range(self.rows)):
-            return
-        index = torch.tensor(rows, device=self.device)
-        for layer in self.storage.cache.layers:
-            if layer.is_initialized:
-                layer.keys[: len(rows)] = layer.keys.index_select(0, index)
-                layer.values[: len(rows)] = layer.values.index_select(0, index)
-        self._set_counts([self.counts[r] for r in rows], clear=True)
-
-    def compact(self) -> None:
-        """Nothing to compact: rows hold no holes."""
-
-    def release(self) -> None:
-        """Hand the storage back to the runner (the decode or drafter that held it is done)."""
-        self.runner.release(self.storage)
 
 
 def needed_capacity(prompts: Sequence[list[int]], max_new_tokens: int, width: int) -> int:

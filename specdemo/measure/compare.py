@@ -26,7 +26,7 @@ from ..engine import (
 )
 from ..engine.loop import tree_plan
 from ..models.loading import LoadedModel, load_model
-from ..models.placement import draft_lm, drafter_device
+from ..models.placement import draft_head, draft_lm, drafter_device
 from .metrics import (
     PassCosts,
     RunStats,
@@ -97,10 +97,11 @@ def pair_placement(pair: Pair) -> dict:
 
 
 def runner_info(pair: Pair) -> dict:
-    """How the target's passes (and a draft LM's) run: CUDA graphs, the static cache uncaptured, or eager, and why
-    (engine.graphs.describe); the result JSON's `runner`."""
+    """How the target's passes (and a draft LM's or an EAGLE-3 head's) run: CUDA graphs, the static cache
+    uncaptured, or eager, and why (engine.graphs.describe); the result JSON's `runner`."""
     out = {"target": graphs.describe(pair.target.model)}
     draft = draft_lm(pair.drafter)
+    draft = draft_head(pair.drafter) if draft is None else draft
     if draft is not None:
         out["draft"] = graphs.describe(draft)
     return out

@@ -39,19 +39,28 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
                 scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (T, D) for integer positions (T,); `scale` is the rope type's attention scaling (1 for the default)."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    """cos, sin (..., D) for integer positions (...,): (T,) or each row's (B, T); `scale` is the rope type's attention
+    scaling (1 for the default)."""
+    freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           past_k: torch.Tensor | None, past_v: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
+           past_k: torch.Tensor | None, past_v: torch.Tensor | None, mask: torch.Tensor | None,
+           write: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped attention of q (B, NH, T, D) over past keys (B, KV, L, D) and the new k, v (B, KV, T, D), RoPE applied
-    here; `mask` (T, L+T) bool, or None for causal aligned to the end. Returns (B, T, NH * D) and the rotated k."""
+    here; `mask` (T, L+T) bool, or None for causal aligned to the end. Returns (B, T, NH * D) and the rotated k.
+
+    With `write` (B, T), past_k and past_v are static buffers (B, KV, capacity, D): the new entries are written into
+    them at those slots, in place, and attention reads the whole buffers under `mask` (B, 1, T, capacity)."""
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-    keys = k if past_k is None else torch.cat([past_k, k], dim=2)
-    values = v if past_v is None else torch.cat([past_v, v], dim=2)
+    if write is not None:
+        index = write[:, None, :, None].expand_as(k)  # (B, KV, T, D): row r's j-th entry goes to slot write[r, j]
+        keys, values = past_k.scatter_(2, index, k), past_v.scatter_(2, index, v)
+    else:
+        keys = k if past_k is None else torch.cat([past_k, k], dim=2)
+        values = v if past_v is None else torch.cat([past_v, v], dim=2)
     t = q.shape[2]
     if mask is None and t > 1:  # causal, aligned to the end when there is a past
         past = keys.shape[2] - t
@@ -72,14 +81,14 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(width, c.num_key_value_heads * d, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * d, c.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, past_k=None, past_v=None, mask=None):
-        """x (B, T, W) -> (out (B, T, H), new k (B, KV, T, D), new v)."""
+    def forward(self, x, cos, sin, past_k=None, past_v=None, mask=None, write=None):
+        """x (B, T, W) -> (out (B, T, H), new k (B, KV, T, D), new v); `write`: see attend."""
         b, t, _ = x.shape
         c = self.c
         q = self.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)  # (B, NH, T, D)
         k = self.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)  # (B, KV, T, D)
         v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        att, k = attend(q, k, v, cos, sin, past_k, past_v, mask)
+        att, k = attend(q, k, v, cos, sin, past_k, past_v, mask, write)
         return self.o_proj(att), k, v
 
 
@@ -108,11 +117,11 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, embeds, hidden, cos, sin, past_k=None, past_v=None, mask=None):
+    def forward(self, embeds, hidden, cos, sin, past_k=None, past_v=None, mask=None, write=None):
         normed = self.hidden_norm(hidden)
         residual = normed if self.c.norm_before_residual else hidden
         att, k, v = self.self_attn(torch.cat([self.input_layernorm(embeds), normed], dim=-1), cos, sin,
-                                   past_k, past_v, mask)
+                                   past_k, past_v, mask, write)
         residual = residual + att
         return residual + self.mlp(self.post_attention_layernorm(residual)), k, v
 
@@ -188,11 +197,13 @@ class Eagle3Head(nn.Module):
         (..., H)."""
         return self.combine(features[..., self.c.target_hidden_size:])
 
-    def forward(self, hidden, tokens, positions, past_k=None, past_v=None, mask=None):
-        """hidden (B, T, H), tokens (B, T) = the token after each hidden state's position, positions (T,)
-        -> (the pre-norm output (B, T, H) the next step reads back, new k, new v)."""
+    def forward(self, hidden, tokens, positions, past_k=None, past_v=None, mask=None, write=None):
+        """hidden (B, T, H), tokens (B, T) = the token after each hidden state's position, positions (T,) or each
+        row's (B, T) -> (the pre-norm output (B, T, H) the next step reads back, new k, new v); `write`: see attend."""
         cos, sin = rope_tables(positions, self.inv_freq, hidden.dtype, self.rope_scale)
-        return self.midlayer(self.embed(tokens).to(hidden.dtype), hidden, cos, sin, past_k, past_v, mask)
+        if positions.dim() == 2:  # (B, T, D) -> (B, 1, T, D), broadcast over heads
+            cos, sin = cos[:, None], sin[:, None]
+        return self.midlayer(self.embed(tokens).to(hidden.dtype), hidden, cos, sin, past_k, past_v, mask, write)
 
     def logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
         """(..., H) pre-norm outputs -> (..., draft_vocab) logits."""

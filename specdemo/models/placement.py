@@ -144,6 +144,15 @@ def draft_lm(drafter) -> nn.Module | None:
     return inner if isinstance(inner, nn.Module) else None
 
 
+def draft_head(drafter) -> nn.Module | None:
+    """A drafter's EAGLE-3 head (the hybrid's too); None for a draft LM or prompt lookup."""
+    inner = getattr(drafter, "model", None)
+    if inner is not None and not isinstance(inner, nn.Module):  # the hybrid: its draft's drafter
+        return draft_head(inner)
+    head = getattr(drafter, "head", None)
+    return head if isinstance(head, nn.Module) else None
+
+
 def placement_line(placement: dict) -> str:
     """One line for people: where the target's parts and the draft live (from pair_placement's dict)."""
     t, d = placement["target"], placement.get("draft") or {}

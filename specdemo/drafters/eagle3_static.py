@@ -1,0 +1,165 @@
+"""An EAGLE-3 head's static KV cache and its graph runner: the head's keys and values in buffers allocated once, at
+fixed addresses, each row holding its positions 0..len-1 with no holes (engine.static.StaticRows: lengths on the
+device and the host, rollback = a length change), and its greedy draft step captured as a CUDA graph per padded batch
+size (an engine.graphs.Runner of its own). Chosen with the target's `--graphs` (attach); on a CPU, `on` runs the same
+code uncaptured. Knows the head module, not the drafter's bookkeeping (drafters.eagle3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..engine import graphs
+from ..engine.graphs import Captured, Runner, padded_batch
+from ..engine.static import CAPACITY_STEP, StaticRows, rounded_capacity
+from ..models.eagle3_head import Eagle3Head
+
+
+def top_token(head: Eagle3Head, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Head outputs (B, H) -> the greedy draft token (B,) as a target id, and its draft probability (B,) (the peak
+    of q: what min_confidence reads)."""
+    q = torch.softmax(head.logits(out).float(), -1)  # (B, S)
+    peak, index = q.max(-1)
+    return head.to_target(index), peak
+
+
+class HeadStorage:
+    """The static buffers of up to `rows` rows and `capacity` positions of one head: keys and values (rows, KV,
+    capacity, D), each row's length (the device tensor the passes read), and the step's input buffers (a feature and
+    a token per row) that a captured step reads. Graphs captured over it replay against these addresses."""
+
+    def __init__(self, head: Eagle3Head, rows: int, capacity: int):
+        c, weight = head.c, head.norm.weight
+        self.head, self.rows, self.capacity, self.device = head, rows, capacity, weight.device
+        shape = (rows, c.num_key_value_heads, capacity, c.head_dim)
+        self.keys = torch.zeros(shape, dtype=weight.dtype, device=self.device)
+        self.values = torch.zeros(shape, dtype=weight.dtype, device=self.device)
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=self.device)  # (rows,)
+        self.slots = torch.arange(capacity, device=self.device)  # (capacity,)
+        self.feature = torch.zeros(rows, c.hidden_size, dtype=weight.dtype, device=self.device)  # the step's inputs
+        self.token = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self.busy = False  # held by one drafter at a time
+        self.graphs: dict = {}  # (b,) -> engine.graphs.Captured: the step at that padded batch size
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.keys, self.values]
+
+    def copy_rows(self, other: HeadStorage, rows: int) -> None:
+        """Hold the first `rows` rows of another storage (a smaller one's), position for position."""
+        n = min(self.capacity, other.capacity)
+        self.keys[:rows, :, :n] = other.keys[:rows, :, :n]
+        self.values[:rows, :, :n] = other.values[:rows, :, :n]
+
+    def run(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
+        """A head pass of the first b rows: hidden (b, T, H), tokens (b, T), right-padded; row r's j-th entry is
+        written at slot lengths[r] + j, at that position and seeing the slots up to it unless `positions` (b, T) and
+        `mask` (b, 1, T, capacity) say otherwise (a draft tree's). The pre-norm outputs (b, T, H); lengths stay."""
+        b, t = tokens.shape
+        write = self.lengths[:b, None] + self.slots[None, :t]  # (b, T)
+        positions = write if positions is None else positions
+        if mask is None:
+            mask = (self.slots[None, None, :] <= write[:, :, None])[:, None]  # (b, 1, T, capacity)
+        return self.head(hidden, tokens, positions, self.keys[:b], self.values[:b], mask, write)[0]
+
+    def step(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One greedy draft step of the first b rows from the input buffers (feature (b, H), token (b,)), each at its
+        row's length: (the next feature (b, H), its greedy token (b,), that token's q). Straight-line tensor code
+        over fixed buffers (what a graph captures); lengths are not moved."""
+        out = self.run(self.feature[:b, None], self.token[:b, None])[:, 0]
+        return out, *top_token(self.head, out)
+
+
+@dataclass
+class HeadRunner(Runner):
+    """How a head's passes run: over HeadStorages it pools, its greedy draft step captured per padded batch size
+    (on CUDA), every other pass (the catch-up after a verdict, a tree's levels, sampled chains) eagerly over the same
+    buffers."""
+
+    refusal = staticmethod(graphs.why_not_here)  # any head on any device can take the static cache
+
+    def new_storage(self, rows: int, capacity: int) -> HeadStorage:
+        return HeadStorage(self.model, rows, capacity)
+
+    def step(self, storage: HeadStorage, feature: torch.Tensor,
+             token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """HeadStorage.step of len(token) rows from these inputs: a graph replay where it captures (the batch padded
+        to the ladder), else the same code eagerly. Outputs are the caller's own."""
+        b = len(token)
+        bp = padded_batch(b) if self.capture else b
+        storage.feature[:b].copy_(feature)
+        storage.token[:b].copy_(token)
+        done = self._captured(storage, (bp,)) if self.capture else None
+        return storage.step(b) if done is None else done.replay(b)
+
+    def _capture(self, storage: HeadStorage, b: int) -> Captured:
+        """Capture the step at batch size b; its runs write only at each row's length, past what any row holds."""
+        return self.record(storage.device, lambda: storage.step(b), f"the head's {b}-row draft step")
+
+
+def attach(head: Eagle3Head, mode: str = "auto") -> HeadRunner | None:
+    """How the head's draft steps run under `--graphs mode` (engine.graphs.attach, with a HeadRunner), one log line."""
+    return graphs.attach(head, mode, HeadRunner)
+
+
+class StaticHeadKV(StaticRows):
+    """The head's cache over a HeadStorage (what Eagle3Drafter uses while its head has a runner). Passes are
+    right-padded: a row's real entries come first and its length grows by them; a padded entry writes past it, where
+    nothing reads. Rollback and row selection are StaticRows'; compaction has nothing to do."""
+
+    pad_right = True  # the catch-up's rows: real entries first
+
+    @property
+    def length(self) -> int:
+        """The longest row's entries."""
+        return max(self.counts, default=0)
+
+    def run(self, hidden: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor,
+            positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """A pass (HeadStorage.run over hidden (B, T, H), tokens (B, T)); each row's length grows by its real entries
+        (real (B, T) bool, the host's: nothing is read back). Returns the pre-norm outputs (B, T, H)."""
+        fed = real.sum(1).tolist()
+        self.reserve(tokens.shape[1])
+        out = self.storage.run(hidden, tokens, positions, mask)
+        self._advance(fed)
+        return out
+
+    def chain(self, feature: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k greedy draft tokens per row from the catch-up's outputs feature (B, H): the first from it, each other
+        from one draft step (the runner's, captured on CUDA), with no host synchronisation between them. Returns the
+        tokens (B, k) as target ids and each one's q (B, k); every step's entry stays in the cache past the row's
+        true entries (the drafter cuts it at the next verdict)."""
+        token, peak = top_token(self.storage.head, feature)
+        tokens, peaks = [token], [peak]
+        self.reserve(k - 1)
+        lengths = self.storage.lengths[: self.rows]
+        for _ in range(k - 1):
+            feature, token, peak = self.runner.step(self.storage, feature, token)
+            lengths += 1  # on the device: the host's counts follow once, below
+            tokens.append(token)
+            peaks.append(peak)
+        self.counts = [c + k - 1 for c in self.counts]
+        return torch.stack(tokens, 1), torch.stack(peaks, 1)
+
+    def visible(self) -> torch.Tensor:
+        """(B, capacity) bool: the slots each row holds now (a draft tree's pass sees these and its ancestors)."""
+        return self.storage.slots[None, :] < torch.tensor(self.counts, device=self.device)[:, None]
+
+    def tree_columns(self, width: int) -> tuple[int, list[int]]:
+        """Before a pass of `width` entries: the width of its mask (the capacity) and where each row's entries start
+        (its length)."""
+        self.reserve(width)
+        return self.storage.capacity, list(self.counts)
+
+
+def new_head_kv(head: Eagle3Head, prompts: Sequence[list[int]]) -> StaticHeadKV | None:
+    """The head's static cache for a batch of these prompts (room for each plus CAPACITY_STEP answer tokens; it grows
+    if outrun) when the head has a runner (attach), else None: the drafter's eager cache serves."""
+    runner = graphs.runner_of(head)
+    if runner is None:
+        return None
+    capacity = rounded_capacity(max(map(len, prompts), default=0) + CAPACITY_STEP + 1)
+    return StaticHeadKV(runner, runner.acquire(len(prompts), capacity), len(prompts))
