@@ -115,6 +115,21 @@ def test_a_loaded_head_takes_the_targets_graphs_setting(eagle3_target, tiny_tok,
 
     assert line("on").startswith("CUDA graphs" if cuda else "static KV cache, no graphs")
     assert line("off") == "eager (--graphs off)" and (cuda or "computes on cpu" in line("auto"))
+    # a bench row says it too, beside the target's
+    from specdemo.config import GenerationConfig
+    from specdemo.engine.timing import ForwardTimer
+    from specdemo.measure.bench.run import bench_prompt
+    from specdemo.measure.bench.timing import target_modules
+    from specdemo.prompts import PromptItem
+
+    pair = Pair(loaded(eagle3_target, tiny_tok), heads["on"], "model", "head")
+    timers = (ForwardTimer(target_modules(eagle3_target)), None)
+    try:
+        row, = bench_prompt(pair, PromptItem("a", "chat", "w1 w2 w3 w4"), [1, 2, 3, 4], [2],
+                            GenerationConfig(max_new_tokens=6, tree="off"), timers, False, {})
+    finally:
+        timers[0].remove()
+    assert row["draft_runner"] == line("on") and "runner" in row
 
 
 def _buffers(kv: StaticHeadKV) -> list[torch.Tensor]:

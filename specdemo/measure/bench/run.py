@@ -34,7 +34,7 @@ from ...engine.timing import ForwardTimer, verify_costs_for
 from ...models.eagle3 import eagle3_export
 from ...prompts import DEFAULT_PROMPTS, PromptItem, read_prompts
 from ...serve.serve_config import Lookup, serve_target
-from ..compare import Pair, first_mismatch, load_pair, pair_placement, warmup
+from ..compare import Pair, first_mismatch, load_pair, pair_placement, runner_info, warmup
 from ..metrics import tree_steps, tree_summary, verify_by_nodes
 from ..spec_metrics import speculative_decoding, steps_of
 from ..tune_k import point, run_ar, run_sd, summarize, sweep
@@ -182,6 +182,8 @@ def bench_prompt(pair, item: PromptItem, prompt_ids: list[int], ks: list[int], c
             "speculative_decoding": speculative_decoding(steps_of(sd.run.events), k),  # vLLM's names
             "runner": graphs.describe(model),  # how our passes ran: CUDA graphs, static uncaptured, or eager (why)
         }
+        if "draft" in (runners := runner_info(pair)):  # and a draft LM's or an EAGLE-3 head's
+            row["draft_runner"] = runners["draft"]
         put(row, "ar", ar)
         put(row, "sd", sd)
         # where the non-forward time of a speculative run goes
