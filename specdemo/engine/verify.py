@@ -64,7 +64,8 @@ def greedy_accept_batch(drafted: torch.Tensor, lengths: torch.Tensor,
     matches = ((drafted == choice[:, :w]) & real).int()
     accepted = matches.cumprod(dim=1).sum(dim=1)  # (B,)
     nxt = choice.gather(1, accepted[:, None])[:, 0]
-    return accepted.tolist(), nxt.tolist()
+    accepted, nxt = torch.stack([accepted, nxt]).tolist()  # one read back from the device per step, not two
+    return accepted, nxt
 
 
 def rejection_accept(
