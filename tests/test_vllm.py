@@ -1,8 +1,8 @@
 """vLLM as an anchor: --anchors parsing, the fail-fast errors (no vLLM python, sampling), the methods the bench runs
 beside ours; the driver's imports, per-request counter differences and JSON round trip under a python without vLLM;
-the report's anchors.vllm keys; and, where vLLM is installed (slow), its ngram proposer against ours on random
-sequences, its plain, ngram and suffix greedy output against ours, and arctic's suffix tree against ours. vLLM as the
-way out (serve-config): test_serve_config.py."""
+the report's anchors.vllm keys and its line on draft trees; and, where vLLM is installed (slow), its tree probe against
+its config, its ngram proposer against ours on random sequences, its plain, ngram and suffix greedy output against
+ours, and arctic's suffix tree against ours. vLLM as the way out (serve-config): test_serve_config.py."""
 
 import ast
 import importlib.util
@@ -19,7 +19,7 @@ from specdemo.config import SuffixConfig
 from specdemo.drafters import NgramDrafter
 from specdemo.measure.bench import main as bench_main
 from specdemo.measure.bench.cli import bench_config, parser
-from specdemo.measure.bench.outputs import html, markdown
+from specdemo.measure.bench.outputs import html, markdown, vllm_markdown
 from specdemo.measure.bench.report import build_report
 from specdemo.measure.bench.vllm import (
     DRIVER,
@@ -32,6 +32,8 @@ from specdemo.measure.bench.vllm import (
     find_python,
     require_python,
     run_driver,
+    run_vllm,
+    tree_note,
     vllm_methods,
 )
 from specdemo.serve.serve_config import Lookup
@@ -129,7 +131,32 @@ def test_driver_round_trip_reports_each_methods_error(tmp_path):
     assert result["protocol"] == PROTOCOL and result["machine"]["executable"]
     assert [(m["name"], m["k"]) for m in result["methods"]] == [("plain", None), ("ngram", 2), ("eagle3", 2)]
     assert all("vllm" in m["error"] for m in result["methods"])  # ModuleNotFoundError: No module named 'vllm'
+    assert "vllm" in result["trees"]["error"]  # tree_support: unknown without vLLM, said so
     assert (tmp_path / "vllm.log").exists() and json.loads((tmp_path / "request.json").read_text()) == request
+
+
+def test_a_tree_bench_says_in_one_line_that_vllms_rows_are_chains(tmp_path):
+    """`bench --anchors vllm --tree auto|N`: vLLM 0.32 verifies no trees, so its rows are chains; the report says so
+    (config.vllm.tree_note, the Markdown's vLLM section) from what the driver found in the installed vLLM, and says
+    nothing for chains against chains. Here through the real driver under a python without vLLM: unknown, said so."""
+    no_trees = {"vllm": "0.32.0", "speculative_token_tree": False, "tree_attention_backend": False}
+    assert tree_note(["off"], no_trees) is None
+    note = tree_note(["off", "auto", "8"], no_trees)
+    assert note == ("vLLM 0.32.0 verifies no draft trees (no speculative_token_tree in its SpeculativeConfig and no "
+                    "tree attention backend; docs/vllm.md#draft-trees): its rows are chains at the same k beside our "
+                    "--tree auto,8 rows")
+    assert "runs only its chains" in tree_note(["4"], {**no_trees, "speculative_token_tree": True,
+                                                       "tree_attention_backend": True})
+    assert "no tree attention backend" in tree_note(["4"], {**no_trees, "speculative_token_tree": True})
+    assert "**Draft trees:** " + note + "." in vllm_markdown({"anchors": {}, "config": {"vllm": {"tree_note": note}},
+                                                             "results": []})
+    target = SimpleNamespace(source="folder", name="/models/t", dtype="float32")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    meta = run_vllm([], target, [("a", [1, 2, 3])], [0], 8, [2], Lookup(1, 8), {}, VllmOptions(python=sys.executable),
+                    tmp_path, env, trees=["auto"])
+    assert meta["tree_note"].startswith("this vLLM: whether it verifies draft trees is unknown (ModuleNotFoundError")
+    assert meta["tree_note"].endswith("its rows are chains at the same k beside our --tree auto rows")
+    assert [f["name"] for f in meta["failed"]] == ["plain", "ngram"]
 
 
 # --- report -------------------------------------------------------------------------------------------------------
@@ -215,6 +242,25 @@ def test_vllms_speculative_config_takes_our_rejection_sample_methods():
     out = subprocess.run([str(vllm_python()), "-c", code], capture_output=True, text=True, check=True)
     fields, methods = json.loads(out.stdout.strip().splitlines()[-1])
     assert "rejection_sample_method" in fields and set(VLLM_REJECTION.values()) <= set(methods)
+
+
+@pytest.mark.slow
+@NEEDS_VLLM
+def test_the_drivers_tree_probe_matches_what_vllms_config_accepts():
+    """tree_support, run in vLLM's venv, agrees with its SpeculativeConfig: where it finds no speculative_token_tree
+    the config refuses that key (0.32.0's CPU build: refused, and no tree attention backend, as docs/vllm.md says)."""
+    code = ("import json, sys\nsys.path.insert(0, sys.argv[1])\nimport vllm_driver\n"
+            "from vllm.config import SpeculativeConfig\ntry:\n    SpeculativeConfig(method='ngram', "
+            "num_speculative_tokens=2, speculative_token_tree='[(0,), (1,)]')\n    refused = None\n"
+            "except Exception as exc:\n    refused = str(exc)\n"
+            "print(json.dumps([vllm_driver.tree_support(), refused]))")
+    out = subprocess.run([str(vllm_python()), "-c", code, str(DRIVER.parent)], capture_output=True, text=True,
+                         check=True)
+    support, refused = json.loads(out.stdout.strip().splitlines()[-1])
+    if not support["speculative_token_tree"]:
+        assert "speculative_token_tree" in refused and "Unexpected keyword argument" in refused
+    if support["vllm"] == "0.32.0":
+        assert not support["speculative_token_tree"] and not support["tree_attention_backend"]
 
 
 @pytest.mark.slow

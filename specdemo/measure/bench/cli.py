@@ -169,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     print(summary_line(report))
     for f in (report["config"].get("vllm") or {}).get("failed") or []:
         print(f"warning: vLLM {f['name']} (k = {f['k']}) failed: {f['error']}", file=sys.stderr)
+    if (report["config"].get("vllm") or {}).get("tree_note"):
+        print(f"note: {report['config']['vllm']['tree_note']}", file=sys.stderr)
     warning = baseline_warning(report.get("anchors") or {})
     if warning:
         print(warning.replace("**", ""), file=sys.stderr, end="")

@@ -197,6 +197,8 @@ def vllm_markdown(report: dict) -> str:
             "ours)\n\n")
     for f in meta.get("failed") or []:
         text += f"**vLLM {f['name']} (k = {f['k']}) failed:** {f['error']}\n\n"
+    if meta.get("tree_note"):  # our rows drafted trees: what vLLM's rows are beside them (bench.vllm.tree_note)
+        text += f"**Draft trees:** {meta['tree_note']}.\n\n"
     if not v:
         return text
     methods = [m for m in VLLM_METHODS if v.get(f"{m}_tokens_per_s") is not None]

@@ -273,7 +273,7 @@ def vllm_anchor(bc: BenchConfig, pair: Pair, items: list[PromptItem], prompt_ids
 
     return run_vllm(rows, pair.target, list(by_id.items()), sorted(eos_ids(pair.target.model, pair.target.tokenizer)),
                     config.max_new_tokens, ks, Lookup.of(pair.drafter), ours, options, Path(bc.out), os.environ,
-                    bc.runtime, bc.seed, mismatch)
+                    bc.runtime, bc.seed, mismatch, checks.trees(bc.tree_setting))
 
 
 def run_bench(bc: BenchConfig) -> dict:

@@ -131,6 +131,29 @@ def run_driver(python: Path, request: dict, workdir: Path, env: Mapping[str, str
     return result
 
 
+def tree_note(trees: list[str], support: Mapping | None) -> str | None:
+    """One line for the report when our rows draft trees (--tree other than off): what vLLM can set beside them. The
+    driver's tree_support says whether the installed vLLM has speculative_token_tree and a tree attention backend;
+    either way the anchor runs vLLM's chains, at the same k. None when every setting is off (chains against chains)."""
+    ours = [t for t in trees if t != "off"]
+    if not ours:
+        return None
+    ours_text = f"our --tree {','.join(ours)} rows"
+    support = support or {}
+    version = f"vLLM {support['vllm']}" if support.get("vllm") else "this vLLM"
+    if support.get("speculative_token_tree") and support.get("tree_attention_backend"):
+        return (f"{version} has speculative_token_tree, but this bench runs only its chains: its rows are chains at "
+                f"the same k beside {ours_text}")
+    if "speculative_token_tree" in support:
+        missing = [n for n, key in (("no speculative_token_tree in its SpeculativeConfig", "speculative_token_tree"),
+                                    ("no tree attention backend", "tree_attention_backend")) if not support.get(key)]
+        return (f"{version} verifies no draft trees ({' and '.join(missing)}; docs/vllm.md#draft-trees): its rows "
+                f"are chains at the same k beside {ours_text}")
+    why = support.get("error") or "the driver did not say"
+    return (f"{version}: whether it verifies draft trees is unknown ({why}); its rows are chains at the same k beside "
+            f"{ours_text}")
+
+
 def drafting_steps(sd_run) -> int:
     """Our verify passes that carried at least one drafted token (vLLM's num_drafts counts the same thing)."""
     return sum(1 for e in sd_run.events if e.kind == "spec" and e.drafted)
@@ -181,8 +204,9 @@ def put_vllm(row: dict, name: str, entry: dict, reference: list[int],
 def run_vllm(rows: list[dict], target: LoadedModel, prompts: list[tuple[str, list[int]]], eos: list[int],
              max_tokens: int, ks: list[int], lookup: Lookup, ours: Mapping[tuple[str, int], tuple],
              options: VllmOptions, workdir: Path, env: Mapping[str, str], runtime: Runtime = Runtime(), seed: int = 0,
-             mismatch: Callable[[str, list[int]], dict | None] | None = None) -> dict:
-    """All vLLM runs, after ours (our process idles while they run), attached to the rows; the report's metadata."""
+             mismatch: Callable[[str, list[int]], dict | None] | None = None, trees: list[str] = ("off",)) -> dict:
+    """All vLLM runs, after ours (our process idles while they run), attached to the rows; the report's metadata,
+    with tree_note's line when our rows drafted trees (`trees`: bench's --tree settings)."""
     python = require_python(options.python)
     dtype = str(target.dtype).replace("torch.", "")
     methods = vllm_methods(ks, lookup, options.eagle3, options.draft_model, options.suffix)
@@ -192,11 +216,11 @@ def run_vllm(rows: list[dict], target: LoadedModel, prompts: list[tuple[str, lis
     load_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     result = run_driver(python, request, workdir / "vllm", driver_env(options, env), options.timeout_s)
     load_end = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    failed = attach(rows, result, ours, mismatch)
+    failed, support = attach(rows, result, ours, mismatch), result.get("trees")
     return {"python": str(python), "model": request["model"], "machine": result.get("machine", {}),
             "load_average_start": load_start, "load_average_end": load_end,
             "threads_bind": options.threads_bind or "auto (vLLM's default)", "enforce_eager": options.enforce_eager,
             "lookup": {"prompt_lookup_min": lookup.min_ngram, "prompt_lookup_max": lookup.max_ngram},
             "methods": [{k: m.get(k) for k in ("name", "k", "speculative_config", "load_seconds", "vllm",
                                                 "forward_profiled", "error")} for m in result["methods"]],
-            "failed": failed}
+            "failed": failed, "tree_support": support, "tree_note": tree_note(list(trees), support)}

@@ -6,7 +6,8 @@ specdemo/measure/bench/vllm.py, `import vllm` would find that file instead of vL
 Protocol (PROTOCOL): `python vllm_driver.py REQUEST.json RESULT.json`. The request names the converted model folder,
 the prompts as token ids, the EOS ids, max_tokens and a list of methods ({"name", "speculative_config"}); the result
 holds per method each prompt's new token ids, its wall seconds around llm.generate and the deltas of vLLM's
-spec-decode counters over it (the prometheus counters llm.get_metrics() reads).
+spec-decode counters over it (the prometheus counters llm.get_metrics() reads), and under `trees` whether this vLLM
+can verify draft trees at all (tree_support).
 """
 
 from __future__ import annotations
@@ -177,6 +178,21 @@ def environment() -> dict:
             "env": {k: os.environ[k] for k in keys if k in os.environ}}
 
 
+def tree_support() -> dict:
+    """Whether this vLLM can verify draft trees: upstream's form is SpeculativeConfig.speculative_token_tree with its
+    tree attention backend (TREE_ATTN). vLLM 0.32.0's CPU build has neither: the config forbids unknown keys, and
+    the CPU platform selects CPU_ATTN, which takes causal masks only (docs/vllm.md#draft-trees)."""
+    try:
+        import vllm
+        from vllm.config import SpeculativeConfig
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    except Exception as exc:  # another vLLM layout: said as unknown, the runs go on
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"vllm": vllm.__version__,
+            "speculative_token_tree": "speculative_token_tree" in getattr(SpeculativeConfig, "__dataclass_fields__", {}),
+            "tree_attention_backend": "TREE_ATTN" in AttentionBackendEnum.__members__}
+
+
 def run_one(request_path: str, index: int, result_path: str) -> int:
     """Child process: one method, one engine; its result (or its error) as JSON."""
     request = json.loads(Path(request_path).read_text())
@@ -207,7 +223,8 @@ def run_all(request_path: str, result_path: str) -> int:
             methods.append({"name": method["name"], "k": method.get("k"),
                             "speculative_config": method.get("speculative_config"),
                             "error": f"the vLLM process exited with status {proc.returncode} and wrote no result"})
-    Path(result_path).write_text(json.dumps({"protocol": PROTOCOL, "machine": environment(), "methods": methods}))
+    Path(result_path).write_text(json.dumps({"protocol": PROTOCOL, "machine": environment(), "methods": methods,
+                                             "trees": tree_support()}))
     return 0
 
 
