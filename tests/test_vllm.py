@@ -15,12 +15,13 @@ from types import SimpleNamespace
 import pytest
 from test_bench_run import tiny_pair, tiny_rows
 
-from specdemo.config import SuffixConfig
+from specdemo.config import GenerationConfig, SuffixConfig
 from specdemo.drafters import NgramDrafter
 from specdemo.measure.bench import main as bench_main
 from specdemo.measure.bench.cli import bench_config, parser
 from specdemo.measure.bench.outputs import html, markdown, vllm_markdown
 from specdemo.measure.bench.report import build_report
+from specdemo.measure.bench.run import first_setting
 from specdemo.measure.bench.vllm import (
     DRIVER,
     PROTOCOL,
@@ -138,13 +139,15 @@ def test_driver_round_trip_reports_each_methods_error(tmp_path):
 def test_a_tree_bench_says_in_one_line_that_vllms_rows_are_chains(tmp_path):
     """`bench --anchors vllm --tree auto|N`: vLLM 0.32 verifies no trees, so its rows are chains; the report says so
     (config.vllm.tree_note, the Markdown's vLLM section) from what the driver found in the installed vLLM, and says
-    nothing for chains against chains. Here through the real driver under a python without vLLM: unknown, said so."""
+    nothing for chains against chains. Here through the real driver under a python without vLLM: unknown, said so.
+    With a list of settings vLLM's figures go beside the first setting's rows, whose runs `ours` holds."""
     no_trees = {"vllm": "0.32.0", "speculative_token_tree": False, "tree_attention_backend": False}
     assert tree_note(["off"], no_trees) is None
-    note = tree_note(["off", "auto", "8"], no_trees)
+    note = tree_note(["auto", "off", "8"], no_trees)
     assert note == ("vLLM 0.32.0 verifies no draft trees (no speculative_token_tree in its SpeculativeConfig and no "
-                    "tree attention backend; docs/vllm.md#draft-trees): its rows are chains at the same k beside our "
-                    "--tree auto,8 rows")
+                    "tree attention backend; docs/vllm.md#draft-trees): its rows are chains at the same k, set beside "
+                    "our --tree auto rows")
+    assert tree_note(["off", "auto"], no_trees).endswith("beside our --tree off rows")  # where `runs` has them
     assert "runs only its chains" in tree_note(["4"], {**no_trees, "speculative_token_tree": True,
                                                        "tree_attention_backend": True})
     assert "no tree attention backend" in tree_note(["4"], {**no_trees, "speculative_token_tree": True})
@@ -155,8 +158,11 @@ def test_a_tree_bench_says_in_one_line_that_vllms_rows_are_chains(tmp_path):
     meta = run_vllm([], target, [("a", [1, 2, 3])], [0], 8, [2], Lookup(1, 8), {}, VllmOptions(python=sys.executable),
                     tmp_path, env, trees=["auto"])
     assert meta["tree_note"].startswith("this vLLM: whether it verifies draft trees is unknown (ModuleNotFoundError")
-    assert meta["tree_note"].endswith("its rows are chains at the same k beside our --tree auto rows")
+    assert meta["tree_note"].endswith("its rows are chains at the same k, set beside our --tree auto rows")
     assert [f["name"] for f in meta["failed"]] == ["plain", "ngram"]
+    rows = [{"id": "a", "verification": "greedy", "tree": t} for t in ("auto", "off", "8")]
+    config = GenerationConfig(tree="auto")  # greedy: the rule the vLLM anchor requires
+    assert first_setting(rows, config) == rows[:1]  # vLLM's figures go beside the first setting's rows only
 
 
 # --- report -------------------------------------------------------------------------------------------------------

@@ -271,9 +271,16 @@ def vllm_anchor(bc: BenchConfig, pair: Pair, items: list[PromptItem], prompt_ids
     def mismatch(pid: str, ids: list[int]) -> dict | None:
         return first_mismatch(pair.target, by_id[pid], reference[pid], ids)
 
-    return run_vllm(rows, pair.target, list(by_id.items()), sorted(eos_ids(pair.target.model, pair.target.tokenizer)),
-                    config.max_new_tokens, ks, Lookup.of(pair.drafter), ours, options, Path(bc.out), os.environ,
-                    bc.runtime, bc.seed, mismatch, checks.trees(bc.tree_setting))
+    return run_vllm(first_setting(rows, config), pair.target, list(by_id.items()),
+                    sorted(eos_ids(pair.target.model, pair.target.tokenizer)), config.max_new_tokens, ks,
+                    Lookup.of(pair.drafter), ours, options, Path(bc.out), os.environ, bc.runtime, bc.seed, mismatch,
+                    checks.trees(bc.tree_setting))
+
+
+def first_setting(rows: list[dict], config: GenerationConfig) -> list[dict]:
+    """The rows of the first verification rule and tree setting (config's): the runs `runs[k]` keeps, so the ones
+    vLLM's figures go beside (with --verification or --tree lists, the other settings' rows get none)."""
+    return [r for r in rows if (r["verification"], r["tree"]) == (config.sampling.rule, config.tree)]
 
 
 def run_bench(bc: BenchConfig) -> dict:

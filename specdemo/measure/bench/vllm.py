@@ -132,26 +132,23 @@ def run_driver(python: Path, request: dict, workdir: Path, env: Mapping[str, str
 
 
 def tree_note(trees: list[str], support: Mapping | None) -> str | None:
-    """One line for the report when our rows draft trees (--tree other than off): what vLLM can set beside them. The
-    driver's tree_support says whether the installed vLLM has speculative_token_tree and a tree attention backend;
-    either way the anchor runs vLLM's chains, at the same k. None when every setting is off (chains against chains)."""
-    ours = [t for t in trees if t != "off"]
-    if not ours:
+    """One line for the report when our rows draft trees (a --tree setting other than off): what vLLM's rows are
+    beside them. The driver's tree_support says whether the installed vLLM has speculative_token_tree and a tree
+    attention backend; either way the anchor runs vLLM's chains at the same k, set beside the rows of our first
+    setting (trees[0]). None when every setting is off (chains against chains)."""
+    if all(t == "off" for t in trees):
         return None
-    ours_text = f"our --tree {','.join(ours)} rows"
+    beside = f"its rows are chains at the same k, set beside our --tree {trees[0]} rows"
     support = support or {}
     version = f"vLLM {support['vllm']}" if support.get("vllm") else "this vLLM"
     if support.get("speculative_token_tree") and support.get("tree_attention_backend"):
-        return (f"{version} has speculative_token_tree, but this bench runs only its chains: its rows are chains at "
-                f"the same k beside {ours_text}")
+        return f"{version} has speculative_token_tree, but this bench runs only its chains: {beside}"
     if "speculative_token_tree" in support:
         missing = [n for n, key in (("no speculative_token_tree in its SpeculativeConfig", "speculative_token_tree"),
                                     ("no tree attention backend", "tree_attention_backend")) if not support.get(key)]
-        return (f"{version} verifies no draft trees ({' and '.join(missing)}; docs/vllm.md#draft-trees): its rows "
-                f"are chains at the same k beside {ours_text}")
+        return f"{version} verifies no draft trees ({' and '.join(missing)}; docs/vllm.md#draft-trees): {beside}"
     why = support.get("error") or "the driver did not say"
-    return (f"{version}: whether it verifies draft trees is unknown ({why}); its rows are chains at the same k beside "
-            f"{ours_text}")
+    return f"{version}: whether it verifies draft trees is unknown ({why}); {beside}"
 
 
 def drafting_steps(sd_run) -> int:
