@@ -306,12 +306,17 @@ def test_our_prompt_lookup_is_vllms_ngram_except_for_short_matches():
 @NEEDS_VLLM
 def test_vllm_ngram_greedy_output_is_ours_on_three_prompts(tmp_path, monkeypatch):
     """The bench with --anchors vllm on the bundled model: vLLM's plain and ngram (k = 4) greedy tokens equal our
-    autoregressive tokens on the first three dev prompts, and its spec-decode counters are consistent."""
+    autoregressive tokens on the first three dev prompts, and its spec-decode counters are consistent. Under
+    --tree off,auto its figures sit beside the chain rows only, and the report says in one line that they are chains."""
     monkeypatch.setenv(VLLM_PYTHON_ENV, str(vllm_python()))
     assert bench_main(["--limit", "3", "--max-new-tokens", "32", "--k", "4", "--drafter", "ngram", "--anchors",
-                       "vllm", "--out", str(tmp_path), "--quiet", "--no-theory"]) == 0
+                       "vllm", "--tree", "off,auto", "--out", str(tmp_path), "--quiet", "--no-theory"]) == 0
     report = json.loads((tmp_path / "bench.json").read_text())
-    v = report["anchors"]["vllm"]
+    v, tree_rows = report["anchors"]["vllm"], [r for r in report["results"] if r["tree"] == "auto"]
+    assert len(tree_rows) == 3 and not any(k.startswith("vllm_") for r in tree_rows for k in r)
+    report["results"] = [r for r in report["results"] if r["tree"] == "off"]
+    assert "its rows are chains at the same k, set beside our --tree off rows" in report["config"]["vllm"]["tree_note"]
+    assert "**Draft trees:** " in (tmp_path / "bench.md").read_text()
     diffs = {r["id"]: {m: r.get(f"vllm_{m}_mismatch") for m in ("plain", "ngram")} for r in report["results"]}
     assert v["plain_identical_fraction"] == 1.0 and v["ngram_identical_fraction"] == 1.0, diffs
     assert not report["config"]["vllm"]["failed"]
