@@ -188,8 +188,8 @@ def tree_support() -> dict:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
     except Exception as exc:  # another vLLM layout: said as unknown, the runs go on
         return {"error": f"{type(exc).__name__}: {exc}"}
-    return {"vllm": vllm.__version__,
-            "speculative_token_tree": "speculative_token_tree" in getattr(SpeculativeConfig, "__dataclass_fields__", {}),
+    fields = getattr(SpeculativeConfig, "__dataclass_fields__", {})
+    return {"vllm": vllm.__version__, "speculative_token_tree": "speculative_token_tree" in fields,
             "tree_attention_backend": "TREE_ATTN" in AttentionBackendEnum.__members__}
 
 
