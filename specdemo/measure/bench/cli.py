@@ -84,7 +84,8 @@ def parser() -> argparse.ArgumentParser:
     add_placement_args(p)
     add_runtime_args(p)
     p.add_argument("--dtype", default=D.dtype)
-    p.add_argument("--threads", type=arg(checks.count("threads")), default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=arg(checks.count("threads")), default=None,
+                   help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-chat-template", action="store_true")
     p.add_argument("--no-theory", action="store_true", help="skip the verify-cost micro-benchmark and theory curve")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -192,7 +192,8 @@ def verify_costs(rows: list[dict]) -> dict:
             entry = pooled.setdefault(int(nodes), [0, 0.0])
             entry[0], entry[1] = entry[0] + passes, entry[1] + seconds
     return {str(n): {"passes": p, "ms_per_pass": 1000 * ratio(s, p),
-                     "vs_1_token_pass": ratio(ratio(s, p), one) if one else None} for n, (p, s) in sorted(pooled.items())}
+                     "vs_1_token_pass": ratio(ratio(s, p), one) if one else None}
+            for n, (p, s) in sorted(pooled.items())}
 
 
 def build_report(config: dict, machine: dict, rows: list[dict], theory: dict | None = None) -> dict:
