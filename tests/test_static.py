@@ -61,7 +61,17 @@ def test_static_runner_gives_the_eager_engines_greedy_tokens(tiny, tiny_tok, cas
 
     eager = _eager(target, tiny.draft, tokens)
     assert isinstance(graphs.new_kv(target, 1, 256), StaticKV)
-    assert tokens() == eager
+    told: list[bool] = []  # each of the engine's passes says how many entries each row feeds, and says it right
+    forward = StaticKV.forward
+
+    def checked(self, tokens, real, keep, layers=None, tree=None, fed=None):
+        told.append(fed is not None and list(fed) == real.sum(1).tolist())
+        return forward(self, tokens, real, keep, layers, tree, fed)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(StaticKV, "forward", checked)
+        assert tokens() == eager
+    assert told and all(told)
     heads = [d for d in (drafters[-1], getattr(drafters[-1], "model", None)) if isinstance(d, Eagle3Drafter)]
     assert all(isinstance(d.kv, StaticHeadKV) for d in heads)
 

@@ -172,9 +172,10 @@ class BatchKV:
                     **with_cache(self.model, self.cache))
 
     def forward(self, tokens: torch.Tensor, real: torch.Tensor, keep: int, layers: tuple[int, ...] | None = None,
-                tree=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                tree=None, fed: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the model on tokens (B, T) after the cache; logits (B, keep, V) and, unless layers is None, the
-        features (B, T, W) of target_features (below). `tree`: the pass is a draft tree's (tree_inputs)."""
+        features (B, T, W) of target_features (below). `tree`: the pass is a draft tree's (tree_inputs). `fed` (each
+        row's real entries) is the static cache's; the slots here read `real` on the host."""
         before = self.cache.get_seq_length()
         inputs = self.inputs(tokens, real) if tree is None else self.tree_inputs(tokens, tree)
         self.width = tokens.shape[1]

@@ -266,8 +266,8 @@ def _prefill(run: _Run, prompts: Sequence[list[int]]) -> BatchEvent:
 def _ar_step(run: _Run) -> BatchEvent:
     """One target pass per row: feed each row's pending token, choose the next."""
     x = torch.tensor(run.chosen, device=run.device)[:, None]
-    run.chosen = _choose(run.kv.forward(x, torch.ones_like(x, dtype=torch.bool), 1)[0][:, -1], run.sampling,
-                         run.rows.gens)
+    logits = run.kv.forward(x, torch.ones_like(x, dtype=torch.bool), 1, fed=[1] * len(run.chosen))[0]
+    run.chosen = _choose(logits[:, -1], run.sampling, run.rows.gens)
     done = run.rows.commit([[t] for t in run.chosen])
     return run.event("ar", done, verify_seconds=run.clock.stop())
 
@@ -290,17 +290,17 @@ def _spec_step(run: _Run, k_policy: KPolicy | None) -> BatchEvent:
 
     run.clock.start()
     tokens, real = right_padded([[row[-1]] + d for row, d in zip(ids, drafted)], run.device)
-    width = tokens.shape[1]
+    width, fed = tokens.shape[1], [1 + len(d) for d in drafted]  # fed: nothing to read back from the device
     if all(t is None for t in trees):  # chains: the pending token and the accepted drafts stay, the rest rolls back
         before = list(run.kv.counts)
-        logits, features = run.kv.forward(tokens, real, width, run.layers)  # (B, W, V)
+        logits, features = run.kv.forward(tokens, real, width, run.layers, fed=fed)  # (B, W, V)
         verified = _verify(logits, tokens, drafted, qs, run.sampling, rows.gens, run.inspect)
         run.kv.keep([n + 1 + v.num_accepted for n, v in zip(before, verified)])
     else:  # trees (chain rows as one-branch trees): each entry at its depth under the ancestry mask; the accepted
         # path's entries stay
         as_trees = [t if t is not None else TokenTree.chain(d) for t, d in zip(trees, drafted)]
         batch = TreeBatch.stack(as_trees, width - 1, run.device)
-        logits, features = run.kv.forward(tokens, real, width, run.layers, tree=batch)  # (B, W, V)
+        logits, features = run.kv.forward(tokens, real, width, run.layers, tree=batch, fed=fed)  # (B, W, V)
         verified = _verify_trees(logits, tokens, as_trees, batch, qs, run.sampling, rows.gens, run.inspect)
         run.kv.keep_entries([[0] + [j + 1 for j in v.path] for v in verified])
     new = [[d[j] for j in v.path] + [v.next_token] for d, v in zip(drafted, verified)]

@@ -267,11 +267,13 @@ class StaticKV(StaticRows):
         return logits[:, -1], hidden
 
     def forward(self, tokens: torch.Tensor, real: torch.Tensor, keep: int, layers: tuple[int, ...] | None = None,
-                tree=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                tree=None, fed: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Tokens (B, T), right-padded (`real` marks each row's first n entries): logits (B, keep, V) of the last
         `keep` columns and, with layers, features (B, T, W); each row's length grows by its real entries. `tree`: the
-        pass is a draft tree's (engine.tree.TreeBatch; entry 0 the pending token)."""
-        fed = real.sum(1).tolist()  # before the pass is queued: reading it after would wait for the whole pass
+        pass is a draft tree's (engine.tree.TreeBatch; entry 0 the pending token). `fed`: each row's real entries
+        where the caller knows them (the engine does), so that nothing is read back from the device."""
+        if fed is None:  # before the pass is queued: reading it after would wait for the whole pass
+            fed = real.sum(1).tolist()
         logits, features = self._pass(tokens, keep, layers, tree=tree)
         self.start = list(self.counts)
         self._advance(fed)
