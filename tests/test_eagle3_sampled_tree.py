@@ -16,7 +16,6 @@ from specdemo.drafters import NgramDrafter, eagle3_tree
 from specdemo.drafters.base import DraftRequest
 from specdemo.drafters.eagle3 import Eagle3Drafter
 from specdemo.drafters.trees import best_subtree
-from specdemo.engine import graphs
 from specdemo.engine.kv import BatchKV
 from specdemo.engine.loop import tree_plan
 from specdemo.engine.tree import TokenTree, sibling_rows
@@ -199,15 +198,6 @@ def test_each_nodes_row_is_the_law_it_was_drawn_from(eagle3_target):
     assert branched >= 4 and [q.tokens for q in propose(0)] != [q.tokens for q in propose(1)]
 
 
-@pytest.fixture(params=["eager", "static"])
-def runner(request, eagle3_target):
-    """The eager engine, or the static runner (uncaptured on the CPU) serving the 8-layer target."""
-    if request.param == "static":
-        assert graphs.attach(eagle3_target, "on") is not None
-    yield request.param
-    graphs.detach(eagle3_target)
-
-
 class Counted(Eagle3Drafter):
     """A head drafter that counts the trees it proposes (more than one child somewhere)."""
 
@@ -220,8 +210,8 @@ class Counted(Eagle3Drafter):
 
 
 @pytest.mark.parametrize("rows", [1, 40])
-def test_sampled_decodes_with_the_heads_trees_keep_the_targets_distribution(runner, eagle3_target, tiny_tok, rows,
-                                                                            monkeypatch):
+def test_sampled_decodes_with_the_heads_trees_keep_the_targets_distribution(eagle3_runner, eagle3_target, tiny_tok,
+                                                                            rows, monkeypatch):
     """The head's sampled trees in the engine (--tree 8, k 2), eager and static: the second new token follows the
     target's distribution (TV < 0.06 over 2,000 seeded rows in batches of 40; < 0.15 over 300 runs at B = 1), and
     the drafter proposed trees in most steps."""

@@ -14,17 +14,8 @@ from specdemo.config import GenerationConfig, SamplingConfig
 from specdemo.drafters import Drafter, eagle3_tree
 from specdemo.drafters.base import DraftRequest
 from specdemo.drafters.eagle3 import Eagle3Drafter
-from specdemo.engine import decode, graphs, row_outputs
+from specdemo.engine import decode, row_outputs
 from specdemo.engine.kv import BatchKV
-
-
-@pytest.fixture(params=["eager", "static"])
-def runner(request, eagle3_target):
-    """The eager engine, or the static runner (uncaptured on the CPU) serving the 8-layer target."""
-    if request.param == "static":
-        assert graphs.attach(eagle3_target, "on") is not None
-    yield request.param
-    graphs.detach(eagle3_target)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +87,7 @@ class Lockstep(Drafter):
 
 
 @pytest.mark.parametrize("rows", [1, 4])
-def test_greedy_trees_and_the_chain_they_start_with(runner, eagle3_target, head, tiny_tok, rows):
+def test_greedy_trees_and_the_chain_they_start_with(eagle3_runner, eagle3_target, head, tiny_tok, rows):
     """A random EAGLE-3 head's dynamic trees (top candidates per node, greedy): the target's own tokens at B = 1 and
     4, eager and static, and every tree starts with the chain the head drafts from the same state, so drafting trees
     leaves its cache as drafting chains does."""
