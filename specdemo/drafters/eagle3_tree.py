@@ -95,16 +95,27 @@ def draft_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Te
             trees[r].add(feature[r], -1, probs[r], ids[r], True)
     base, true_valid = list(drafter.kv.counts), drafter.kv.visible()  # the true entries: the past
     for depth in range(1, max(ks, default=0)):
-        feed = [t.to_expand(depth, request.eos_token_ids) if depth < ks[r] else [] for r, t in enumerate(trees)]
-        width = max(map(len, feed), default=0)
-        if width == 0:
+        if (level := _level(drafter, trees, request, depth, base, true_valid)) is None:
             break
-        out = _expand(drafter, trees, feed, width, depth, base, true_valid)  # (B, W, H)
-        fed = [(r, j, n) for r, nodes in enumerate(feed) for j, n in enumerate(nodes)]
-        probs, ids, peak = _top(drafter, torch.stack([out[r, j] for r, j, _ in fed]))
-        for (r, j, n), p, i, top1 in zip(fed, probs, ids, peak):
-            trees[r].add(out[r, j], n, p, i, top1 >= drafter.min_confidence)
+        fed, outs = level
+        probs, ids, peak = _top(drafter, outs)
+        for (r, n), out, p, i, top1 in zip(fed, outs, probs, ids, peak):
+            trees[r].add(out, n, p, i, top1 >= drafter.min_confidence)
     return [_proposal(t, request.nodes(r), request.tree_by_cost, drafter.pass_costs) for r, t in enumerate(trees)]
+
+
+def _level(drafter: Eagle3Drafter, trees: list[_Row], request: DraftRequest, depth: int, base: list[int],
+           true_valid: torch.Tensor) -> tuple[list[tuple[int, int]], torch.Tensor] | None:
+    """One depth's head pass: each row's nodes to expand (_Row.to_expand; none at or past the row's k), fed in one
+    pass (_expand). Returns ((row, node) of each fed node, the output each one's children are chosen from (N, H)),
+    or None when no row has a node left to expand."""
+    feed = [t.to_expand(depth, request.eos_token_ids) if depth < request.ks[r] else [] for r, t in enumerate(trees)]
+    width = max(map(len, feed), default=0)
+    if width == 0:
+        return None
+    out = _expand(drafter, trees, feed, width, depth, base, true_valid)  # (B, W, H)
+    fed = [(r, j, n) for r, nodes in enumerate(feed) for j, n in enumerate(nodes)]
+    return [(r, n) for r, _, n in fed], torch.stack([out[r, j] for r, j, _ in fed])
 
 
 def _expand(drafter: Eagle3Drafter, trees: list[_Row], feed: list[list[int]], width: int, depth: int,
@@ -191,16 +202,13 @@ def draft_sampled_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: 
                     drawn[r].append(pick)
                 ids = drafter.head.subset[picks].tolist() if picks else []
                 tree.add(out, node, q_n[picks].tolist() if picks else [], ids, True)
-        feed = [t.to_expand(depth, request.eos_token_ids) if depth < ks[r] else [] for r, t in enumerate(trees)]
-        width = max(map(len, feed), default=0)
-        if width == 0:
+        if (level := _level(drafter, trees, request, depth, base, true_valid)) is None:
             break
-        out = _expand(drafter, trees, feed, width, depth, base, true_valid)  # (B, W, H)
-        fed = [(r, j, n) for r, nodes in enumerate(feed) for j, n in enumerate(nodes)]
-        q = logits_to_probs(drafter.head.logits(torch.stack([out[r, j] for r, j, _ in fed])), sampling)  # (N, S)
+        fed, outs = level
+        q = logits_to_probs(drafter.head.logits(outs), sampling)  # (N, S)
         opened = [[] for _ in range(rows)]
-        for (r, j, n), q_n in zip(fed, q):
-            opened[r].append((n, q_n, out[r, j]))
+        for (r, n), q_n, out in zip(fed, q, outs):
+            opened[r].append((n, q_n, out))
     vocab = drafter.head.c.vocab_size
     return [_sampled_proposal(t, law, d, drafter.head.subset, vocab) for t, law, d in zip(trees, laws, drawn)]
 
