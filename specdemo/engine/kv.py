@@ -217,14 +217,12 @@ class BatchKV:
         a chain's kept entries already lie there, and nothing is copied), and the rest roll back as a chain's do. So a
         tree step leaves no more holes than a chain step: holes make every later pass attend over them, under a mask,
         until a compaction gathers the whole cache."""
-        width, entries = self.width, [list(e) for e in entries]
-        if any(e != list(range(len(e))) for e in entries):
-            base, m = self.slots.length - width, max(len(e) for e in entries)
-            src = torch.tensor([[base + (e[i] if i < len(e) else i) for i in range(m)] for e in entries])
-            dst = base + torch.arange(m).expand(len(entries), m)
+        width = self.width
+        moves = path_moves([self.slots.length - width] * len(entries), entries)
+        if moves is not None:
             for layer in self.cache.layers:
                 for buf in (layer.keys, layer.values):
-                    move_slots(buf, src.to(buf.device), dst.to(buf.device))
+                    move_slots(buf, *(m.to(buf.device) for m in moves))
         crop_cache(self.cache, self.slots.keep_entries(width, [range(len(e)) for e in entries]))
 
     def select(self, rows: Sequence[int]) -> None:
@@ -246,6 +244,17 @@ class BatchKV:
                 layer.hold(keys, values)
             else:
                 layer.keys, layer.values = keys, values
+
+
+def path_moves(starts: Sequence[int], entries: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Where a tree step's kept entries go (each row's, ascending from 0, its pass's first entry at slot starts[r]):
+    (src, dst) slots (B, m) on the CPU that copy entry e[i] down to starts[r] + i (past a row's path, a slot onto
+    itself); None when every row's kept entries already lie there (a chain's)."""
+    if all(list(e) == list(range(len(e))) for e in entries):
+        return None
+    m = max(len(e) for e in entries)
+    src = torch.tensor([[s + (e[i] if i < len(e) else i) for i in range(m)] for s, e in zip(starts, entries)])
+    return src, torch.tensor(list(starts))[:, None] + torch.arange(m)
 
 
 def move_slots(buf: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

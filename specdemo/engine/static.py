@@ -20,7 +20,7 @@ import torch
 
 from ..config import MAX_K_ENGINE
 from ..models.placement import execution_device
-from .kv import PAD, right_padded, target_features, with_cache
+from .kv import PAD, path_moves, right_padded, target_features, with_cache
 from .kv import move_slots as _move_slots  # the tests watch this name
 
 CAPACITY_STEP = 256  # a storage's positions per row are a multiple of this, so nearby requests share one (and graphs)
@@ -284,11 +284,9 @@ class StaticKV(StaticRows):
         are copied down to follow the row's length, every layer at once (a gather of at most the path's depth per
         row; a chain's kept entries already lie there, and nothing is copied)."""
         start = self.start
-        if any(list(e) != list(range(len(e))) for e in entries):
-            m = max(len(e) for e in entries)
-            src = torch.tensor([[s + (e[i] if i < len(e) else i) for i in range(m)] for s, e in zip(start, entries)],
-                               device=self.device)  # (rows, m): entries past a row's path stay where they are
-            dst = torch.tensor(start, device=self.device)[:, None] + torch.arange(m, device=self.device)
+        moves = path_moves(start, entries)
+        if moves is not None:
+            src, dst = (m.to(self.device) for m in moves)
             for buf in self.storage.buffers():
                 _move_slots(buf[: self.rows], src, dst)
         self._set_counts([s + len(e) for s, e in zip(start, entries)])
