@@ -101,10 +101,14 @@ class StepEvent:
         if self.accepted_path is None or self.parents is None:
             return self.rejected
         node, out = self.accepted_path[-1] if self.accepted_path else -1, []
-        while (child := next((j for j, a in enumerate(self.parents) if a == node), None)) is not None:
+        while (child := self.first_child(node)) is not None:
             out.append(self.drafted[child])
             node = child
         return out
+
+    def first_child(self, node: int) -> int | None:
+        """A tree step's first drafted child of `node` (-1: the pending token), or None."""
+        return next((j for j, a in enumerate(self.parents or ()) if a == node), None)
 
 
 @dataclass

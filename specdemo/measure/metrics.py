@@ -106,7 +106,7 @@ def first_branch_tokens(event: StepEvent) -> int:
         return len(event.tokens)
     kept, node = 0, -1
     for j in event.accepted_path or []:
-        if j != next((c for c, a in enumerate(event.parents) if a == node), None):
+        if j != event.first_child(node):
             break
         kept, node = kept + 1, j
     return min(kept + 1, len(event.tokens))
