@@ -28,7 +28,7 @@ from ...config import (
 from ...drafters.base import SharedState
 from ...drafters.registry import get, options_of
 from ...drafters.resolve import default_draft, starting_k
-from ...engine import encode_prompt, eos_ids, graphs
+from ...engine import encode_prompt, eos_ids
 from ...engine.loop import tree_plan
 from ...engine.timing import ForwardTimer, verify_costs_for
 from ...models.eagle3 import eagle3_export
@@ -180,9 +180,10 @@ def bench_prompt(pair, item: PromptItem, prompt_ids: list[int], ks: list[int], c
             "draft_seconds": s.draft_seconds, "verify_seconds": s.verify_seconds,
             "ar_engine_seconds": a.seconds, "sd_engine_seconds": s.seconds,
             "speculative_decoding": speculative_decoding(steps_of(sd.run.events), k),  # vLLM's names
-            "runner": graphs.describe(model),  # how our passes ran: CUDA graphs, static uncaptured, or eager (why)
         }
-        if "draft" in (runners := runner_info(pair)):  # and a draft LM's or an EAGLE-3 head's
+        runners = runner_info(pair)  # how our passes ran: CUDA graphs, static uncaptured, or eager (why)
+        row["runner"] = runners["target"]
+        if "draft" in runners:  # and a draft LM's or an EAGLE-3 head's
             row["draft_runner"] = runners["draft"]
         put(row, "ar", ar)
         put(row, "sd", sd)
