@@ -91,6 +91,15 @@ def save_tiny_folder(path, layers: int):
 WORDS = [f"w{i}" for i in range(1, 16)]
 
 
+@pytest.fixture
+def load_time_costs(monkeypatch):
+    """--tree auto sizes trees by the pass costs a test gives its drafter alone: the run's own step timings (which on
+    tiny models say little) never correct them (engine.timing.StepCosts)."""
+    from specdemo.engine.timing import StepCosts
+
+    monkeypatch.setattr(StepCosts, "MIN_SAMPLES", 10**9)
+
+
 @pytest.fixture(scope="session")
 def tiny_tok():
     return tiny_tokenizer(WORDS)

@@ -144,7 +144,7 @@ def test_one_tree_step_emits_the_targets_law_exactly(monkeypatch, small, case):
         _, hidden = BatchKV(target, 1).prefill([PROMPT], head.target_layers)
     drafter = Eagle3Drafter(head, min_confidence=min_confidence)
     drafter.pass_costs = costs
-    request = DraftRequest([IDS], [k], sampling, [None], frozenset({0}), [nodes], costs is not None)
+    request = DraftRequest([IDS], [k], sampling, [None], frozenset({0}), [nodes], costs)
     proposals = every_proposal(monkeypatch, drafter, hidden, request)
     p = Target(target, sampling)
     exact = {(y, z): float(p(())[y] * p((y,))[z]) for y in range(V) for z in range(V)}

@@ -170,7 +170,7 @@ class Asked(NgramDrafter):
         self.asked = []
 
     def propose(self, request):
-        self.asked.append((list(request.tree_nodes), request.tree_by_cost))
+        self.asked.append((list(request.tree_nodes), request.tree_costs))
         return super().propose(request)
 
 
@@ -195,15 +195,16 @@ def test_tree_off_and_block_verification_draft_todays_chains(runner, tiny_target
                 assert s.parents is None and s.drafted == NgramDrafter().lookup(ids[i], s.k, frozenset({0}))
                 chains += bool(s.drafted)
             ids[i] += s.tokens
-    assert chains and all(not any(n) and not by_cost for n, by_cost in drafter.asked) and not moves
+    assert chains and all(not any(n) and costs is None for n, costs in drafter.asked) and not moves
     if runner == "static" and sampling.greedy:
         list(decode(tiny_target, tiny_tok, PROMPTS, GenerationConfig(max_new_tokens=40, tree="8"), Asked()))
         assert moves
 
 
-def test_auto_adds_branches_only_where_they_pay(runner, tiny_target, tiny_draft, tiny_tok):
+def test_auto_adds_branches_only_where_they_pay(runner, tiny_target, tiny_draft, tiny_tok, load_time_costs):
     """--tree auto: with a GPU's flat pass costs prompt lookup verifies trees; where every node costs a whole pass it
-    drafts the chain alone (the drafts of --tree off, step for step) and the result says auto fell back to chains."""
+    drafts the chain alone (the drafts of --tree off, step for step) and the result says auto fell back to chains.
+    (The load-time costs alone: the run's own steps would correct them, test_step_costs.)"""
     config = GenerationConfig(max_new_tokens=40, num_draft_tokens=4)
     off = list(decode(tiny_target, tiny_tok, PROMPTS, GenerationConfig(max_new_tokens=40, tree="off"),
                       make("ngram", tiny_draft)))

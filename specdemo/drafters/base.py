@@ -27,9 +27,10 @@ class DraftRequest:
     target's cache) with at most ks[r] tokens (0: nothing this step), sampling from generators[r].
 
     tree_nodes[r] > 0 lets a drafter that drafts trees propose one of up to that many nodes, none deeper than ks[r]
-    (empty or 0: a chain, as every drafter proposes by default). tree_by_cost (--tree auto): cut each tree where its
-    nodes stop paying for the wider pass, by the target's pass costs the drafter was given at load; a drafter without
-    them proposes a chain."""
+    (empty or 0: a chain, as every drafter proposes by default). tree_costs (--tree auto): cut each tree where its
+    nodes stop paying for the wider step, by these costs ({n: a step verifying n drafted tokens over a 1-token pass},
+    the engine's: the target's pass costs timed at load, corrected by the run's own steps, engine.timing.StepCosts);
+    None: no cut."""
 
     ids: Sequence[list[int]]
     ks: Sequence[int]
@@ -37,12 +38,12 @@ class DraftRequest:
     generators: Sequence[torch.Generator | None]
     eos_token_ids: frozenset[int] = frozenset()
     tree_nodes: Sequence[int] = ()
-    tree_by_cost: bool = False
+    tree_costs: dict[int, float] | None = None
 
     def row(self, r: int, k: int | None = None) -> DraftRequest:
         """Row r alone (with another k when given), for drafters that work row by row."""
         return DraftRequest([self.ids[r]], [self.ks[r] if k is None else k], self.sampling, [self.generators[r]],
-                            self.eos_token_ids, self.tree_nodes[r : r + 1], self.tree_by_cost)
+                            self.eos_token_ids, self.tree_nodes[r : r + 1], self.tree_costs)
 
     def nodes(self, r: int) -> int:
         """Row r's node budget for a tree (0: a chain)."""

@@ -101,7 +101,7 @@ def draft_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Te
         probs, ids, peak = _top(drafter, outs)
         for (r, n), out, p, i, top1 in zip(fed, outs, probs, ids, peak):
             trees[r].add(out, n, p, i, top1 >= drafter.min_confidence)
-    return [_proposal(t, request.nodes(r), request.tree_by_cost, drafter.pass_costs) for r, t in enumerate(trees)]
+    return [_proposal(t, request.nodes(r), request.tree_costs) for r, t in enumerate(trees)]
 
 
 def _level(drafter: Eagle3Drafter, trees: list[_Row], request: DraftRequest, depth: int, base: list[int],
@@ -146,7 +146,7 @@ def feature_width(trees: list[_Row]) -> int:
     return next(t.source[0].shape[-1] for t in trees if t.source)
 
 
-def _proposal(tree: _Row, nodes: int, by_cost: bool, pass_costs: dict[int, float] | None) -> Proposal:
+def _proposal(tree: _Row, nodes: int, pass_costs: dict[int, float] | None) -> Proposal:
     """The row's kept tree, the chain's nodes first (a parent still before its children), as a Proposal."""
     if not tree.tokens:
         return Proposal([])
@@ -154,8 +154,7 @@ def _proposal(tree: _Row, nodes: int, by_cost: bool, pass_costs: dict[int, float
     at = {n: i for i, n in enumerate(order)}
     full = TokenTree(tuple(tree.tokens[n] for n in order),
                      tuple(at[tree.parents[n]] if tree.parents[n] >= 0 else -1 for n in order))
-    kept_tree, kept = branch_out(full, [tree.values[n] for n in order], pass_costs if by_cost else None, nodes,
-                                 len(tree.chain))
+    kept_tree, kept = branch_out(full, [tree.values[n] for n in order], pass_costs, nodes, len(tree.chain))
     return Proposal(list(kept_tree.tokens), token_probs=[tree.q[order[j]] for j in kept],
                     parents=list(kept_tree.parents))
 
@@ -189,7 +188,7 @@ def draft_sampled_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: 
     opened: list[list[Open]] = [[(-1, q[r], feature[r])] if ks[r] > 0 and request.nodes(r) > 0 else []
                                 for r in range(rows)]
     base, true_valid = list(drafter.kv.counts), drafter.kv.visible()  # the true entries: the past
-    costs = drafter.pass_costs if request.tree_by_cost else None
+    costs = request.tree_costs
     for depth in range(1, max(ks, default=0) + 1):
         for r, tree in enumerate(trees):
             counts = _allot(tree, opened[r], depth, ks[r], request.nodes(r), drafter.min_confidence, costs)

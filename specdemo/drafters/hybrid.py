@@ -108,7 +108,7 @@ class HybridDrafter(Drafter):
         for q in chain.token_probs or [1.0] * n:
             reach.append(reach[-1] * q)
         values = [v * (1.0 - reach[1]) for v in lookup_values(tree, support)]
-        costs = shifted_costs(self.pass_costs, n) if request.tree_by_cost and self.pass_costs else None
+        costs = shifted_costs(request.tree_costs, n) if request.tree_costs else None
         tree, _ = best_subtree(tree, values, costs, request.nodes(r) - n, start=sum(reach))
         if not len(tree):
             return chain

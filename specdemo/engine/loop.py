@@ -19,7 +19,7 @@ from . import graphs
 from .events import BatchEvent, Committer, Inspection, StepEvent, check_request, eos_ids
 from .kv import check_cache, right_padded
 from .static import needed_capacity
-from .timing import Clock
+from .timing import Clock, StepCosts, step_costs
 from .tree import TokenTree, TreeBatch, greedy_tree_accept_batch, tree_accept_batch
 from .verify import (
     ACCEPT_RULES,
@@ -161,7 +161,8 @@ def _path_features(features: torch.Tensor | None, r: int, path: list[int], tree:
 @dataclass(frozen=True)
 class TreePlan:
     """How a decode drafts: each row's node budget for a draft tree (0: chains), whether the drafter cuts each tree
-    by the target's pass costs (--tree auto), and why, in words."""
+    by what a wider step costs (--tree auto: the target's pass costs timed at load, corrected as the run's steps are
+    timed, engine.timing.StepCosts), and why, in words."""
 
     nodes: int
     by_cost: bool
@@ -192,6 +193,12 @@ def tree_plan(config: GenerationConfig, drafter: Drafter | None, takes_trees: bo
                                  f"(--tree auto)")
 
 
+def auto_costs(drafter: Drafter, rows: int, config: GenerationConfig) -> StepCosts:
+    """The step costs that size this drafter's trees under --tree auto at this batch size, k and sampling: its pass
+    costs timed at load, corrected by its runs' steps (engine.timing.StepCosts)."""
+    return step_costs(drafter, (rows, config.num_draft_tokens, config.sampling.greedy), drafter.pass_costs)
+
+
 class _Run:
     """One decode's state: its rows, the target's cache, the clock, the drafter, each row's pending token (chosen,
     not yet in the cache) and k."""
@@ -210,6 +217,8 @@ class _Run:
         self.chosen: list[int] = []
         self.row_k = [config.num_draft_tokens] * len(prompts)
         self.tree = tree_plan(config, drafter, self.kv.takes_trees)
+        # under --tree auto: what steps cost by width, as this drafter's runs have measured them so far
+        self.costs = auto_costs(drafter, len(prompts), config) if self.tree.by_cost else None
 
     def warm(self, widths: Sequence[int]) -> None:
         """Capture the passes of these widths before the clock runs, where a graph runner serves the target."""
@@ -282,7 +291,8 @@ def _spec_step(run: _Run, k_policy: KPolicy | None) -> BatchEvent:
     ids = [out.ids for out in rows.out]  # ids[r][-1] is pending: not yet in the target's cache
     ks = [max(0, min(k, config.max_new_tokens - out.num_generated - 1)) for k, out in zip(run.row_k, rows.out)]
     nodes = [run.tree.nodes if k > 0 else 0 for k in ks]
-    proposals = (drafter.propose(DraftRequest(ids, ks, run.sampling, rows.gens, run.eos, nodes, run.tree.by_cost))
+    costs = run.costs.costs() if run.costs is not None else None
+    proposals = (drafter.propose(DraftRequest(ids, ks, run.sampling, rows.gens, run.eos, nodes, costs))
                  if max(ks) > 0 else [Proposal([]) for _ in ks])
     trees, drafted, qs, token_probs = map(list, zip(*(_as_verified(p, k, n) for p, k, n in zip(proposals, ks,
                                                                                                  nodes))))
@@ -310,6 +320,8 @@ def _spec_step(run: _Run, k_policy: KPolicy | None) -> BatchEvent:
     done = rows.commit(new)
     run.kv.compact()
     verify_seconds = run.clock.stop()
+    if run.costs is not None and max(ks) > 0:
+        run.costs.add(width, draft_seconds + verify_seconds)
     if config.dynamic_k and k_policy is None:  # transformers' heuristic per row: +2 after a full acceptance, else -1
         run.row_k = [(min(k + 2, MAX_K_ENGINE) if v.num_accepted == len(d) == k else max(1, k - 1)) if d else k
                      for k, v, d in zip(run.row_k, verified, drafted)]

@@ -9,8 +9,10 @@ Knows models only as callables with a KV cache; no decoding, no metrics.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -189,3 +191,64 @@ def load_time_verify_costs(model, probe: list[int], k_max: int) -> dict[int, flo
         memo[k_max] = {n: round(c, 3) for n, c in zip(measured, nondecreasing(list(measured.values())))}
         log.info("verify pass costs at load: %s", memo[k_max])
     return memo[k_max]
+
+
+class StepCosts:
+    """What steps cost by their verify width as a run goes, the costs that size draft trees under --tree auto.
+
+    Each speculative step's seconds (drafting and verifying: a wider tree costs the drafter more too) are kept by
+    width, the last WINDOW per width. `costs()` is the load-time pass costs (`prior`, {n: an (n+1)-token pass over a
+    1-token one}) with the measured widths' costs put in their place: once two widths have MIN_SAMPLES steps, a
+    width's cost over the narrowest measured one is the ratio of their median step seconds; a width between measured
+    ones keeps the prior's ratio to its measured neighbours, one beyond the widest costs at least the line through the
+    two widest measured. So a tree is sized by what steps of its width cost on this machine now, not by a few passes
+    timed at load (on a shared 2-core machine those put a 9-token pass at 1.08x a 2-token one where the runs measured
+    1.28x: docs/notes/trees-cpu-2026-12-04.md)."""
+
+    WINDOW = 24
+    MIN_SAMPLES = 3
+
+    def __init__(self, prior: dict[int, float]):
+        self.prior = prior
+        self.seconds: dict[int, deque] = {}
+
+    def add(self, width: int, seconds: float) -> None:
+        """One step that verified `width` tokens per row took `seconds`."""
+        self.seconds.setdefault(width, deque(maxlen=self.WINDOW)).append(seconds)
+
+    def measured(self) -> dict[int, float]:
+        """{width: median step seconds} for each width with MIN_SAMPLES steps."""
+        return {w: statistics.median(s) for w, s in sorted(self.seconds.items()) if len(s) >= self.MIN_SAMPLES}
+
+    def costs(self) -> dict[int, float]:
+        """{n: what a step verifying n drafted tokens costs, over a 1-token pass}: the prior with the run's measured
+        ratios between widths in place (see the class), non-decreasing."""
+        prior = self.prior
+        measured = {w - 1: s for w, s in self.measured().items() if w - 1 in prior or w == 1}
+        if len(measured) < 2:
+            return prior
+        base = {0: 1.0, **prior}
+        scale = {n: s / base[n] for n, s in measured.items()}  # seconds per unit of prior cost, where measured
+        first = min(scale)
+        known = sorted((n, v / scale[first]) for n, v in scale.items())  # corrections, 1 at the narrowest
+        (a, ca), (b, cb) = [(n, base[n] * c) for n, c in known[-2:]]  # the two widest measured, as costs
+        out = []
+        for n in sorted(prior):
+            lo = max((x for x in known if x[0] <= n), key=lambda x: x[0], default=known[0])
+            hi = min((x for x in known if x[0] >= n), key=lambda x: x[0], default=known[-1])
+            corr = lo[1] if hi[0] == lo[0] else lo[1] + (hi[1] - lo[1]) * (n - lo[0]) / (hi[0] - lo[0])
+            out.append(max(prior[n] * corr, cb + (cb - ca) * (n - b) / (b - a)) if n > b else prior[n] * corr)
+        return {n: round(c, 3) for n, c in zip(sorted(prior), nondecreasing(out))}
+
+
+# steps' costs measured by runs, per drafter (built for one target) and (batch size, k, greedy): its next run of the
+# same setting starts from what the last one measured, as a server keeps its own timings
+_BY_RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def step_costs(drafter, key: tuple, prior: dict[int, float]) -> StepCosts:
+    """The StepCosts this drafter's runs of `key` share in this process, over `prior` (a newer one replaces it: a
+    recalibration)."""
+    costs = _BY_RUNS.setdefault(drafter, {}).setdefault(key, StepCosts(prior))
+    costs.prior = prior
+    return costs

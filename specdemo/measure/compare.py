@@ -24,7 +24,7 @@ from ..engine import (
     graphs,
     speculative,
 )
-from ..engine.loop import tree_plan
+from ..engine.loop import auto_costs, tree_plan
 from ..models.loading import LoadedModel, load_model
 from ..models.placement import draft_head, draft_lm, drafter_device
 from .metrics import (
@@ -33,6 +33,7 @@ from .metrics import (
     pass_costs,
     run_stats,
     speedup,
+    step_ms_by_width,
     tree_passes,
     tree_steps,
     tree_summary,
@@ -199,10 +200,15 @@ def result_dict(pair: Pair, config: GenerationConfig, ar_events: list[StepEvent]
 
 
 def tree_result(pair: Pair, config: GenerationConfig, sd_events: list[StepEvent]) -> dict:
-    """How the run drafted trees (metrics.tree_summary): the plan, the steps that verified one, what auto did, and
-    tokens per pass with the trees and, greedy, from their first branches alone (metrics.tree_passes)."""
-    return {**tree_summary(tree_plan(config, pair.drafter), *tree_steps(sd_events), pair.drafter.pass_costs,
-                           config.num_draft_tokens), **tree_passes(sd_events, config.sampling.greedy)}
+    """How the run drafted trees (metrics.tree_summary): the plan, the steps that verified one, what auto did (with
+    the costs it sized trees by at the end: the load-time ones corrected by the steps timed so far), tokens per pass
+    with the trees and, greedy, from their first branches alone (metrics.tree_passes), and the steps' times by width
+    (metrics.step_ms_by_width)."""
+    plan = tree_plan(config, pair.drafter)
+    costs = auto_costs(pair.drafter, 1, config).costs() if plan.by_cost else pair.drafter.pass_costs
+    return {**tree_summary(plan, *tree_steps(sd_events), costs, config.num_draft_tokens),
+            **tree_passes(sd_events, config.sampling.greedy), "step_ms_by_width": step_ms_by_width(sd_events),
+            **({"sized_by": costs} if plan.by_cost else {})}
 
 
 def _run_json(events: list[StepEvent], stats: RunStats) -> dict:

@@ -83,6 +83,16 @@ def tree_steps(events: Sequence[StepEvent]) -> tuple[int, int]:
     return sum(e.parents is not None for e in spec), len(spec)
 
 
+def step_ms_by_width(events: Sequence[StepEvent]) -> dict[int, list[float]]:
+    """{verify width: [steps, their median milliseconds (drafting and verifying)]} of one row's speculative steps:
+    what --tree auto's cost model reads (engine.timing.StepCosts)."""
+    by: dict[int, list[float]] = {}
+    for e in events:
+        if e.kind == "spec":
+            by.setdefault(1 + len(e.drafted), []).append(1e3 * (e.draft_seconds + e.verify_seconds))
+    return {w: [len(s), round(median(s), 2)] for w, s in sorted(by.items())}
+
+
 def tree_summary(plan, trees: int, drafted_steps: int, pass_costs: dict[int, float] | None, k: int) -> dict:
     """The result's `tree`: the plan (engine.loop.TreePlan: the node budget, whether auto cut it by pass costs, why)
     and how many drafting steps verified a tree; under auto with none, that it fell back to chains, and the costs

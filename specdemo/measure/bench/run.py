@@ -29,7 +29,7 @@ from ...drafters.base import SharedState
 from ...drafters.registry import get, options_of
 from ...drafters.resolve import default_draft, starting_k
 from ...engine import encode_prompt, eos_ids
-from ...engine.loop import tree_plan
+from ...engine.loop import auto_costs, tree_plan
 from ...engine.timing import ForwardTimer, verify_costs_for
 from ...models.eagle3 import eagle3_export
 from ...prompts import DEFAULT_PROMPTS, PromptItem, read_prompts
@@ -284,6 +284,17 @@ def first_setting(rows: list[dict], config: GenerationConfig) -> list[dict]:
     return [r for r in rows if (r["verification"], r["tree"]) == (config.sampling.rule, config.tree)]
 
 
+def tree_report(config: GenerationConfig, drafter, rows: list[dict], source: str) -> dict:
+    """What one --tree setting drafted over the rows (metrics.tree_summary), and under auto the step costs it sized
+    trees by at the end (the load-time pass costs corrected by the steps its runs timed, engine.timing.StepCosts)."""
+    plan = tree_plan(config, drafter)
+    costs = auto_costs(drafter, 1, config).costs() if plan.by_cost else drafter.pass_costs
+    mine = [r for r in rows if r["tree"] == config.tree]
+    return {"setting": config.tree, "source": source,
+            **tree_summary(plan, sum(r["tree_steps"] for r in mine), sum(r["steps"] for r in mine), costs,
+                           config.num_draft_tokens), **({"sized_by": costs} if plan.by_cost else {})}
+
+
 def run_bench(bc: BenchConfig) -> dict:
     """Load once, warm up, run every prompt, return the report (also written to bc.out)."""
     from tqdm.auto import tqdm
@@ -369,9 +380,8 @@ def run_bench(bc: BenchConfig) -> dict:
     for section, values in pair.drafter.settings().items():  # the options it drafted under, as generate records them
         cfg[section] = {**values, **({"cache": cache} if shared.names() else {})}  # and what it kept across prompts
     source = "--tree" if bc.tree else "the drafter's measured default"
-    plans = {t: {"setting": t, "source": source, **tree_summary(
-        tree_plan(replace(config, tree=t), pair.drafter), sum(r["tree_steps"] for r in rows if r["tree"] == t),
-        sum(r["steps"] for r in rows if r["tree"] == t), pair.drafter.pass_costs, ks[0])} for t in trees}
+    plans = {t: tree_report(replace(config, tree=t, num_draft_tokens=ks[0]), pair.drafter, rows, source)
+             for t in trees}
     cfg["tree"] = plans[trees[0]]
     if len(trees) > 1:  # `bench --tree off,auto,16`: what each setting drafted (the report's by_tree has its figures)
         cfg["trees"] = plans

@@ -1,0 +1,134 @@
+"""--tree auto sized by the run's own steps (engine.timing.StepCosts): the load-time pass costs corrected by what steps
+of each verify width took, and a run whose wide passes cost far more than the load-time costs said stops drafting
+trees once it has timed them, with the target's greedy output all along."""
+
+import time
+
+import pytest
+from test_tree_engine import FLAT, PROMPTS
+
+from specdemo.config import GenerationConfig
+from specdemo.drafters import NgramDrafter
+from specdemo.engine import decode, row_outputs
+from specdemo.engine.timing import StepCosts, step_costs
+
+
+def timed(costs: StepCosts, seconds: dict[int, float], times: int = 3) -> StepCosts:
+    for _ in range(times):
+        for width, s in seconds.items():
+            costs.add(width, s)
+    return costs
+
+
+def test_costs_are_the_prior_until_two_widths_are_timed_enough():
+    prior = {n: 1.0 + 0.1 * n for n in range(1, 9)}
+    costs = StepCosts(prior)
+    assert costs.costs() == prior
+    timed(costs, {4: 0.05}, times=10)  # one width: nothing to compare it with
+    timed(costs, {9: 0.09}, times=StepCosts.MIN_SAMPLES - 1)  # another, too few times
+    assert costs.costs() == prior
+    costs.add(9, 0.09)
+    assert costs.costs() != prior
+
+
+def test_measured_widths_take_the_measured_ratio_and_the_rest_follow_their_neighbours():
+    """Widths 4 and 9 timed at 50 and 80 ms: 3 drafted tokens keep the prior's cost (the narrowest timed), 8 cost
+    1.6x that; between them the correction is interpolated; beyond them a width costs at least the timed slope, or the
+    prior's ratio to the widest timed where that is steeper."""
+    prior = {n: 1.0 + 0.01 * n for n in range(1, 13)}  # a GPU's flat load-time costs
+    out = timed(StepCosts(prior), {4: 0.050, 9: 0.080}).costs()
+    assert out[3] == pytest.approx(prior[3], abs=1e-3)
+    assert out[8] / out[3] == pytest.approx(0.080 / 0.050, abs=1e-3)
+    assert out[1] == pytest.approx(prior[1], abs=1e-3) and out[2] == pytest.approx(prior[2], abs=1e-3)
+    assert out[3] < out[5] < out[8]  # interpolated between the timed widths
+    assert out[12] - out[8] == pytest.approx(4 * (out[8] - out[3]) / 5, abs=1e-3)  # at least the timed slope
+    kinked = {n: 1.0 + 0.2 * n if n <= 8 else 2.6 + 0.5 * (n - 8) for n in range(1, 13)}  # steeper past 8
+    assert timed(StepCosts(kinked), {4: 0.016, 9: 0.026}).costs() == pytest.approx(kinked, abs=1e-3)  # as the prior
+    assert list(out.values()) == sorted(out.values())
+
+
+def test_a_timed_one_token_step_makes_the_costs_wholly_measured_and_dips_are_pooled():
+    prior = {n: 1.0 for n in range(1, 5)}
+    out = timed(StepCosts(prior), {1: 0.010, 3: 0.020, 4: 0.018, 5: 0.030}).costs()
+    assert out[2] == pytest.approx(1.9, abs=1e-3) and out[3] == pytest.approx(1.9, abs=1e-3)  # 2.0 and 1.8, pooled
+    assert out[4] == pytest.approx(3.0, abs=1e-3) and out[1] == pytest.approx(1.5, abs=1e-3)
+
+
+def test_the_window_follows_the_machine():
+    """Only the last WINDOW steps of a width count: a width that got slower is costed at its new pace."""
+    costs = timed(StepCosts({n: 1.0 for n in range(1, 9)}), {4: 0.05, 9: 0.05}, times=StepCosts.WINDOW)
+    assert costs.costs()[8] == pytest.approx(1.0, abs=1e-3)
+    timed(costs, {9: 0.10}, times=StepCosts.WINDOW)
+    assert costs.costs()[8] == pytest.approx(2.0, abs=1e-3)
+
+
+def test_a_drafters_runs_share_their_timings_and_a_new_prior_replaces_the_old():
+    drafter, other = NgramDrafter(), NgramDrafter()
+    first = step_costs(drafter, (1, 4, True), FLAT)
+    assert step_costs(drafter, (1, 4, True), FLAT) is first and step_costs(other, (1, 4, True), FLAT) is not first
+    assert step_costs(drafter, (4, 4, True), FLAT) is not first  # another batch size is another setting
+    assert step_costs(drafter, (1, 4, True), {1: 2.0}).prior == {1: 2.0}
+
+
+class Recording(NgramDrafter):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.costs = []
+
+    def propose(self, request):
+        self.costs.append(request.tree_costs)
+        return super().propose(request)
+
+
+def test_auto_stops_drafting_trees_once_it_has_timed_wide_passes_as_costly(tiny_tok):
+    """A target whose passes cost 3 ms per token beyond the first, squared (a 9-token pass 192 ms, a 5-token one
+    48 ms), behind flat load-time costs: prompt lookup drafts trees at first, and once the run has timed the wider
+    steps no branch pays for them, so its last steps verify chains; every request carried the costs it was sized by,
+    and the output is the target's own."""
+    from conftest import WORDS, tiny_llama
+
+    model = tiny_llama(len(WORDS) + 1, seed=1, sharpness=8.0)
+
+    def slow(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and ids.shape[1] <= 17:  # the decode's passes, not the prefill
+            time.sleep(0.003 * (ids.shape[1] - 1) ** 2)
+
+    handle = model.register_forward_pre_hook(slow, with_kwargs=True)
+    try:
+        config = GenerationConfig(max_new_tokens=64, num_draft_tokens=4)
+        drafter = Recording(pass_costs=FLAT)
+        events = list(decode(model, tiny_tok, PROMPTS[:1], config, drafter))
+    finally:
+        handle.remove()
+    plain = list(decode(model, tiny_tok, PROMPTS[:1], GenerationConfig(max_new_tokens=64)))
+    assert row_outputs(events, 1) == row_outputs(plain, 1)
+    spec = [e.steps[0] for e in events if e.kind == "spec" and e.steps[0].drafted]
+    assert drafter.costs[0] == FLAT and all(c is not None for c in drafter.costs)
+    learned = drafter.costs[-1]
+    assert learned[4] / learned[2] > 2.0 and learned[8] / learned[4] > 1.5, learned  # (4/2)^2 = 4 by the sleeps
+    assert any(s.parents is not None for s in spec[:10])  # flat costs: branches pay
+    assert not any(s.parents is not None for s in spec[-5:]), [len(s.drafted) for s in spec]
+
+
+def test_reports_give_the_steps_by_width_and_the_costs_auto_sized_by(tiny_target, tiny_tok):
+    """A run's steps by verify width (metrics.step_ms_by_width: what the cost model reads) agree with the drafter's
+    StepCosts, and the bench's tree report under auto gives the costs it sized trees by at the end."""
+    from specdemo.engine.loop import auto_costs
+    from specdemo.measure.bench.run import tree_report
+    from specdemo.measure.metrics import step_ms_by_width
+
+    drafter = NgramDrafter(pass_costs=FLAT)
+    config = GenerationConfig(max_new_tokens=48, num_draft_tokens=4)
+    steps = [e.steps[0] for e in decode(tiny_target, tiny_tok, PROMPTS[:1], config, drafter)]
+    by_width = step_ms_by_width(steps)
+    assert sum(n for n, _ in by_width.values()) == sum(s.kind == "spec" for s in steps)
+    costs = auto_costs(drafter, 1, config)
+    measured = {w: s for w, s in costs.measured().items() if w > 1}
+    assert measured, by_width
+    for w, seconds in measured.items():
+        assert by_width[w][0] >= StepCosts.MIN_SAMPLES and by_width[w][1] == pytest.approx(1e3 * seconds, abs=0.01)
+    rows = [{"tree": "auto", "tree_steps": 3, "steps": 20}]
+    report = tree_report(config, drafter, rows, "--tree")
+    assert report["sized_by"] == costs.costs() and report["tree_steps"] == 3 and report["drafted_steps"] == 20
+    assert "sized_by" not in tree_report(GenerationConfig(tree="8"), drafter, [], "--tree")
