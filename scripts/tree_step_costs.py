@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file
 
 from specdemo.config import GenerationConfig  # noqa: E402
 from specdemo.engine import decode, encode_prompt  # noqa: E402
+from specdemo.engine.loop import auto_costs  # noqa: E402
 from specdemo.engine.timing import ForwardTimer  # noqa: E402
 from specdemo.measure.compare import load_pair, warmup  # noqa: E402
 from specdemo.prompts import DEFAULT_PROMPTS, read_prompts  # noqa: E402
@@ -81,6 +82,9 @@ def main() -> None:
     report = {"what": __doc__.splitlines()[0], "drafter": args.drafter, "prompts": len(prompts),
               "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
               "pass_costs_at_load": getattr(drafter, "pass_costs", None), "rows": rows,
+              # what --tree auto sized trees by at the end: the load-time costs corrected by the steps it timed
+              "auto_sized_by": {f"{t}:{k}": auto_costs(drafter, 1, c).costs() for (t, k), c in configs.items()
+                                if t == "auto" and drafter.pass_costs},
               "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
 

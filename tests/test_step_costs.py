@@ -132,3 +132,67 @@ def test_reports_give_the_steps_by_width_and_the_costs_auto_sized_by(tiny_target
     report = tree_report(config, drafter, rows, "--tree")
     assert report["sized_by"] == costs.costs() and report["tree_steps"] == 3 and report["drafted_steps"] == 20
     assert "sized_by" not in tree_report(GenerationConfig(tree="8"), drafter, [], "--tree")
+
+
+def test_off_chain_values_and_what_the_accepted_path_took_there():
+    from specdemo.engine.tree import TokenTree
+
+    tree = TokenTree((5, 6, 7, 8, 9), (-1, 0, -1, 2, 1))  # chain 0 -> 1 -> 4; branches 2 -> 3
+    values = [0.8, 0.6, 0.1, 0.05, 0.5]
+    assert tree.off_chain(values, [0, 1, 4]) == (pytest.approx(0.15), 0)  # all along the chain
+    assert tree.off_chain(values, [2, 3]) == (pytest.approx(0.15), 2)  # both from the branch
+    assert tree.off_chain(values, []) == (pytest.approx(0.15), 0)
+
+
+def test_the_extra_scale_is_what_branches_gave_over_their_values():
+    costs = StepCosts(FLAT)
+    costs.add_extras(1.0, 1)
+    assert costs.extra_scale() == 1.0  # valued at 1 token so far: too little to say
+    for _ in range(9):
+        costs.add_extras(1.0, 0)
+    assert costs.extra_scale() == pytest.approx(0.1)
+    many = StepCosts(FLAT)
+    for _ in range(10):
+        many.add_extras(0.5, 2)
+    assert many.extra_scale() == 2.0  # capped
+
+
+def test_a_low_extra_scale_keeps_fewer_branches():
+    """branch_out under the same costs: branches valued as drafted pay for the wider pass; weighed by what such
+    branches gave (a tenth), none does."""
+    from specdemo.drafters.trees import branch_out
+    from specdemo.engine.tree import TokenTree
+
+    tree = TokenTree((1, 2, 3, 4, 5), (-1, 0, -1, -1, 2))
+    values = [0.9, 0.8, 0.5, 0.4, 0.3]
+    costs = {n: 1.0 + 0.05 * n for n in range(1, 9)}
+    assert len(branch_out(tree, values, costs, 8, 2)[0]) == 5
+    assert len(branch_out(tree, values, costs, 8, 2, scale=0.1)[0]) == 2
+
+
+@pytest.mark.parametrize("kind", ["ngram", "suffix", "hybrid", "hybrid-suffix"])
+def test_tree_drafters_value_their_nodes_and_runs_learn_the_scale(kind, tiny_target, tiny_draft, tiny_tok):
+    """Every tree drafter's trees carry each node's value (Proposal.values); a run under auto records what its
+    branches gave against those values and asks its next drafts with that scale."""
+    from test_tree_engine import make
+
+    from specdemo.engine.loop import auto_costs
+
+    drafter = make(kind, tiny_draft)
+    seen = []
+    propose = drafter.propose
+
+    def recording(request):
+        out = propose(request)
+        seen.append((request.tree_extra_scale, out))
+        return out
+
+    drafter.propose = recording
+    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=4)
+    events = list(decode(tiny_target, tiny_tok, PROMPTS, config, drafter))
+    assert row_outputs(events, 4) == row_outputs(list(decode(tiny_target, tiny_tok, PROMPTS, config)), 4)
+    trees = [p for _, out in seen for p in out if p.parents is not None]
+    assert trees and all(p.values is not None and len(p.values) == len(p.tokens) for p in trees)
+    costs = auto_costs(drafter, 4, config)
+    assert costs.extras and seen[0][0] == 1.0 and seen[-1][0] != 1.0
+    assert seen[-1][0] == pytest.approx(costs.extra_scale(), abs=0.05)  # all but the last step's branches

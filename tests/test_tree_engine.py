@@ -291,11 +291,12 @@ def test_trees_keep_the_bundled_models_greedy_output(bundled, real_ar, kind):
 
 
 def test_a_trimmed_tree_keeps_each_kept_nodes_own_q():
-    """A tree cut by depth keeps a non-prefix set of nodes; the q the inspector shows for each is that node's own."""
+    """A tree cut by depth keeps a non-prefix set of nodes; the q the inspector shows for each, and the value the
+    engine weighs its branches by, is that node's own."""
     from specdemo.drafters.base import Proposal
     from specdemo.engine.loop import _as_verified
 
-    p = Proposal([5, 6, 7, 8], parents=[-1, 0, -1, 2], token_probs=[0.9, 0.8, 0.7, 0.6])
-    tree, tokens, probs, q = _as_verified(p, k=1, nodes=4)  # depth 1 only: nodes 0 and 2
-    assert tokens == [5, 7] and q == [0.9, 0.7] and probs is None
+    p = Proposal([5, 6, 7, 8], parents=[-1, 0, -1, 2], token_probs=[0.9, 0.8, 0.7, 0.6], values=[0.9, 0.7, 0.5, 0.3])
+    tree, tokens, probs, q, values = _as_verified(p, k=1, nodes=4)  # depth 1 only: nodes 0 and 2
+    assert tokens == [5, 7] and q == [0.9, 0.7] and probs is None and values == [0.9, 0.5]
     assert _as_verified(Proposal([5, 6, 7], token_probs=[0.9, 0.8, 0.7]), k=2, nodes=0)[3] == [0.9, 0.8]

@@ -30,7 +30,8 @@ class DraftRequest:
     (empty or 0: a chain, as every drafter proposes by default). tree_costs (--tree auto): cut each tree where its
     nodes stop paying for the wider step, by these costs ({n: a step verifying n drafted tokens over a 1-token pass},
     the engine's: the target's pass costs timed at load, corrected by the run's own steps, engine.timing.StepCosts);
-    None: no cut."""
+    None: no cut. tree_extra_scale: what the nodes beyond the chain have given, over what the drafter valued them at
+    (Proposal.values), in its recent trees (StepCosts.extra_scale); a cut weighs those nodes' values by it."""
 
     ids: Sequence[list[int]]
     ks: Sequence[int]
@@ -39,11 +40,13 @@ class DraftRequest:
     eos_token_ids: frozenset[int] = frozenset()
     tree_nodes: Sequence[int] = ()
     tree_costs: dict[int, float] | None = None
+    tree_extra_scale: float = 1.0
 
     def row(self, r: int, k: int | None = None) -> DraftRequest:
         """Row r alone (with another k when given), for drafters that work row by row."""
         return DraftRequest([self.ids[r]], [self.ks[r] if k is None else k], self.sampling, [self.generators[r]],
-                            self.eos_token_ids, self.tree_nodes[r : r + 1], self.tree_costs)
+                            self.eos_token_ids, self.tree_nodes[r : r + 1], self.tree_costs,
+                            self.tree_extra_scale)
 
     def nodes(self, r: int) -> int:
         """Row r's node budget for a tree (0: a chain)."""
@@ -61,7 +64,9 @@ class Proposal:
     token_probs: q(x_i), the draft's probability of each drafted token under its own processed distribution (greedy
     drafters fill it too: the softmax of their logits at the token); None for a deterministic drafter (q = 1). Only
     the step inspector reads it; acceptance uses `probs`. source: where the tokens came from ("lookup", "model", ...),
-    for the inspector; None when the drafter has one source.
+    for the inspector; None when the drafter has one source. values: a tree's nodes' estimated chances of acceptance,
+    as the drafter valued them when it sized the tree (None: not given); the engine compares them with what the nodes
+    gave (StepCosts.extra_scale).
     """
 
     tokens: list[int]
@@ -69,6 +74,7 @@ class Proposal:
     token_probs: list[float] | None = None
     source: str | None = None
     parents: list[int] | None = None
+    values: list[float] | None = None
 
 
 @dataclass

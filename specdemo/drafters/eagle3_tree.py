@@ -101,7 +101,7 @@ def draft_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Te
         probs, ids, peak = _top(drafter, outs)
         for (r, n), out, p, i, top1 in zip(fed, outs, probs, ids, peak):
             trees[r].add(out, n, p, i, top1 >= drafter.min_confidence)
-    return [_proposal(t, request.nodes(r), request.tree_costs) for r, t in enumerate(trees)]
+    return [_proposal(t, request.nodes(r), request.tree_costs, request.tree_extra_scale) for r, t in enumerate(trees)]
 
 
 def _level(drafter: Eagle3Drafter, trees: list[_Row], request: DraftRequest, depth: int, base: list[int],
@@ -146,7 +146,7 @@ def feature_width(trees: list[_Row]) -> int:
     return next(t.source[0].shape[-1] for t in trees if t.source)
 
 
-def _proposal(tree: _Row, nodes: int, pass_costs: dict[int, float] | None) -> Proposal:
+def _proposal(tree: _Row, nodes: int, pass_costs: dict[int, float] | None, scale: float = 1.0) -> Proposal:
     """The row's kept tree, the chain's nodes first (a parent still before its children), as a Proposal."""
     if not tree.tokens:
         return Proposal([])
@@ -154,9 +154,9 @@ def _proposal(tree: _Row, nodes: int, pass_costs: dict[int, float] | None) -> Pr
     at = {n: i for i, n in enumerate(order)}
     full = TokenTree(tuple(tree.tokens[n] for n in order),
                      tuple(at[tree.parents[n]] if tree.parents[n] >= 0 else -1 for n in order))
-    kept_tree, kept = branch_out(full, [tree.values[n] for n in order], pass_costs, nodes, len(tree.chain))
+    kept_tree, kept = branch_out(full, [tree.values[n] for n in order], pass_costs, nodes, len(tree.chain), scale)
     return Proposal(list(kept_tree.tokens), token_probs=[tree.q[order[j]] for j in kept],
-                    parents=list(kept_tree.parents))
+                    parents=list(kept_tree.parents), values=[tree.values[order[j]] for j in kept])
 
 
 # ---- sampling: children drawn from q without replacement, none pruned after drawing --------------------------------
@@ -191,7 +191,8 @@ def draft_sampled_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: 
     costs = request.tree_costs
     for depth in range(1, max(ks, default=0) + 1):
         for r, tree in enumerate(trees):
-            counts = _allot(tree, opened[r], depth, ks[r], request.nodes(r), drafter.min_confidence, costs)
+            counts = _allot(tree, opened[r], depth, ks[r], request.nodes(r), drafter.min_confidence, costs,
+                            request.tree_extra_scale)
             for (node, q_n, out), count in zip(opened[r], counts):
                 picks = draw_without_replacement(q_n, count, gens[r]) if count else []
                 for i, pick in enumerate(picks):
@@ -213,12 +214,13 @@ def draft_sampled_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: 
 
 
 def _allot(tree: _Row, opened: list[Open], depth: int, k: int, budget: int, min_confidence: float,
-           pass_costs: dict[int, float] | None) -> list[int]:
+           pass_costs: dict[int, float] | None, scale: float = 1.0) -> list[int]:
     """How many children each expanded node gets at this depth, from what was drawn before only (never from the
     children themselves, so no drawn node is ever dropped): none under a node whose peak q is below min_confidence
     (the root aside: as a chain stops); one under the chain's node first, one node kept back for each depth below it
     (the chain's); then slot i of a node, valued its joint q times q's i-th largest value there, best first while
-    the budget lasts, and under --tree auto (pass_costs) only those that pay for the wider pass (tree_budget)."""
+    the budget lasts, and under --tree auto (pass_costs) only those that pay for the wider pass (tree_budget, their
+    values weighed by `scale`)."""
     counts, used = [0] * len(opened), len(tree.tokens)
     slots: list[tuple[float, int]] = []  # (value, which expanded node), each node's in order
     chain_node, chain_at, chain_value = (tree.chain[-1] if tree.chain else -1), None, 0.0
@@ -237,7 +239,8 @@ def _allot(tree: _Row, opened: list[Open], depth: int, k: int, budget: int, min_
     slots = slots[: max(0, budget - used - reserve)]
     if pass_costs is not None:
         start = 1.0 + sum(tree.values) + chain_value  # the tokens expected of the nodes in already
-        slots = slots[: tree_budget([v for v, _ in slots], shifted_costs(pass_costs, used + reserve), start)]
+        slots = slots[: tree_budget([scale * v for v, _ in slots], shifted_costs(pass_costs, used + reserve),
+                                    start)]
     for _, j in slots:
         counts[j] += 1
     return counts
@@ -251,4 +254,4 @@ def _sampled_proposal(tree: _Row, laws: list[torch.Tensor], drawn: list[int], su
     rows = torch.stack(laws)  # (n, S)
     probs = torch.zeros(len(laws), vocab, dtype=rows.dtype, device=rows.device).index_copy_(1, subset, rows)
     token_probs = rows.gather(1, torch.tensor(drawn, device=rows.device)[:, None])[:, 0].tolist()
-    return Proposal(list(tree.tokens), probs, token_probs, parents=list(tree.parents))
+    return Proposal(list(tree.tokens), probs, token_probs, parents=list(tree.parents), values=list(tree.values))

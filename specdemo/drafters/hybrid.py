@@ -109,7 +109,8 @@ class HybridDrafter(Drafter):
             reach.append(reach[-1] * q)
         values = [v * (1.0 - reach[1]) for v in lookup_values(tree, support)]
         costs = shifted_costs(request.tree_costs, n) if request.tree_costs else None
-        tree, _ = best_subtree(tree, values, costs, request.nodes(r) - n, start=sum(reach))
+        tree, kept = best_subtree(tree, values, costs, request.nodes(r) - n, start=sum(reach),
+                                  scale=request.tree_extra_scale)
         if not len(tree):
             return chain
         self._chains[r] = chain.tokens
@@ -120,7 +121,8 @@ class HybridDrafter(Drafter):
             probs = torch.cat([probs, onehot])
         return Proposal(chain.tokens + list(tree.tokens), probs,
                         None if chain.token_probs is None else chain.token_probs + [1.0] * len(tree), "model",
-                        list(range(-1, n - 1)) + [a + n if a >= 0 else -1 for a in tree.parents])
+                        list(range(-1, n - 1)) + [a + n if a >= 0 else -1 for a in tree.parents],
+                        values=reach[1:] + [values[j] for j in kept])
 
     def update(self, verdicts) -> None:
         model = list(verdicts)

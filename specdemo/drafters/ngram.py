@@ -56,7 +56,7 @@ class NgramDrafter(Drafter):
         return cut_at_eos(ids[end + 1 : end + 1 + count], eos)
 
     def tree(self, ids: list[int], k: int, nodes: int, eos: frozenset[int],
-             costs: dict[int, float] | None = None) -> Proposal:
+             costs: dict[int, float] | None = None, scale: float = 1.0) -> Proposal:
         """One row's lookup tree: what followed each of the best `branches` matches, merged by prefix: the chain
         `lookup` proposes, then the other matches' nodes by their share of the matches, up to `nodes` nodes, those
         beyond the chain cut by pass costs when asked (drafters.trees.branch_out)."""
@@ -66,10 +66,12 @@ class NgramDrafter(Drafter):
         if not len(tree):
             return Proposal([])
         chain = len(self.lookup(ids, k, eos))  # the best match's copy: the tree's first nodes
-        tree, _ = branch_out(tree, lookup_values(tree, support), costs, nodes, chain)
-        return Proposal(list(tree.tokens), parents=list(tree.parents))
+        values = lookup_values(tree, support)
+        tree, kept = branch_out(tree, values, costs, nodes, chain, scale)
+        return Proposal(list(tree.tokens), parents=list(tree.parents), values=[values[j] for j in kept])
 
     def propose(self, request: DraftRequest) -> list[Proposal]:
         eos = request.eos_token_ids
-        return [self.tree(ids, k, request.nodes(r), eos, request.tree_costs) if request.nodes(r) and k > 0
+        return [self.tree(ids, k, request.nodes(r), eos, request.tree_costs, request.tree_extra_scale)
+                if request.nodes(r) and k > 0
                 else Proposal(self.lookup(ids, k, eos)) for r, (ids, k) in enumerate(zip(request.ids, request.ks))]

@@ -361,11 +361,13 @@ class SuffixDrafter(Drafter):
         for r, (row, ids, k) in enumerate(zip(self._rows, request.ids, request.ks)):
             row.sync(ids, self.cache, self._eos)
             nodes = request.nodes(r)
-            out.append(self._tree(row, ids, k, nodes, request.tree_costs) if nodes and k > 0
+            out.append(self._tree(row, ids, k, nodes, request.tree_costs, request.tree_extra_scale)
+                       if nodes and k > 0
                        else self._draft(row, ids, k))
         return out
 
-    def _tree(self, row: _Row, ids: Sequence[int], k: int, nodes: int, costs: dict[int, float] | None) -> Proposal:
+    def _tree(self, row: _Row, ids: Sequence[int], k: int, nodes: int, costs: dict[int, float] | None,
+              scale: float = 1.0) -> Proposal:
         """A tree draft: the chain draft (_draft's, cost-aware cut included) as its first branch, grafted with the
         better-scoring subtree of the row's and the cache's matches (drafters.trees.suffix_subtree, at most k deep
         and `nodes` nodes, cut after an EOS), whose other nodes are kept by estimated probability, cut by pass costs
@@ -383,8 +385,9 @@ class SuffixDrafter(Drafter):
         tree, values = graft(chain.tokens, values, tree, [probs[j] for j in keep])
         if not len(tree):
             return chain
-        tree, _ = branch_out(tree, values, costs, nodes, len(chain.tokens) or None)
-        return Proposal(list(tree.tokens), parents=list(tree.parents), source=chain.source or source)
+        tree, kept = branch_out(tree, values, costs, nodes, len(chain.tokens) or None, scale)
+        return Proposal(list(tree.tokens), parents=list(tree.parents), source=chain.source or source,
+                        values=[values[j] for j in kept])
 
     @staticmethod
     def _where(row: _Row, draft: Draft) -> str:

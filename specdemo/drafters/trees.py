@@ -120,10 +120,10 @@ def tree_budget(values: Sequence[float], pass_costs: dict[int, float], start: fl
 
 
 def best_subtree(tree: TokenTree, values: Sequence[float], pass_costs: dict[int, float] | None,
-                 limit: int | None = None, start: float = 1.0) -> tuple[TokenTree, list[int]]:
+                 limit: int | None = None, start: float = 1.0, scale: float = 1.0) -> tuple[TokenTree, list[int]]:
     """The part of `tree` worth verifying on this machine: nodes taken best value first among those whose parent is
     already taken (so the kept part is a tree: EAGLE-2's rerank), at most `limit`, cut at tree_budget (None: no cost
-    cut; `start` as there). Returns (tree, kept nodes)."""
+    cut; `start` as there; the cut weighs the values by `scale`). Returns (tree, kept nodes)."""
     order, frontier = [], [(-values[c], c) for c in tree.children(-1)]
     heapq.heapify(frontier)
     while frontier and (limit is None or len(order) < limit):
@@ -132,18 +132,18 @@ def best_subtree(tree: TokenTree, values: Sequence[float], pass_costs: dict[int,
         for g in tree.children(c):
             heapq.heappush(frontier, (-values[g], g))
     if pass_costs is not None:
-        order = order[: tree_budget([values[c] for c in order], pass_costs, start)]
+        order = order[: tree_budget([scale * values[c] for c in order], pass_costs, start)]
     kept = sorted(order)
     return tree.select(kept), kept
 
 
 def branch_out(tree: TokenTree, values: Sequence[float], pass_costs: dict[int, float] | None, limit: int,
-               chain: int | None = None) -> tuple[TokenTree, list[int]]:
+               chain: int | None = None, scale: float = 1.0) -> tuple[TokenTree, list[int]]:
     """The draft a tree drafter proposes: the drafter's chain draft, the tree's first `chain` nodes (a chain; None:
     first children from the root), then its other nodes best value first among those whose parent is in, at most
     `limit` nodes in all; with pass_costs (--tree auto) only those that pay for widening the chain's pass
-    (tree_budget from the chain's expected tokens), so where none pays the draft is the chain. Returns (tree, kept
-    nodes)."""
+    (tree_budget from the chain's expected tokens, their values weighed by `scale`: what such nodes have given over
+    their values), so where none pays the draft is the chain. Returns (tree, kept nodes)."""
     if chain is not None:
         chain = list(range(min(chain, limit)))
     else:
@@ -162,7 +162,8 @@ def branch_out(tree: TokenTree, values: Sequence[float], pass_costs: dict[int, f
             heapq.heappush(frontier, (-values[g], g))
     if pass_costs is not None:
         start = 1.0 + sum(values[c] for c in chain)
-        extra = extra[: tree_budget([values[c] for c in extra], shifted_costs(pass_costs, len(chain)), start)]
+        extra = extra[: tree_budget([scale * values[c] for c in extra], shifted_costs(pass_costs, len(chain)),
+                                    start)]
     kept = sorted(chain + extra)
     return tree.select(kept), kept
 

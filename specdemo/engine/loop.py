@@ -129,12 +129,13 @@ def _verify_trees(logits: torch.Tensor, tokens: torch.Tensor, trees: list[TokenT
 
 
 def _as_verified(p: Proposal, k: int, nodes: int
-                 ) -> tuple[TokenTree | None, list[int], torch.Tensor | None, list[float] | None]:
+                 ) -> tuple[TokenTree | None, list[int], torch.Tensor | None, list[float] | None, list[float] | None]:
     """A row's proposal as it is verified: (its tree, None for a chain; the drafted tokens; their q rows, None for a
-    deterministic drafter; q of each kept token, for the inspector). A tree keeps its first `nodes` nodes no deeper
+    deterministic drafter; q of each kept token, for the inspector; each kept node's value, Proposal.values). A tree
+    keeps its first `nodes` nodes no deeper
     than k (asked for none: the chain of its first children); a tree that is a chain is verified as one."""
     if p.parents is None:
-        return None, p.tokens[:k], p.probs, None if p.token_probs is None else p.token_probs[:k]
+        return None, p.tokens[:k], p.probs, None if p.token_probs is None else p.token_probs[:k], None
     tree = TokenTree(p.tokens, p.parents)
     if nodes > 0:
         keep = [j for j, d in enumerate(tree.depths) if d <= k][: min(nodes, MAX_K_ENGINE)]
@@ -146,7 +147,8 @@ def _as_verified(p: Proposal, k: int, nodes: int
     tree = tree.select(keep)
     probs = None if p.probs is None else p.probs[torch.tensor(keep, dtype=torch.long, device=p.probs.device)]
     token_probs = None if p.token_probs is None else [p.token_probs[j] for j in keep]
-    return (None if tree.is_chain() else tree), list(tree.tokens), probs, token_probs
+    values = None if p.values is None else [p.values[j] for j in keep]
+    return (None if tree.is_chain() else tree), list(tree.tokens), probs, token_probs, values
 
 
 def _path_features(features: torch.Tensor | None, r: int, path: list[int], tree: TokenTree | None):
@@ -291,11 +293,11 @@ def _spec_step(run: _Run, k_policy: KPolicy | None) -> BatchEvent:
     ids = [out.ids for out in rows.out]  # ids[r][-1] is pending: not yet in the target's cache
     ks = [max(0, min(k, config.max_new_tokens - out.num_generated - 1)) for k, out in zip(run.row_k, rows.out)]
     nodes = [run.tree.nodes if k > 0 else 0 for k in ks]
-    costs = run.costs.costs() if run.costs is not None else None
-    proposals = (drafter.propose(DraftRequest(ids, ks, run.sampling, rows.gens, run.eos, nodes, costs))
+    costs, scale = (run.costs.costs(), run.costs.extra_scale()) if run.costs is not None else (None, 1.0)
+    proposals = (drafter.propose(DraftRequest(ids, ks, run.sampling, rows.gens, run.eos, nodes, costs, scale))
                  if max(ks) > 0 else [Proposal([]) for _ in ks])
-    trees, drafted, qs, token_probs = map(list, zip(*(_as_verified(p, k, n) for p, k, n in zip(proposals, ks,
-                                                                                                 nodes))))
+    trees, drafted, qs, token_probs, values = map(list, zip(*(_as_verified(p, k, n) for p, k, n in zip(proposals, ks,
+                                                                                                         nodes))))
     draft_seconds = run.clock.stop()
 
     run.clock.start()
@@ -322,6 +324,9 @@ def _spec_step(run: _Run, k_policy: KPolicy | None) -> BatchEvent:
     verify_seconds = run.clock.stop()
     if run.costs is not None and max(ks) > 0:
         run.costs.add(width, draft_seconds + verify_seconds)
+        for tree, v, value in zip(trees, verified, values):
+            if tree is not None and value is not None:
+                run.costs.add_extras(*tree.off_chain(value, v.path))
     if config.dynamic_k and k_policy is None:  # transformers' heuristic per row: +2 after a full acceptance, else -1
         run.row_k = [(min(k + 2, MAX_K_ENGINE) if v.num_accepted == len(d) == k else max(1, k - 1)) if d else k
                      for k, v, d in zip(run.row_k, verified, drafted)]

@@ -211,6 +211,21 @@ class StepCosts:
     def __init__(self, prior: dict[int, float]):
         self.prior = prior
         self.seconds: dict[int, deque] = {}
+        self.extras: deque = deque(maxlen=4 * self.WINDOW)  # per tree step: (off-chain value, off-chain tokens)
+
+    def add_extras(self, valued: float, gave: int) -> None:
+        """A tree step's nodes off its chain of first children: what the drafter valued them at, and how many of them
+        the accepted path took (TokenTree.off_chain)."""
+        self.extras.append((valued, gave))
+
+    def extra_scale(self) -> float:
+        """What the recent trees' nodes off their chains gave over what they were valued at (1 until they were
+        valued at MIN_SAMPLES tokens in all; within 0.1..2): a drafter whose estimates run high (the trained head's
+        joint q did by 17% on the dev prompts) then sizes its trees by what such nodes give."""
+        valued = sum(v for v, _ in self.extras)
+        if valued < self.MIN_SAMPLES:
+            return 1.0
+        return round(min(2.0, max(0.1, sum(g for _, g in self.extras) / valued)), 3)
 
     def add(self, width: int, seconds: float) -> None:
         """One step that verified `width` tokens per row took `seconds`."""

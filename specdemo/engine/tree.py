@@ -87,6 +87,16 @@ class TokenTree:
     def is_chain(self) -> bool:
         return self.parents == tuple(range(-1, len(self) - 1))
 
+    def off_chain(self, values: Sequence[float], path: Sequence[int]) -> tuple[float, int]:
+        """(the summed values of the nodes off the chain of first children, how many nodes of the accepted `path`
+        lie past where it leaves that chain): what the branches were valued at, and what they gave."""
+        chain, node = set(), -1
+        while self.children(node):
+            node = self.children(node)[0]
+            chain.add(node)
+        along = next((i for i, j in enumerate(path) if j not in chain), len(path))
+        return sum(v for j, v in enumerate(values) if j not in chain), len(path) - along
+
     def distinct_siblings(self) -> bool:
         """No two children of one node share a token (what a deterministic drafter's tree should be: a repeated
         sibling can never be accepted after the first is rejected)."""
