@@ -99,3 +99,25 @@ def test_greedy_trees_and_the_chain_they_start_with(eagle3_runner, eagle3_target
     trees = [s for s in spec_steps(events) if s.parents is not None]
     assert trees and drafter.checked >= len(trees) // 2
     assert all(len(s.drafted) <= 8 for s in trees)
+
+
+@pytest.mark.parametrize("costs, wide", [({n: 1.0 + 0.01 * n for n in range(1, 17)}, True),
+                                         ({n: 2.0**n for n in range(1, 17)}, False)], ids=["flat", "steep"])
+def test_auto_expands_only_nodes_worth_verifying(eagle3_target, head, monkeypatch, costs, wide):
+    """Under --tree auto the greedy tree feeds the head only the chain's node and the others that would be verified
+    now: with flat costs several per depth, with steep ones (no branch pays) the chain's alone, so the head's passes
+    cost what chain drafting's do, and the tree is the chain."""
+    prompts = [[4, 2, 8, 7, 5, 4, 11, 1, 13], [14, 5, 3, 11, 9]]
+    ids = [p + [3] for p in prompts]
+    widths = []
+    expand = eagle3_tree._expand
+    monkeypatch.setattr(eagle3_tree, "_expand", lambda d, t, feed, *a: widths.append(max(map(len, feed)))
+                        or expand(d, t, feed, *a))
+    with torch.inference_mode():
+        _, hidden = BatchKV(eagle3_target, 2).prefill(prompts, head.target_layers)
+        drafter = Eagle3Drafter(head)
+        drafter.begin(prompts, hidden)
+        out = drafter.propose(DraftRequest(ids, [4, 4], SamplingConfig(), [None, None], frozenset({0}), [16, 16],
+                                           costs))
+    assert widths and (max(widths) > 1) == wide
+    assert all((p.parents is not None and len(set(p.parents)) < len(p.parents)) == wide for p in out)

@@ -66,12 +66,13 @@ class _Row:
             node = self.parents[node]
         return out
 
-    def to_expand(self, depth: int, eos: frozenset[int]) -> list[int]:
-        """This depth's nodes to feed: the chain's, then the most probable others, FRONTIER in all (nothing follows an
-        end of sequence)."""
+    def to_expand(self, depth: int, eos: frozenset[int], worth: set[int] | None = None) -> list[int]:
+        """This depth's nodes to feed: the chain's, then the most probable others (only those in `worth` when given),
+        FRONTIER in all (nothing follows an end of sequence)."""
         at = [n for n, d in enumerate(self.depth) if d == depth and self.tokens[n] not in eos]
         first = [n for n in at if n in self.chain]
-        rest = sorted((n for n in at if n not in first), key=lambda n: -self.values[n])
+        rest = sorted((n for n in at if n not in first and (worth is None or n in worth)),
+                      key=lambda n: -self.values[n])
         return (first + rest)[:FRONTIER]
 
 
@@ -95,7 +96,10 @@ def draft_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Te
             trees[r].add(feature[r], -1, probs[r], ids[r], True)
     base, true_valid = list(drafter.kv.counts), drafter.kv.visible()  # the true entries: the past
     for depth in range(1, max(ks, default=0)):
-        if (level := _level(drafter, trees, request, depth, base, true_valid)) is None:
+        # under --tree auto only nodes that would be verified now are expanded (their children are worth less)
+        worth = None if request.tree_costs is None else [
+            _kept(t, request.nodes(r), request.tree_costs, request.tree_extra_scale)[1] for r, t in enumerate(trees)]
+        if (level := _level(drafter, trees, request, depth, base, true_valid, worth)) is None:
             break
         fed, outs = level
         probs, ids, peak = _top(drafter, outs)
@@ -105,11 +109,14 @@ def draft_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Te
 
 
 def _level(drafter: Eagle3Drafter, trees: list[_Row], request: DraftRequest, depth: int, base: list[int],
-           true_valid: torch.Tensor) -> tuple[list[tuple[int, int]], torch.Tensor] | None:
+           true_valid: torch.Tensor, worth: list[set[int]] | None = None
+           ) -> tuple[list[tuple[int, int]], torch.Tensor] | None:
     """One depth's head pass: each row's nodes to expand (_Row.to_expand; none at or past the row's k), fed in one
-    pass (_expand). Returns ((row, node) of each fed node, the output each one's children are chosen from (N, H)),
-    or None when no row has a node left to expand."""
-    feed = [t.to_expand(depth, request.eos_token_ids) if depth < request.ks[r] else [] for r, t in enumerate(trees)]
+    pass (_expand); `worth`: each row's nodes worth expanding beyond its chain (None: any). Returns ((row, node) of
+    each fed node, the output each one's children are chosen from (N, H)), or None when no row has a node left to
+    expand."""
+    feed = [t.to_expand(depth, request.eos_token_ids, None if worth is None else worth[r]) if depth < request.ks[r]
+            else [] for r, t in enumerate(trees)]
     width = max(map(len, feed), default=0)
     if width == 0:
         return None
@@ -146,17 +153,25 @@ def feature_width(trees: list[_Row]) -> int:
     return next(t.source[0].shape[-1] for t in trees if t.source)
 
 
-def _proposal(tree: _Row, nodes: int, pass_costs: dict[int, float] | None, scale: float = 1.0) -> Proposal:
-    """The row's kept tree, the chain's nodes first (a parent still before its children), as a Proposal."""
-    if not tree.tokens:
-        return Proposal([])
+def _kept(tree: _Row, nodes: int, pass_costs: dict[int, float] | None, scale: float = 1.0
+          ) -> tuple[TokenTree, set[int], list[int]]:
+    """What of the row's tree would be verified now (drafters.trees.branch_out): (that tree, the chain's nodes first,
+    a parent still before its children; the row's nodes in it; each of its nodes' node in the row's tree)."""
     order = tree.chain + [n for n in range(len(tree.tokens)) if n not in set(tree.chain)]
     at = {n: i for i, n in enumerate(order)}
     full = TokenTree(tuple(tree.tokens[n] for n in order),
                      tuple(at[tree.parents[n]] if tree.parents[n] >= 0 else -1 for n in order))
     kept_tree, kept = branch_out(full, [tree.values[n] for n in order], pass_costs, nodes, len(tree.chain), scale)
-    return Proposal(list(kept_tree.tokens), token_probs=[tree.q[order[j]] for j in kept],
-                    parents=list(kept_tree.parents), values=[tree.values[order[j]] for j in kept])
+    return kept_tree, {order[j] for j in kept}, [order[j] for j in kept]
+
+
+def _proposal(tree: _Row, nodes: int, pass_costs: dict[int, float] | None, scale: float = 1.0) -> Proposal:
+    """The row's kept tree (_kept) as a Proposal."""
+    if not tree.tokens:
+        return Proposal([])
+    kept_tree, _, kept = _kept(tree, nodes, pass_costs, scale)
+    return Proposal(list(kept_tree.tokens), token_probs=[tree.q[n] for n in kept], parents=list(kept_tree.parents),
+                    values=[tree.values[n] for n in kept])
 
 
 # ---- sampling: children drawn from q without replacement, none pruned after drawing --------------------------------
