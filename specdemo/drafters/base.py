@@ -78,6 +78,17 @@ class Proposal:
 
 
 @dataclass
+class DeviceChains:
+    """Greedy chains left on the device (Drafter.propose_on_device): tokens (B, k) as target ids, q (B, k) each
+    token's draft probability, lengths (B,) how many of each row's tokens it proposes (a row's tokens past its length
+    are padding, never accepted). Nothing of them has been read back to the host."""
+
+    tokens: torch.Tensor
+    q: torch.Tensor
+    lengths: torch.Tensor
+
+
+@dataclass
 class Verdict:
     """The target's answer to one row's proposal: how many drafts it kept (for a tree: the nodes on the accepted
     path) and the sequence now committed."""
@@ -133,6 +144,12 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, request: DraftRequest) -> list[Proposal]:
         """Up to request.ks[r] tokens continuing request.ids[r] for each row (fewer, or none, is allowed)."""
+
+    def propose_on_device(self, request: DraftRequest) -> DeviceChains | None:
+        """Greedy chains for the request left on the device, for an engine that verifies them there and reads them
+        back once with the target's verdict (one host synchronisation per step; the engine asks only for greedy
+        chains under a graph-captured target). None: propose() serves the request, as for most drafters."""
+        return None
 
     def update(self, verdicts: Sequence[Verdict]) -> None:
         """Learn from each row's verdict, e.g. roll a KV cache back to the accepted prefix."""

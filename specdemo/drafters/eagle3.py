@@ -18,7 +18,7 @@ from ..engine.verify import generator_on, logits_to_probs
 from ..models import kernels
 from ..models.eagle3 import locate_eagle3, recorded_k
 from ..models.eagle3_head import load_head
-from .base import Chains, Drafter, DraftRequest, Proposal
+from .base import Chains, DeviceChains, Drafter, DraftRequest, Proposal
 from .eagle3_static import StaticHeadKV, attach, new_head_kv
 from .eagle3_tree import draft_sampled_trees, draft_trees
 
@@ -205,7 +205,7 @@ class Eagle3Drafter(Drafter):
         if any(request.nodes(r) for r in range(rows)):  # a dynamic tree
             return (draft_trees if sampling.greedy else draft_sampled_trees)(self, request, feature)
         if sampling.greedy and isinstance(self.kv, StaticHeadKV):
-            return self._fixed_chains(chains, feature, max(ks))
+            return self._fixed_chains(self._device_chains(feature, request))
         subset = self.head.subset
         gens = None if sampling.greedy else [generator_on(g, self.device) for g in request.generators]
         while True:
@@ -243,24 +243,45 @@ class Eagle3Drafter(Drafter):
             feature = self._pass(feature[:, None], step_tok, torch.tensor([[a] for a in chains.active]))[:, -1]
         return chains.proposals()
 
-    def _fixed_chains(self, chains: Chains, feature: torch.Tensor, k: int) -> list[Proposal]:
-        """Greedy chains over the static cache: k draft steps for every row, one fixed shape with no host
-        synchronisation between them (StaticHeadKV.chain), the min_confidence stop kept on the device as a mask (a
-        row stops before its first token under it; the first is always proposed), then one read of tokens, q and
-        mask. A row also stops at its own k and after an end of sequence (Chains.add), as the eager loop does."""
-        tokens, peaks = self.kv.chain(feature, k)  # (B, k), (B, k)
+    def propose_on_device(self, request: DraftRequest) -> DeviceChains | None:
+        """Greedy chains over the static cache, left on the device (_device_chains) for the engine to verify and
+        read back with its verdict; None where propose() drafts (sampling, trees, the eager cache, nothing to draft).
+        `confidences` stays empty: nothing is read."""
+        rows = len(request.ids)
+        if (not request.sampling.greedy or not isinstance(self.kv, StaticHeadKV) or max(request.ks, default=0) <= 0
+                or any(request.nodes(r) for r in range(rows))):
+            return None
+        self.confidences = [[] for _ in range(rows)]
+        self._drop_drafted()
+        return self._device_chains(self._catch_up(request.ids, request.ks), request)
+
+    def _device_chains(self, feature: torch.Tensor, request: DraftRequest) -> DeviceChains:
+        """max(k) draft steps for every row, one fixed shape with no host synchronisation between them
+        (StaticHeadKV.chain), and on the device each row's length: up to its own k, up to and including an end of
+        sequence, and before its first token under min_confidence (the first is always proposed), as the eager loop
+        stops (Chains.add)."""
+        tokens, peaks = self.kv.chain(feature, max(request.ks))  # (B, k), (B, k)
         peaks = peaks.double()  # compared as the eager loop compares: in Python floats
         sure = peaks >= self.min_confidence
         sure[:, 0] = True
-        kept = sure.cumprod(1)  # (B, k): 1 up to the row's first unsure token
-        for r, (row_tokens, row_q, row_kept) in enumerate(zip(*torch.stack([tokens.double(), peaks, kept]).tolist())):
-            for token, q, ok in zip(row_tokens, row_q, row_kept):
-                if not (ok and chains.active[r]):
-                    break
-                self.confidences[r].append(q)
-                chains.q_tokens[r].append(q)
-                chains.add(r, int(token))
-        return chains.proposals()
+        k = tokens.shape[1]
+        ks = torch.tensor(list(request.ks)).to(self.device, non_blocking=True)
+        sure &= torch.arange(k, device=self.device)[None, :] < ks[:, None]
+        if request.eos_token_ids:
+            ended = torch.isin(tokens, torch.tensor(sorted(request.eos_token_ids)).to(self.device, non_blocking=True))
+            sure &= (ended.cumsum(1) - ended.long()) == 0  # nothing after an end of sequence
+        return DeviceChains(tokens, peaks, sure.long().cumprod(1).sum(1))
+
+    def _fixed_chains(self, chains: DeviceChains) -> list[Proposal]:
+        """Device chains read back in one copy of tokens, q and lengths, as proposals."""
+        k = chains.tokens.shape[1]
+        read = torch.cat([chains.tokens.double(), chains.q, chains.lengths[:, None].double()], 1).tolist()
+        out = []
+        for r, row in enumerate(read):
+            n = int(row[-1])
+            self.confidences[r] = row[k : k + n]
+            out.append(Proposal([int(t) for t in row[:n]], None, row[k : k + n]))
+        return out
 
     def update(self, verdicts) -> None:
         self._drop_drafted()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import AUTO_TREE_NODES, MAX_K_ENGINE, GenerationConfig, SamplingConfig
-from ..drafters.base import Drafter, DraftRequest, Proposal, Verdict
+from ..drafters.base import DeviceChains, Drafter, DraftRequest, Proposal, Verdict
 from . import graphs
 from .events import BatchEvent, Committer, Inspection, StepEvent, check_request, eos_ids
 from .kv import check_cache, right_padded
@@ -24,11 +24,16 @@ from .tree import TokenTree, TreeBatch, greedy_tree_accept_batch, tree_accept_ba
 from .verify import (
     ACCEPT_RULES,
     greedy_accept_batch,
+    greedy_accept_chains,
     inspect_verify,
     logits_to_probs,
 )
 
 KPolicy = Callable[[int], int]  # the current batch size -> k (0: no speculation this step)
+# when greedy chains stay on the device, verified there and read back once a step (Drafter.propose_on_device):
+# "capture" where the target's passes are graph-captured (every row then feeds k + 1 entries, which costs nothing
+# more on a GPU and a wider pass on a CPU), "always" (the tests, on the CPU), "never"
+ONE_READ = "capture"
 
 
 def seeded_generator(device: torch.device, seed: int) -> torch.Generator:
@@ -151,6 +156,26 @@ def _as_verified(p: Proposal, k: int, nodes: int
     return (None if tree.is_chain() else tree), list(tree.tokens), probs, token_probs, values
 
 
+def _verify_on_device(run: _Run, ids: list[list[int]], chains: DeviceChains) -> tuple:
+    """Greedy chains still on the device (Drafter.propose_on_device): every row feeds its pending token and all k
+    drafted positions (a row's past its length are padding: each entry attends only to those before it, and none is
+    accepted), the target's argmax is compared there, the cache keeps the accepted entries, and the verdicts and the
+    chains come back in one read (verify.greedy_accept_chains). Returns (width, features, drafted, their q,
+    verified)."""
+    rows = len(ids)
+    pending = torch.tensor([row[-1] for row in ids])[:, None].to(run.device, non_blocking=True)
+    tokens = torch.cat([pending, chains.tokens.to(run.device)], 1)  # (B, k + 1)
+    width, before = tokens.shape[1], list(run.kv.counts)
+    real = torch.ones_like(tokens, dtype=torch.bool)
+    logits, features = run.kv.forward(tokens, real, width, run.layers, fed=[width] * rows)  # (B, W, V)
+    accepted, nxt, drafted, q = greedy_accept_chains(tokens[:, 1:], chains.lengths.to(run.device),
+                                                     chains.q.to(run.device), logits)
+    run.kv.keep([n + 1 + a for n, a in zip(before, accepted)])
+    seen = [inspect_verify(logits[r, : len(d) + 1], None, tokens[r, 1 : 1 + len(d)]) if run.inspect else None
+            for r, d in enumerate(drafted)]
+    return width, features, drafted, q, [_Verified(list(range(a)), t, s) for a, t, s in zip(accepted, nxt, seen)]
+
+
 def _path_features(features: torch.Tensor | None, r: int, path: list[int], tree: TokenTree | None):
     """Row r's target features (num_accepted + 1, W) at the pending token and its accepted drafts, or None."""
     if features is None:
@@ -219,6 +244,9 @@ class _Run:
         self.chosen: list[int] = []
         self.row_k = [config.num_draft_tokens] * len(prompts)
         self.tree = tree_plan(config, drafter, self.kv.takes_trees)
+        runner = getattr(self.kv, "runner", None)
+        self.one_read = (drafter is not None and self.sampling.greedy and self.tree.nodes == 0
+                         and (ONE_READ == "always" or (ONE_READ == "capture" and getattr(runner, "capture", False))))
         # under --tree auto: what steps cost by width, as this drafter's runs have measured them so far
         self.costs = auto_costs(drafter, len(prompts), config) if self.tree.by_cost else None
 
@@ -294,22 +322,30 @@ def _spec_step(run: _Run, k_policy: KPolicy | None) -> BatchEvent:
     ks = [max(0, min(k, config.max_new_tokens - out.num_generated - 1)) for k, out in zip(run.row_k, rows.out)]
     nodes = [run.tree.nodes if k > 0 else 0 for k in ks]
     costs, scale = (run.costs.costs(), run.costs.extra_scale()) if run.costs is not None else (None, 1.0)
-    proposals = (drafter.propose(DraftRequest(ids, ks, run.sampling, rows.gens, run.eos, nodes, costs, scale))
-                 if max(ks) > 0 else [Proposal([]) for _ in ks])
-    trees, drafted, qs, token_probs, values = map(list, zip(*(_as_verified(p, k, n) for p, k, n in zip(proposals, ks,
-                                                                                                         nodes))))
+    request = DraftRequest(ids, ks, run.sampling, rows.gens, run.eos, nodes, costs, scale)
+    on_device = drafter.propose_on_device(request) if run.one_read and max(ks) > 0 else None
+    if on_device is None:
+        proposals = drafter.propose(request) if max(ks) > 0 else [Proposal([]) for _ in ks]
+        trees, drafted, qs, token_probs, values = map(list, zip(*(_as_verified(p, k, n)
+                                                                  for p, k, n in zip(proposals, ks, nodes))))
     draft_seconds = run.clock.stop()
 
     run.clock.start()
-    tokens, real = right_padded([[row[-1]] + d for row, d in zip(ids, drafted)], run.device)
-    width, fed = tokens.shape[1], [1 + len(d) for d in drafted]  # fed: nothing to read back from the device
-    if all(t is None for t in trees):  # chains: the pending token and the accepted drafts stay, the rest rolls back
+    if on_device is not None:  # greedy chains verified on the device and read back with the verdicts, once
+        width, features, drafted, token_probs, verified = _verify_on_device(run, ids, on_device)
+        trees, values = [None] * len(ids), [None] * len(ids)
+        proposals = [Proposal(d, token_probs=q) for d, q in zip(drafted, token_probs)]
+    elif all(t is None for t in trees):  # chains: the pending token and the accepted drafts stay, the rest rolls back
+        tokens, real = right_padded([[row[-1]] + d for row, d in zip(ids, drafted)], run.device)
+        width, fed = tokens.shape[1], [1 + len(d) for d in drafted]  # fed: nothing to read back from the device
         before = list(run.kv.counts)
         logits, features = run.kv.forward(tokens, real, width, run.layers, fed=fed)  # (B, W, V)
         verified = _verify(logits, tokens, drafted, qs, run.sampling, rows.gens, run.inspect)
         run.kv.keep([n + 1 + v.num_accepted for n, v in zip(before, verified)])
     else:  # trees (chain rows as one-branch trees): each entry at its depth under the ancestry mask; the accepted
         # path's entries stay
+        tokens, real = right_padded([[row[-1]] + d for row, d in zip(ids, drafted)], run.device)
+        width, fed = tokens.shape[1], [1 + len(d) for d in drafted]
         as_trees = [t if t is not None else TokenTree.chain(d) for t, d in zip(trees, drafted)]
         batch = TreeBatch.stack(as_trees, width - 1, run.device)
         logits, features = run.kv.forward(tokens, real, width, run.layers, tree=batch, fed=fed)  # (B, W, V)

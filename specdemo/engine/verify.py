@@ -54,18 +54,37 @@ def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     return num_accepted, int(target_choice[num_accepted])
 
 
-def greedy_accept_batch(drafted: torch.Tensor, lengths: torch.Tensor,
-                        logits: torch.Tensor) -> tuple[list[int], list[int]]:
-    """greedy_accept for every row at once: drafted (B, W-1) with lengths (B,) real drafts, logits (B, W, V)
-    -> (num_accepted per row, next token per row)."""
+def _greedy_verdicts(drafted: torch.Tensor, lengths: torch.Tensor,
+                     logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """On the device: (num_accepted (B,), next token (B,)) for drafted (B, W-1) with lengths (B,) real drafts."""
     choice = logits.argmax(-1)  # (B, W)
     w = drafted.shape[1]
     real = torch.arange(w, device=drafted.device)[None, :] < lengths[:, None]
     matches = ((drafted == choice[:, :w]) & real).int()
     accepted = matches.cumprod(dim=1).sum(dim=1)  # (B,)
-    nxt = choice.gather(1, accepted[:, None])[:, 0]
-    accepted, nxt = torch.stack([accepted, nxt]).tolist()  # one read back from the device per step, not two
+    return accepted, choice.gather(1, accepted[:, None])[:, 0]
+
+
+def greedy_accept_batch(drafted: torch.Tensor, lengths: torch.Tensor,
+                        logits: torch.Tensor) -> tuple[list[int], list[int]]:
+    """greedy_accept for every row at once: drafted (B, W-1) with lengths (B,) real drafts, logits (B, W, V)
+    -> (num_accepted per row, next token per row)."""
+    accepted, nxt = torch.stack(_greedy_verdicts(drafted, lengths, logits)).tolist()  # one read back, not two
     return accepted, nxt
+
+
+def greedy_accept_chains(drafted: torch.Tensor, lengths: torch.Tensor, q: torch.Tensor, logits: torch.Tensor
+                         ) -> tuple[list[int], list[int], list[list[int]], list[list[float]]]:
+    """greedy_accept_batch for chains still on the device (drafters.base.DeviceChains), reading back in one copy
+    the verdicts and the chains themselves: (num_accepted, next token, each row's drafted tokens, their q)."""
+    accepted, nxt = _greedy_verdicts(drafted, lengths, logits)
+    table = torch.cat([torch.stack([accepted, nxt, lengths], 1), drafted], 1).double()  # ids are exact in float64
+    k = drafted.shape[1]
+    read = torch.cat([table, q.double()], 1).tolist()  # the step's one read back from the device
+    n = [int(row[2]) for row in read]
+    return ([int(row[0]) for row in read], [int(row[1]) for row in read],
+            [[int(t) for t in row[3 : 3 + m]] for row, m in zip(read, n)],
+            [row[3 + k : 3 + k + m] for row, m in zip(read, n)])
 
 
 def rejection_accept(
