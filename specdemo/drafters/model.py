@@ -34,13 +34,25 @@ class ModelDrafter(Drafter):
         # it is not fed), the most a verdict keeps; the entries past it are what the row drafted past its stop
         self.chain_counts: list[int] | None = None
 
-    def begin(self, prompts, target_hidden=None) -> None:
+    def _new_cache(self, prompts) -> None:
+        """The cache of a batch of these prompts, in place of the last one: the model's runner's static cache (it
+        grows if the answer outruns it) or the eager engine's. The same call gives the same storage again."""
         check_cache(self.model, len(prompts))
         if self.kv is not None:
             graphs.release(self.kv)
-        # the model's runner's static cache (it grows if the answer outruns it) or the eager engine's
         self.kv = graphs.new_kv(self.model, len(prompts), needed_capacity(prompts, CAPACITY_STEP, 0))
         self.chain_counts = None
+
+    def begin(self, prompts, target_hidden=None) -> None:
+        self._new_cache(prompts)
+
+    def warm(self, prompts) -> None:
+        """Capture the one-token drafting pass and the catch-up widths after a verdict (1 and 2) for this batch,
+        over the storage that begin(prompts) takes next; nothing without capture."""
+        runner = graphs.runner_of(self.model)
+        if runner is not None and runner.capture:
+            self._new_cache(prompts)
+            runner.warm(self.kv, len(prompts), (1, 2))
 
     @torch.inference_mode()
     def propose(self, request: DraftRequest) -> list[Proposal]:
