@@ -6,6 +6,7 @@ whole."""
 import pytest
 import torch
 from conftest import drafter_cases
+from test_batch import assert_lossless
 from test_engine import test_dynamic_k_is_lossless_and_adapts, test_sampled_distribution_matches_target
 
 from specdemo.config import GenerationConfig
@@ -50,7 +51,8 @@ def _eager(*models_and_fn):
 @pytest.mark.parametrize("case", [None, *drafter_cases()], ids=str)
 def test_static_runner_gives_the_eager_engines_greedy_tokens(tiny, tiny_tok, case, k, rows):
     """Every registered drafter kind (conftest's cases; and none: AR), at k = 1, 2, 4, 8 and B = 1 and 4: the same
-    greedy tokens as the eager engine, and through a StaticKV (an EAGLE-3 head's drafts through its StaticHeadKV)."""
+    greedy tokens as the eager engine, through a StaticKV (an EAGLE-3 head's drafts through its StaticHeadKV), and
+    each row the target's own greedy output of its prompt alone (test_batch.assert_lossless: bar a near-tie)."""
     prompts, config = PROMPTS[:rows], GenerationConfig(max_new_tokens=40, num_draft_tokens=k)
     target = case.build(tiny)[0] if case else tiny.target
     drafters = []
@@ -72,8 +74,20 @@ def test_static_runner_gives_the_eager_engines_greedy_tokens(tiny, tiny_tok, cas
         mp.setattr(StaticKV, "forward", checked)
         assert tokens() == eager
     assert told and all(told)
+    assert_lossless(target, prompts, _eager(target, lambda: own_greedy(target, tiny_tok, rows, config)), eager)
     heads = [d for d in (drafters[-1], getattr(drafters[-1], "model", None)) if isinstance(d, Eagle3Drafter)]
     assert all(isinstance(d.kv, StaticHeadKV) for d in heads)
+
+
+_OWN: dict = {}
+
+
+def own_greedy(target, tok, rows: int, config: GenerationConfig) -> list[list[int]]:
+    """Each of the first `rows` prompts decoded alone by the target (no drafter), once per target and length."""
+    key = (id(target), config.max_new_tokens)
+    if key not in _OWN:
+        _OWN[key] = [row_outputs(list(decode(target, tok, [p], config)), 1)[0] for p in PROMPTS]
+    return _OWN[key][:rows]
 
 
 def _buffers(kv: StaticKV) -> list[torch.Tensor]:

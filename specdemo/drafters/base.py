@@ -1,6 +1,7 @@
 """The drafter seam, batch-shaped: `begin` a batch, `propose` up to k tokens per row, `update` from the target's
-verdicts, `select` the rows still decoding. Batch size 1 is the ordinary case. What a drafter keeps across requests
-lives in a SharedState its caller owns; `paused` and `forget` are all a caller needs of it.
+verdicts, `select` the rows still decoding (`warm`, before the clock: a graph runner's captures). Batch size 1 is the
+ordinary case. What a drafter keeps across requests lives in a SharedState its caller owns; `paused` and `forget` are
+all a caller needs of it.
 
 Drafters know token ids and their own state (a KV cache, an n-gram index); they never see text, the UI or how the
 target verifies. Imports nothing of the engine, so the engine can import this seam.
@@ -140,6 +141,10 @@ class Drafter(ABC):
     @abstractmethod
     def begin(self, prompts: Sequence[list[int]], target_hidden: Sequence[torch.Tensor] | None = None) -> None:
         """Start a batch (drops all state); target_hidden[r] is (len(prompts[r]), W) for drafters that read it."""
+
+    def warm(self, prompts: Sequence[list[int]]) -> None:
+        """Before a decode of these prompts is timed (begin comes next): capture the passes its proposals will run,
+        where a graph runner serves the drafter's model. Nothing for most drafters."""
 
     @abstractmethod
     def propose(self, request: DraftRequest) -> list[Proposal]:

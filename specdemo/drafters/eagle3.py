@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import Runtime
+from ..engine import graphs
 from ..engine.kv import PAD, Slots, gather_slots, left_padded, right_padded
 from ..engine.verify import generator_on, logits_to_probs
 from ..models import kernels
@@ -133,11 +134,23 @@ class Eagle3Drafter(Drafter):
     def begin(self, prompts, target_hidden=None) -> None:
         if target_hidden is None:
             raise ValueError("Eagle3Drafter needs the target's hidden states (needs_target_hidden)")
+        self._new_cache(prompts)
+        self.pending: list[torch.Tensor | None] = list(target_hidden)  # true features not yet fed, (m, W)
+        self.true_counts: list[int] | None = None  # counts after the last catch-up pass: the true entries
+
+    def _new_cache(self, prompts) -> None:
+        """The cache of a batch of these prompts, in place of the last one (the same call takes the same storage)."""
         if self.kv is not None:
             self.kv.release()
         self.kv = new_head_kv(self.head, prompts) or EagerHeadKV(self.head, len(prompts), self.device)
-        self.pending: list[torch.Tensor | None] = list(target_hidden)  # true features not yet fed, (m, W)
-        self.true_counts: list[int] | None = None  # counts after the last catch-up pass: the true entries
+
+    def warm(self, prompts) -> None:
+        """Capture the greedy draft step for this batch's padded size, over the storage begin(prompts) takes next;
+        nothing without capture."""
+        runner = graphs.runner_of(self.head)
+        if runner is not None and runner.capture:
+            self._new_cache(prompts)
+            runner.warm(self.kv, len(prompts))
 
     @property
     def cache_length(self) -> int:

@@ -95,6 +95,14 @@ class HeadRunner(Runner):
         done = self._captured(storage, (bp,)) if self.capture else None
         return storage.step(b) if done is None else done.replay(b)
 
+    def warm(self, kv: StaticHeadKV, rows: int, widths: Sequence[int] = (1,), layers=None) -> float:
+        """Capture the draft step for `rows` rows (padded to the ladder) before a decode is timed; returns the seconds
+        spent. The step has one width and reads no target layers (widths and layers are the target runner's)."""
+        before = self.capture_seconds
+        if self.capture:
+            self._captured(kv.storage, (padded_batch(rows),))
+        return self.capture_seconds - before
+
     def _capture(self, storage: HeadStorage, b: int) -> Captured:
         """Capture the step at batch size b; its runs write only at each row's length, past what any row holds."""
         return self.record(storage.device, lambda: storage.step(b), f"the head's {b}-row draft step")

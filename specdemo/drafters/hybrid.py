@@ -81,6 +81,9 @@ class HybridDrafter(Drafter):
 
     def begin(self, prompts, target_hidden=None) -> None:
         self.model.begin(prompts, target_hidden)
+
+    def warm(self, prompts) -> None:
+        self.model.warm(prompts)
         self.lookup.begin(prompts)
 
     def propose(self, request: DraftRequest) -> list[Proposal]:

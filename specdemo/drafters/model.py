@@ -16,8 +16,11 @@ class ModelDrafter(Drafter):
     """A smaller causal LM sharing the target's tokenizer, its cache rolled back exactly to each row's accepted prefix.
 
     Each proposal is one catch-up pass (each row feeds what its cache lacks: 1 or 2 tokens after a verdict, more
-    after a hybrid's lookup steps) and then one single-token pass per drafted position, rows that stopped drafting
-    feeding a hole; the last drafted token is never fed (the next verdict decides whether it stays).
+    after a hybrid's lookup steps) and then one single-token pass per drafted position; the last drafted token is
+    never fed (the next verdict decides whether it stays). Greedy chains keep each pass's argmax on the device and
+    feed it to the next pass, every row drafting max(k) tokens, and read tokens and q back once; what a row drafted
+    past its stop (its k, an end of sequence) is dropped on the host, and its cache entries are cut at the next
+    verdict. Sampled chains draw each token on the host; a row that stopped feeds a hole.
     """
 
     name = "model"
@@ -27,38 +30,80 @@ class ModelDrafter(Drafter):
         self.device = next(model.parameters()).device
         self.target_device = target_device or self.device
         self.kv = None  # the cache of the current batch (begin)
+        # after a greedy proposal: each row's cache length through its proposed chain (the last token never counts:
+        # it is not fed), the most a verdict keeps; the entries past it are what the row drafted past its stop
+        self.chain_counts: list[int] | None = None
 
-    def begin(self, prompts, target_hidden=None) -> None:
+    def _new_cache(self, prompts) -> None:
+        """The cache of a batch of these prompts, in place of the last one: the model's runner's static cache (it
+        grows if the answer outruns it) or the eager engine's. The same call gives the same storage again."""
         check_cache(self.model, len(prompts))
         if self.kv is not None:
             graphs.release(self.kv)
-        # the model's runner's static cache (it grows if the answer outruns it) or the eager engine's
         self.kv = graphs.new_kv(self.model, len(prompts), needed_capacity(prompts, CAPACITY_STEP, 0))
+        self.chain_counts = None
+
+    def begin(self, prompts, target_hidden=None) -> None:
+        self._new_cache(prompts)
+
+    def warm(self, prompts) -> None:
+        """Capture the one-token drafting pass and the catch-up widths after a verdict (1 and 2) for this batch,
+        over the storage that begin(prompts) takes next; nothing without capture."""
+        runner = graphs.runner_of(self.model)
+        if runner is not None and runner.capture:
+            self._new_cache(prompts)
+            runner.warm(self.kv, len(prompts), (1, 2))
 
     @torch.inference_mode()
     def propose(self, request: DraftRequest) -> list[Proposal]:
-        ids, sampling = request.ids, request.sampling
+        ids = request.ids
         if max(request.ks, default=0) <= 0:
             return [Proposal([]) for _ in ids]
-        chains, rows = Chains(request), range(len(ids))
-        q_steps: list[torch.Tensor] = []  # per drafting pass, (B,): q of each row's token, read back once at the end
-        drafting: list[list[bool]] = []  # per drafting pass: which rows drafted in it
-        gens = None if sampling.greedy else [generator_on(g, self.device) for g in request.generators]
+        self._cut()
+        chains = Chains(request)
         logits = self.kv.step([row[n:] for row, n in zip(ids, self.kv.counts)])  # (B, V)
+        if request.sampling.greedy:
+            self._greedy(chains, logits, max(request.ks))
+        else:
+            self._sampled(chains, logits, request)
+        return chains.proposals()
+
+    def _greedy(self, chains: Chains, logits: torch.Tensor, k: int) -> None:
+        """k argmax tokens for every row, each pass fed the last one's on the device, with no host read between
+        them (a graph replay per pass where the runner captures); then one read of tokens and q, and each row keeps
+        its chain up to its own k or end of sequence (Chains.add)."""
+        start = list(self.kv.counts)
+        tokens, q_tokens = [], []  # per pass, (B,)
+        for i in range(k):
+            if i:
+                x = tokens[-1][:, None]  # (B, 1): every row feeds one token
+                logits = self.kv.forward(x, torch.ones_like(x, dtype=torch.bool), 1, fed=[1] * len(x))[0][:, -1]
+            index = logits.argmax(-1)  # (B,)
+            tokens.append(index)
+            q_tokens.append(torch.softmax(logits.float(), -1).gather(1, index[:, None])[:, 0])
+        chain_tokens, q = torch.stack([torch.stack(tokens).double(), torch.stack(q_tokens).double()]).tolist()  # (k, B)
+        for pass_tokens, pass_q in zip(chain_tokens, q):
+            for r, (token, q_token) in enumerate(zip(pass_tokens, pass_q)):
+                if chains.active[r]:
+                    chains.q_tokens[r].append(q_token)
+                    chains.add(r, int(token))
+        self.chain_counts = [n + max(len(t) - 1, 0) for n, t in zip(start, chains.tokens)]
+
+    def _sampled(self, chains: Chains, logits: torch.Tensor, request: DraftRequest) -> None:
+        """One token per active row and pass, drawn from its own generator; q of each read back once at the end."""
+        rows = range(len(request.ids))
+        gens = [generator_on(g, self.device) for g in request.generators]
+        q_steps: list[torch.Tensor] = []  # per drafting pass, (B,): q of each row's token
+        drafting: list[list[bool]] = []  # per drafting pass: which rows drafted in it
         while True:
             active = chains.active
-            if sampling.greedy:
-                q, index = torch.softmax(logits.float(), -1), logits.argmax(-1)  # (B, V), (B,)
-                choice = index.tolist()
-            else:
-                q = logits_to_probs(logits, sampling)  # (B, V)
-                choice = [int(torch.multinomial(q[r], 1, generator=gens[r])) if active[r] else 0 for r in rows]
-                index = torch.tensor(choice, device=q.device)
-            q_steps.append(q.gather(1, index[:, None])[:, 0])
+            q = logits_to_probs(logits, request.sampling)  # (B, V)
+            choice = [int(torch.multinomial(q[r], 1, generator=gens[r])) if active[r] else 0 for r in rows]
+            q_steps.append(q.gather(1, torch.tensor(choice, device=q.device)[:, None])[:, 0])
             drafting.append(list(active))
             for r in rows:
                 if active[r]:
-                    chains.add(r, choice[r], None if sampling.greedy else q[r].to(self.target_device))
+                    chains.add(r, choice[r], q[r].to(self.target_device))
             if not any(chains.active):
                 break
             logits = self.kv.step([[t[-1]] if a else [] for t, a in zip(chains.tokens, chains.active)])
@@ -66,12 +111,21 @@ class ModelDrafter(Drafter):
             for r in rows:
                 if was_active[r]:
                     chains.q_tokens[r].append(values[r])
-        return chains.proposals()
+
+    def _cut(self) -> None:
+        """Drop the entries a greedy proposal fed past each row's proposed chain (propose or select before a
+        verdict)."""
+        if self.chain_counts is not None:
+            self.kv.keep(self.chain_counts)
+            self.chain_counts = None
 
     def update(self, verdicts) -> None:
-        # the cache holds committed ids plus drafted tokens; keep the part the target agreed with (not its own token)
-        agreed = [min(n, len(v.ids) - 1) for n, v in zip(self.kv.counts, verdicts)]
-        self.kv.keep(agreed)
+        # the cache holds committed ids plus drafted tokens; keep the part the target agreed with (not its own token),
+        # never past what the proposal drafted: a row the hybrid's lookup served proposed nothing here, and the
+        # tokens a greedy chain fed past a row's stop are not what was committed
+        counts, self.chain_counts = self.chain_counts or self.kv.counts, None
+        self.kv.keep([min(n, len(v.ids) - 1) for n, v in zip(counts, verdicts)])
 
     def select(self, rows) -> None:
+        self._cut()
         self.kv.select(rows)

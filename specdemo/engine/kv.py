@@ -59,9 +59,15 @@ class Slots:
         """The 2D attention mask (B, L + T) of a pass: the valid slots, then the pass's real entries."""
         return torch.cat([self.valid, real], dim=1)
 
-    def append(self, real: torch.Tensor) -> None:
+    def append(self, real: torch.Tensor, fed: Sequence[int] | None = None) -> None:
+        """A pass's entries join the storage; `fed` (each row's real entries, where the caller knows them) spares a
+        read back from the device."""
         self.valid = torch.cat([self.valid, real], dim=1)
-        self.counts = [c + n for c, n in zip(self.counts, real.sum(1).tolist())]
+        self.counts = [c + n for c, n in zip(self.counts, real.sum(1).tolist() if fed is None else fed)]
+
+    def full(self) -> bool:
+        """Whether every row holds every slot (no hole, no padding), from the host's counts alone."""
+        return all(c == self.length for c in self.counts)
 
     def keep_entries(self, width: int, entries: Sequence[Sequence[int]]) -> int:
         """Of the last pass's `width` entries (the storage's last columns), keep these per row (entry 0 is the pass's
@@ -149,10 +155,12 @@ class BatchKV:
         """Whether a pass may feed a draft tree: the model's attention must take a 4D mask (sdpa or eager)."""
         return self.model.config._attn_implementation in ("sdpa", "eager")
 
-    def inputs(self, tokens: torch.Tensor, real: torch.Tensor) -> dict:
-        """Forward keyword arguments for tokens (B, T) whose real entries are `real` (B, T) bool."""
+    def inputs(self, tokens: torch.Tensor, real: torch.Tensor, fed: Sequence[int] | None = None) -> dict:
+        """Forward keyword arguments for tokens (B, T) whose real entries are `real` (B, T) bool (`fed`: each row's
+        count of them, where the caller knows it: then nothing is read back from the device)."""
         mask = self.slots.mask(real)
-        if bool(mask.all()):  # no hole, no padding: positions follow the cache, as in a plain forward
+        full = bool(mask.all()) if fed is None else self.slots.full() and all(n == tokens.shape[1] for n in fed)
+        if full:  # no hole, no padding: positions follow the cache, as in a plain forward
             return dict(input_ids=tokens, use_cache=True, **with_cache(self.model, self.cache))
         return dict(input_ids=tokens, attention_mask=mask, position_ids=self.slots.positions(real), use_cache=True,
                     **with_cache(self.model, self.cache))
@@ -174,10 +182,10 @@ class BatchKV:
     def forward(self, tokens: torch.Tensor, real: torch.Tensor, keep: int, layers: tuple[int, ...] | None = None,
                 tree=None, fed: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the model on tokens (B, T) after the cache; logits (B, keep, V) and, unless layers is None, the
-        features (B, T, W) of target_features (below). `tree`: the pass is a draft tree's (tree_inputs). `fed` (each
-        row's real entries) is the static cache's; the slots here read `real` on the host."""
+        features (B, T, W) of target_features (below). `tree`: the pass is a draft tree's (tree_inputs). `fed`: each
+        row's real entries where the caller knows them (nothing is then read back from the device)."""
         before = self.cache.get_seq_length()
-        inputs = self.inputs(tokens, real) if tree is None else self.tree_inputs(tokens, tree)
+        inputs = self.inputs(tokens, real, fed) if tree is None else self.tree_inputs(tokens, tree)
         self.width = tokens.shape[1]
         features = None
         # grouped products only for one query per row: sdpa is faster for a verify pass or a prefill
@@ -189,7 +197,7 @@ class BatchKV:
                 logits = self.model.lm_head(last[:, -keep:])
         if self.cache.get_seq_length() != before + tokens.shape[1]:
             raise GenerationError(f"{type(self.model).__name__}'s forward did not fill the KV cache it was given")
-        self.slots.append(real)
+        self.slots.append(real, fed)
         # under a device map the head may compute elsewhere than the embeddings: bring the outputs to the inputs
         return logits.to(self.device), None if features is None else features.to(self.device)
 
@@ -205,7 +213,7 @@ class BatchKV:
         """Feed each row its own tokens (left-padded to one width; a row may feed none) and return the logits (B, V)
         at each row's newest token."""
         tokens, real = left_padded(feeds, self.device)
-        return self.forward(tokens, real, 1)[0][:, -1]
+        return self.forward(tokens, real, 1, fed=[len(f) for f in feeds])[0][:, -1]
 
     def keep(self, counts: Sequence[int]) -> None:
         """Roll each row back to its first counts[r] valid positions."""

@@ -250,11 +250,14 @@ class _Run:
         # under --tree auto: what steps cost by width, as this drafter's runs have measured them so far
         self.costs = auto_costs(drafter, len(prompts), config) if self.tree.by_cost else None
 
-    def warm(self, widths: Sequence[int]) -> None:
-        """Capture the passes of these widths before the clock runs, where a graph runner serves the target."""
+    def warm(self, widths: Sequence[int], prompts: Sequence[list[int]]) -> None:
+        """Capture the target's passes of these widths and the drafter's (Drafter.warm) before the clock runs, where
+        graph runners serve them."""
         runner = getattr(self.kv, "runner", None)
         if runner is not None:
             runner.warm(self.kv, len(self.rows), widths, self.layers)
+        if self.drafter is not None:
+            self.drafter.warm(prompts)
 
     def retire(self) -> bool:
         """Let finished rows leave the batch (the cache, the drafter, the pending tokens); False when none is left."""
@@ -383,7 +386,7 @@ def decode(target, tokenizer, prompts: Sequence[list[int]], config: GenerationCo
     """
     run = _Run(target, tokenizer, prompts, config, drafter, inspect, text)
     try:
-        run.warm([1] if drafter is None else range(1, max(config.num_draft_tokens, run.tree.nodes) + 2))
+        run.warm([1] if drafter is None else range(1, max(config.num_draft_tokens, run.tree.nodes) + 2), prompts)
         yield _prefill(run, prompts)
         while True:
             run.clock.start()

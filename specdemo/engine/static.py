@@ -292,11 +292,12 @@ class StaticKV(StaticRows):
         self._set_counts([s + len(e) for s, e in zip(start, entries)])
 
     def step(self, feeds: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Feed each row its own tokens (a row may feed none); logits (B, V) at each row's newest token."""
+        """Feed each row its own tokens (a row may feed none); logits (B, V) at each row's newest token. A step into an
+        empty cache (a draft LM's first, its prompts) runs once: uncaptured, as a prefill is."""
         tokens, real = right_padded(feeds, self.device)
         if tokens.shape[1] == 0:
             tokens, real = torch.full((len(feeds), 1), PAD, device=self.device), real.new_zeros(len(feeds), 1)
-        logits, _ = self._pass(tokens, tokens.shape[1], None)
+        logits, _ = self._pass(tokens, tokens.shape[1], None, graph=any(self.counts))
         last = torch.tensor([max(len(f) - 1, 0) for f in feeds], device=self.device)
         self._advance([len(f) for f in feeds])
         return logits[torch.arange(len(feeds), device=self.device), last]
