@@ -88,6 +88,23 @@ class DeviceChains:
     q: torch.Tensor
     lengths: torch.Tensor
 
+    @classmethod
+    def cut(cls, tokens: torch.Tensor, q: torch.Tensor, request: DraftRequest,
+            sure: torch.Tensor | None = None) -> DeviceChains:
+        """Chains of max(ks) tokens per row, each row's length worked out on the device as Chains.add stops a row:
+        at its own k, after an end of sequence, and (with `sure`, (B, k) bool) before its first unsure token."""
+        import torch
+
+        k, device = tokens.shape[1], tokens.device
+        ks = torch.tensor(list(request.ks)).to(device, non_blocking=True)
+        kept = torch.arange(k, device=device)[None, :] < ks[:, None]
+        if sure is not None:
+            kept &= sure
+        if request.eos_token_ids:
+            ended = torch.isin(tokens, torch.tensor(sorted(request.eos_token_ids)).to(device, non_blocking=True))
+            kept &= (ended.long().cumsum(1) - ended.long()) == 0  # nothing after an end of sequence
+        return cls(tokens, q, kept.long().cumprod(1).sum(1))
+
 
 @dataclass
 class Verdict:

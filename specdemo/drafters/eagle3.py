@@ -277,13 +277,7 @@ class Eagle3Drafter(Drafter):
         peaks = peaks.double()  # compared as the eager loop compares: in Python floats
         sure = peaks >= self.min_confidence
         sure[:, 0] = True
-        k = tokens.shape[1]
-        ks = torch.tensor(list(request.ks)).to(self.device, non_blocking=True)
-        sure &= torch.arange(k, device=self.device)[None, :] < ks[:, None]
-        if request.eos_token_ids:
-            ended = torch.isin(tokens, torch.tensor(sorted(request.eos_token_ids)).to(self.device, non_blocking=True))
-            sure &= (ended.cumsum(1) - ended.long()) == 0  # nothing after an end of sequence
-        return DeviceChains(tokens, peaks, sure.long().cumprod(1).sum(1))
+        return DeviceChains.cut(tokens, peaks, request, sure)
 
     def _fixed_chains(self, chains: DeviceChains) -> list[Proposal]:
         """Device chains read back in one copy of tokens, q and lengths, as proposals."""

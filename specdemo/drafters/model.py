@@ -9,7 +9,7 @@ from ..engine import graphs
 from ..engine.kv import check_cache
 from ..engine.static import CAPACITY_STEP, needed_capacity
 from ..engine.verify import generator_on, logits_to_probs
-from .base import Chains, Drafter, DraftRequest, Proposal
+from .base import Chains, DeviceChains, Drafter, DraftRequest, Proposal
 
 
 class ModelDrafter(Drafter):
@@ -68,11 +68,20 @@ class ModelDrafter(Drafter):
             self._sampled(chains, logits, request)
         return chains.proposals()
 
-    def _greedy(self, chains: Chains, logits: torch.Tensor, k: int) -> None:
+    @torch.inference_mode()
+    def propose_on_device(self, request: DraftRequest) -> DeviceChains | None:
+        """Greedy chains left on the device (_passes, lengths as Chains.add stops a row) for the engine to verify
+        and read back with its verdict; None when sampling or with nothing to draft. Every row's fed tokens are its
+        own chain, so a verdict's keep() cuts them right (no chain_counts)."""
+        if not request.sampling.greedy or max(request.ks, default=0) <= 0:
+            return None
+        self._cut()
+        logits = self.kv.step([row[n:] for row, n in zip(request.ids, self.kv.counts)])  # (B, V)
+        return DeviceChains.cut(*self._passes(logits, max(request.ks)), request)
+
+    def _passes(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """k argmax tokens for every row, each pass fed the last one's on the device, with no host read between
-        them (a graph replay per pass where the runner captures); then one read of tokens and q, and each row keeps
-        its chain up to its own k or end of sequence (Chains.add)."""
-        start = list(self.kv.counts)
+        them (a graph replay per pass where the runner captures): tokens (B, k) and their q (B, k), float64."""
         tokens, q_tokens = [], []  # per pass, (B,)
         for i in range(k):
             if i:
@@ -81,12 +90,20 @@ class ModelDrafter(Drafter):
             index = logits.argmax(-1)  # (B,)
             tokens.append(index)
             q_tokens.append(torch.softmax(logits.float(), -1).gather(1, index[:, None])[:, 0])
-        chain_tokens, q = torch.stack([torch.stack(tokens).double(), torch.stack(q_tokens).double()]).tolist()  # (k, B)
-        for pass_tokens, pass_q in zip(chain_tokens, q):
-            for r, (token, q_token) in enumerate(zip(pass_tokens, pass_q)):
-                if chains.active[r]:
-                    chains.q_tokens[r].append(q_token)
-                    chains.add(r, int(token))
+        return torch.stack(tokens, 1), torch.stack(q_tokens, 1).double()
+
+    def _greedy(self, chains: Chains, logits: torch.Tensor, k: int) -> None:
+        """_passes, then one read of tokens and q, and each row keeps its chain up to its own k or end of sequence
+        (Chains.add)."""
+        start = list(self.kv.counts)
+        tokens, q = self._passes(logits, k)
+        chain_tokens, q = torch.stack([tokens.double(), q]).tolist()  # (B, k) each
+        for r, (row_tokens, row_q) in enumerate(zip(chain_tokens, q)):
+            for token, q_token in zip(row_tokens, row_q):
+                if not chains.active[r]:
+                    break
+                chains.q_tokens[r].append(q_token)
+                chains.add(r, int(token))
         self.chain_counts = [n + max(len(t) - 1, 0) for n, t in zip(start, chains.tokens)]
 
     def _sampled(self, chains: Chains, logits: torch.Tensor, request: DraftRequest) -> None:

@@ -1,0 +1,129 @@
+"""One read of the device per greedy speculative step (issue 49): a drafter's greedy chains stay on the device
+(Drafter.propose_on_device: the EAGLE-3 head's over its static cache, a draft LM's), the target verifies them there,
+and the verdicts and the chains come back in one copy (verify.greedy_accept_chains). On the CPU, with the path forced
+on (loop.ONE_READ = "always"; by default it runs under a graph-captured target): every step reads once, and the
+drafts, their q and the output are those of the usual path, which are the target's own greedy tokens."""
+
+import pytest
+from conftest import TEST_DEVICE, case
+from test_draft_graphs import HOST_READS, PROMPTS, counted_reads
+
+from specdemo.config import GenerationConfig
+from specdemo.engine import decode, graphs, loop, row_outputs
+
+
+@pytest.fixture(params=["eager", "static"])
+def runner(request, tiny):
+    """The tiny models on the eager engine or the static runner (uncaptured on the CPU) for the test's duration."""
+    models = (tiny.target, tiny.draft, tiny.eagle3_target)
+    for model in models:
+        assert (graphs.attach(model, "on") is not None) if request.param == "static" else True
+    yield request.param
+    for model in models:
+        graphs.detach(model)
+
+
+def run(tiny, tiny_tok, kind, rows, k, mode, monkeypatch, min_confidence=0.0):
+    """(each step's drafted tokens, accepted count and tokens; the drafts' q; the rows' outputs) of a fresh drafter's
+    greedy decode with loop.ONE_READ = mode."""
+    monkeypatch.setattr(loop, "ONE_READ", mode)
+    target, drafter = case(kind).build(tiny)
+    if min_confidence:
+        drafter.min_confidence = min_confidence
+    config = GenerationConfig(max_new_tokens=24, num_draft_tokens=k, tree="off")
+    events = list(decode(target, tiny_tok, PROMPTS[:rows], config, drafter))
+    steps = [(s.drafted, s.num_accepted, s.tokens) for e in events for s in e.steps]
+    q = [p for e in events for s in e.steps for p in (s.draft_token_probs or [])]
+    return steps, q, row_outputs(events, rows)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("kind", ["model", "eagle3", "eagle3-unsure"])
+def test_chains_verified_on_the_device_are_the_usual_path(tiny, tiny_tok, runner, kind, k, rows, monkeypatch):
+    """Step for step the same drafts (rows stopping at their k, at an end of sequence, or, for the head with a
+    confidence stop, before an unsure token), the same accepted counts and tokens, the same q; the output is the
+    target's own greedy output (the autoregressive run's)."""
+    name, unsure = kind.removesuffix("-unsure"), 0.6 if kind.endswith("-unsure") else 0.0
+    if name == "eagle3" and runner == "eager":
+        pytest.skip("the head's eager cache drafts on the host (propose_on_device needs its static cache)")
+    usual = run(tiny, tiny_tok, name, rows, k, "never", monkeypatch, unsure)
+    device = run(tiny, tiny_tok, name, rows, k, "always", monkeypatch, unsure)
+    assert device[0] == usual[0] and device[2] == usual[2]
+    assert device[1] == pytest.approx(usual[1], abs=1e-6)
+    target = case(name).build(tiny)[0]
+    plain = list(decode(target, tiny_tok, PROMPTS[:rows], GenerationConfig(max_new_tokens=24)))
+    assert device[2] == row_outputs(plain, rows)
+    lengths = {len(d) for d, _, _ in device[0] if d}
+    assert (max(lengths) == k or unsure) and (k == 1 or len(lengths) > 1 or name == "model")  # some stopped short
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("kind", ["model", "eagle3"])
+def test_a_greedy_step_reads_the_device_once(tiny, tiny_tok, kind, rows, monkeypatch):
+    """Under the static runner every speculative step of a k = 4 decode (rejections, rows leaving, k shrinking at
+    the end) reads values back once in all: the verdicts and the chains together. The usual path reads twice (the
+    drafts, then the verdicts)."""
+    models = (tiny.target, tiny.draft, tiny.eagle3_target)
+    for model in models:
+        graphs.attach(model, "on")
+    per_step, step = [], loop._spec_step
+
+    def counting(*args):
+        with counted_reads() as reads:
+            out = step(*args)
+        per_step.append([r for r in reads if (r[0].rsplit("/", 1)[-1], r[1]) not in HOST_READS])
+        return out
+
+    monkeypatch.setattr(loop, "_spec_step", counting)
+    try:
+        for mode, reads in (("always", 1), ("never", 2)):
+            per_step.clear()
+            run(tiny, tiny_tok, kind, rows, 4, mode, monkeypatch)
+            assert len(per_step) >= 3
+            counts = [len(r) for r in per_step]  # the last step may have nothing to draft: its verdicts alone
+            assert set(counts) <= {1, reads} and counts.count(reads) >= len(counts) - 1, per_step
+            if mode == "always":  # a step with nothing to draft (k = 0 at the end) reads its verdicts alone
+                names = [name for r in per_step for _, name in r]
+                assert set(names) <= {"greedy_accept_chains", "greedy_accept_batch"}
+                assert names.count("greedy_accept_chains") >= len(names) - 1
+    finally:
+        for model in models:
+            graphs.detach(model)
+
+
+@pytest.mark.skipif(TEST_DEVICE.type != "cuda", reason="CUDA's sync debug mode: scripts/gpu_check.sh (GRAPH_TESTS=1)")
+@pytest.mark.parametrize("kind", ["model", "eagle3"])
+def test_a_captured_greedy_step_synchronises_once(tiny, tiny_tok, kind):
+    """Under CUDA graphs (the default: loop.ONE_READ = "capture") every speculative step after the first few
+    synchronises the host with the device once, by CUDA's own count (torch.cuda.set_sync_debug_mode); a failure
+    lists where the others happen."""
+    import warnings
+
+    import torch
+
+    models = (tiny.target, tiny.draft, tiny.eagle3_target)
+    for model in models:
+        graphs.attach(model, "on")
+    target, drafter = case(kind).build(tiny)
+    config = GenerationConfig(max_new_tokens=24, num_draft_tokens=4, tree="off")
+    syncs = []
+    try:
+        events = decode(target, tiny_tok, PROMPTS[:4], config, drafter)
+        next(events)  # the prefill
+        while True:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    event = next(events)
+                except StopIteration:
+                    break
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            syncs.append((event.kind, [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]))
+    finally:
+        for model in models:
+            graphs.detach(model)
+    steady = [s for kind_, s in syncs[3:] if kind_ == "spec"]
+    assert steady and all(len(s) <= 1 for s in steady), syncs
