@@ -287,7 +287,7 @@ def right_padded(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[t
     for i, r in enumerate(rows):
         tokens[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
         real[i, : len(r)] = True
-    return tokens.to(device), real.to(device)
+    return tokens.to(device, non_blocking=True), real.to(device, non_blocking=True)  # no wait for queued work
 
 
 def check_cache(model, rows: int) -> None:

@@ -307,7 +307,7 @@ def _prefill(run: _Run, prompts: Sequence[list[int]]) -> BatchEvent:
 
 def _ar_step(run: _Run) -> BatchEvent:
     """One target pass per row: feed each row's pending token, choose the next."""
-    x = torch.tensor(run.chosen, device=run.device)[:, None]
+    x = torch.tensor(run.chosen)[:, None].to(run.device, non_blocking=True)  # a copy that waits for nothing
     logits = run.kv.forward(x, torch.ones_like(x, dtype=torch.bool), 1, fed=[1] * len(run.chosen))[0]
     run.chosen = _choose(logits[:, -1], run.sampling, run.rows.gens)
     done = run.rows.commit([[t] for t in run.chosen])

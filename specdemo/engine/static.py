@@ -298,7 +298,7 @@ class StaticKV(StaticRows):
         if tokens.shape[1] == 0:
             tokens, real = torch.full((len(feeds), 1), PAD, device=self.device), real.new_zeros(len(feeds), 1)
         logits, _ = self._pass(tokens, tokens.shape[1], None, graph=any(self.counts))
-        last = torch.tensor([max(len(f) - 1, 0) for f in feeds], device=self.device)
+        last = torch.tensor([max(len(f) - 1, 0) for f in feeds]).to(self.device, non_blocking=True)  # no sync
         self._advance([len(f) for f in feeds])
         return logits[torch.arange(len(feeds), device=self.device), last]
 
