@@ -188,12 +188,15 @@ def tiny_run(h: Handlers, **changes) -> list[dict]:
 def test_a_race_with_trees_reports_them_and_inspects_them(tiny_loads):
     """The Tree setting reaches the engine: with 8 nodes prompt lookup verifies trees, the output is still the
     target's own, the summary gives tokens per pass beside the first branches', and the panel holds the trees; off
-    drafts chains and says so; the calibration is the setting's own."""
+    drafts chains and says so; the calibration is the setting's own; the result is JSON as gradio writes it."""
+    import orjson
+
     h = Handlers(OUTPUTS, AppLimits(device="cpu"))
     last = tiny_run(h, tree="8")[-1]
     result = last["result_json"]
     assert result["identical"] and result["tree"]["setting"] == "8" and result["tree"]["tree_steps"] > 0
     assert result["tree"]["first_branch_tokens_per_pass"] <= result["tree"]["tokens_per_pass"]
+    assert orjson.loads(orjson.dumps(result))["tree"]["step_ms_by_width"]  # gradio's JSON: string keys only
     assert "drafting passes verified a tree" in last["stats"] and "first branches alone" in last["stats"]
     assert "&quot;tree&quot;: {&quot;nodes&quot;" in last["sd_html"]
     off = tiny_run(h, tree="off")[-1]

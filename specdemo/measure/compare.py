@@ -207,8 +207,9 @@ def tree_result(pair: Pair, config: GenerationConfig, sd_events: list[StepEvent]
     plan = tree_plan(config, pair.drafter)
     costs = auto_costs(pair.drafter, 1, config).costs() if plan.by_cost else pair.drafter.pass_costs
     return {**tree_summary(plan, *tree_steps(sd_events), costs, config.num_draft_tokens),
-            **tree_passes(sd_events, config.sampling.greedy), "step_ms_by_width": step_ms_by_width(sd_events),
-            **({"sized_by": costs} if plan.by_cost else {})}
+            **tree_passes(sd_events, config.sampling.greedy),
+            "step_ms_by_width": {str(w): v for w, v in step_ms_by_width(sd_events).items()},  # JSON keys: strings
+            **({"sized_by": {str(n): c for n, c in costs.items()}} if plan.by_cost else {})}
 
 
 def _run_json(events: list[StepEvent], stats: RunStats) -> dict:

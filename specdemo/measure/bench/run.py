@@ -292,7 +292,8 @@ def tree_report(config: GenerationConfig, drafter, rows: list[dict], source: str
     mine = [r for r in rows if r["tree"] == config.tree]
     return {"setting": config.tree, "source": source,
             **tree_summary(plan, sum(r["tree_steps"] for r in mine), sum(r["steps"] for r in mine), costs,
-                           config.num_draft_tokens), **({"sized_by": costs} if plan.by_cost else {})}
+                           config.num_draft_tokens), **({"sized_by": {str(n): c for n, c in costs.items()}}
+                                                        if plan.by_cost else {})}
 
 
 def run_bench(bc: BenchConfig) -> dict:
