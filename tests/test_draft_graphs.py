@@ -177,3 +177,41 @@ def test_the_drafters_passes_are_captured_before_the_clock(tiny, tiny_tok, kind,
     finally:
         for model in (tiny.target, tiny.draft, tiny.eagle3_target):
             graphs.detach(model)
+
+
+@pytest.mark.skipif(TEST_DEVICE.type == "cuda", reason="a CPU stand-in for capture; on CUDA the runners capture")
+@pytest.mark.parametrize("kind", ["model", "eagle3"])
+def test_a_batch_whose_rows_finish_captures_nothing_while_timed(tiny, tiny_tok, kind, monkeypatch):
+    """B = 4 with rows finishing one by one (the batch runs as 4, then 2 or 1 on the ladder): the warm-up
+    captures the target's and the drafter's passes at every rung below the batch's (graphs.rungs), so nothing is
+    captured once the clock runs; the tokens are the uncaptured run's."""
+    models = (tiny.target, tiny.draft, tiny.eagle3_target)
+    for model in models:
+        graphs.attach(model, "on")
+    try:
+        target, drafter = case(kind).build(tiny)
+        config = GenerationConfig(max_new_tokens=24, num_draft_tokens=4, tree="off")
+        plain = list(decode(target, tiny_tok, PROMPTS, config, drafter))
+        order = []
+        start = timing.Clock.start
+        monkeypatch.setattr(timing.Clock, "start", lambda self: order.append("clock") or start(self))
+
+        def record(self, device, fn, what):
+            order.append(f"capture {what}")
+            self.graphs += 1
+            outputs = fn()
+            return Captured(_Replayed(fn, outputs), outputs)
+
+        monkeypatch.setattr(Runner, "record", record)
+        for model in models:
+            graphs.runner_of(model).capture = True
+        events = list(decode(target, tiny_tok, PROMPTS, config, drafter))
+        assert row_outputs(events, 4) == row_outputs(plain, 4)
+        assert len({graphs.padded_batch(len(e.rows)) for e in events}) > 1  # the batch shrank across rungs
+        first = order.index("clock")
+        assert any(o.startswith("capture") for o in order[:first])
+        assert [o for o in order[first:] if o.startswith("capture")] == []
+        assert graphs.rungs(4) == [4, 2, 1] and graphs.rungs(3) == [4, 2, 1] and graphs.rungs(1) == [1]
+    finally:
+        for model in models:
+            graphs.detach(model)

@@ -96,11 +96,13 @@ class HeadRunner(Runner):
         return storage.step(b) if done is None else done.replay(b)
 
     def warm(self, kv: StaticHeadKV, rows: int, widths: Sequence[int] = (1,), layers=None) -> float:
-        """Capture the draft step for `rows` rows (padded to the ladder) before a decode is timed; returns the seconds
-        spent. The step has one width and reads no target layers (widths and layers are the target runner's)."""
+        """Capture the draft step for `rows` rows and each smaller rung of the ladder (graphs.rungs: the batch sizes
+        it runs at as rows finish) before a decode is timed; returns the seconds spent. The step has one width and
+        reads no target layers (widths and layers are the target runner's)."""
         before = self.capture_seconds
         if self.capture:
-            self._captured(kv.storage, (padded_batch(rows),))
+            for b in graphs.rungs(rows):
+                self._captured(kv.storage, (b,))
         return self.capture_seconds - before
 
     def _capture(self, storage: HeadStorage, b: int) -> Captured:

@@ -138,18 +138,19 @@ class Runner:
         return Captured(graph, outputs)
 
     def warm(self, kv: StaticKV, rows: int, widths: Sequence[int], layers: tuple[int, ...] | None = None) -> float:
-        """Capture the passes a decode of `rows` rows will run (one graph per width), before it is timed; returns the
-        seconds spent. Nothing to do without capture."""
+        """Capture the passes a decode of `rows` rows will run (one graph per width and batch size, down the ladder:
+        as rows finish the batch runs as a smaller rung), before it is timed; returns the seconds spent. Nothing to do
+        without capture."""
         if not self.capture:
             return 0.0
         before = self.capture_seconds
-        bp = padded_batch(rows)
-        for t in sorted({w for w in widths if w <= MAX_GRAPH_WIDTH}, reverse=True):  # the widest first: the pool
-            self._captured(kv.storage, (bp, t, t, layers))  # then fits the rest
+        for bp in rungs(rows):  # the largest first: the pool then fits the rest
+            for t in sorted({w for w in widths if w <= MAX_GRAPH_WIDTH}, reverse=True):
+                self._captured(kv.storage, (bp, t, t, layers))
         spent = self.capture_seconds - before
         if spent:
-            log.info("graph runner: captured %d graphs (batch %d, widths %s) in %.2fs", self.graphs, bp,
-                     ",".join(map(str, sorted(set(widths)))), spent)
+            log.info("graph runner: captured %d graphs (batches %s, widths %s) in %.2fs", self.graphs,
+                     ",".join(map(str, rungs(rows))), ",".join(map(str, sorted(set(widths)))), spent)
         return spent
 
     def describe(self) -> str:
@@ -162,6 +163,12 @@ class Runner:
 def padded_batch(rows: int) -> int:
     """The captured batch size a batch of `rows` runs as: the next rung of BATCH_LADDER (beyond it: itself)."""
     return next((b for b in BATCH_LADDER if b >= rows), rows)
+
+
+def rungs(rows: int) -> list[int]:
+    """The captured batch sizes a batch of `rows` runs as while its rows finish, largest first."""
+    top = padded_batch(rows)
+    return sorted({b for b in BATCH_LADDER if b <= top} | {top}, reverse=True)
 
 
 _RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> Runner
