@@ -10,6 +10,7 @@ import torch
 from conftest import TEST_DEVICE, case
 
 from specdemo.config import GenerationConfig
+from specdemo.drafters.eagle3_static import CATCH_UP_WIDTH
 from specdemo.engine import decode, graphs, row_outputs, timing
 from specdemo.engine.graphs import Captured, Runner
 
@@ -140,7 +141,8 @@ def test_the_drafters_passes_are_captured_before_the_clock(tiny, tiny_tok, kind,
     cache taken, nothing recorded. Where its runner captures (a stand-in recorder here, no CUDA), the drafter's
     passes are recorded then, over the storage its begin takes next, and no proposal of a B = 1 decode records
     anything: a draft LM's one-token pass and its catch-up widths 1 and 2 (the first catch-up, its prompt, runs
-    once, uncaptured), an EAGLE-3 head's draft step. The tokens are the uncaptured run's."""
+    once, uncaptured), an EAGLE-3 head's draft step and its catch-up widths 1 to CATCH_UP_WIDTH. The tokens are the
+    uncaptured run's."""
     for model in (tiny.target, tiny.draft, tiny.eagle3_target):
         graphs.attach(model, "on")
     try:
@@ -164,7 +166,8 @@ def test_the_drafters_passes_are_captured_before_the_clock(tiny, tiny_tok, kind,
         captured = order[1 : order.index("clock")]
         assert order[0] == "warm" and order.count("begin") == 1 and order.index("begin") > order.index("clock")
         assert captured == (["capture a 1 x 2 pass", "capture a 1 x 1 pass"] if kind == "model"
-                            else ["capture the head's 1-row draft step"])
+                            else ["capture the head's 1-row draft step"]
+                            + [f"capture the head's 1 x {t} catch-up" for t in range(CATCH_UP_WIDTH, 0, -1)])
         assert len([o for o in order if o.startswith("capture")]) == len(captured)  # none while proposing
         assert len(drafter.kv.storage.graphs) == len(captured)  # held by the storage begin took
     finally:

@@ -238,3 +238,19 @@ def test_the_captured_step_is_the_eager_step(head, static_head):
         assert torch.allclose(a.float(), b.float(), atol=1e-4)
     assert all(torch.equal(a, b) for a, b in zip(again, replayed))
     kv.release()
+
+
+@pytest.mark.skipif(TEST_DEVICE.type != "cuda", reason="CUDA graphs: scripts/gpu_check.sh runs this (GRAPH_TESTS=1)")
+def test_the_captured_catch_up_is_the_eager_pass(head, static_head):
+    """On CUDA the catch-up after a verdict (3 rows of 2 entries, run as 4) replays as a graph: the eager pass's
+    outputs, the same lengths after it."""
+    with torch.inference_mode():
+        kv = _one_step_ready(head, 3)
+        hidden = torch.randn(3, 2, head.c.hidden_size, dtype=kv.storage.hidden.dtype, device=kv.device)
+        tokens = torch.randint(0, 16, (3, 2), device=kv.device)
+        eager = kv.storage.run(hidden, tokens)
+        before = static_head.graphs
+        replayed = static_head.catch_up(kv.storage, hidden, tokens)
+    assert static_head.graphs == before + 1
+    assert torch.allclose(replayed.float(), eager.float(), atol=1e-4)
+    kv.release()

@@ -17,6 +17,8 @@ from ..engine.graphs import Captured, Runner, padded_batch
 from ..engine.static import CAPACITY_STEP, StaticRows, rounded_capacity
 from ..models.eagle3_head import Eagle3Head
 
+CATCH_UP_WIDTH = 17  # the widest catch-up pass captured (a verdict's accepted tokens and the pending one, k <= 16)
+
 
 def top_token(head: Eagle3Head, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Head outputs (B, H) -> the greedy draft token (B,) as a target id, and its draft probability (B,) (the peak
@@ -41,6 +43,9 @@ class HeadStorage:
         self.slots = torch.arange(capacity, device=self.device)  # (capacity,)
         self.feature = torch.zeros(rows, c.hidden_size, dtype=weight.dtype, device=self.device)  # the step's inputs
         self.token = torch.zeros(rows, dtype=torch.long, device=self.device)
+        # the catch-up's inputs (a verdict's features, prepared, and the tokens that follow them), right-padded
+        self.hidden = torch.zeros(rows, CATCH_UP_WIDTH, c.hidden_size, dtype=weight.dtype, device=self.device)
+        self.tokens = torch.zeros(rows, CATCH_UP_WIDTH, dtype=torch.long, device=self.device)
         self.busy = False  # held by one drafter at a time
         self.graphs: dict = {}  # (b,) -> engine.graphs.Captured: the step at that padded batch size
 
@@ -64,6 +69,11 @@ class HeadStorage:
         if mask is None:
             mask = (self.slots[None, None, :] <= write[:, :, None])[:, None]  # (b, 1, T, capacity)
         return self.head(hidden, tokens, positions, self.keys[:b], self.values[:b], mask, write)[0]
+
+    def catch_up(self, b: int, t: int) -> torch.Tensor:
+        """The catch-up pass of the first b rows from the input buffers (hidden (b, t, H), tokens (b, t)), each row's
+        entries at its length on: the pre-norm outputs (b, t, H). Lengths are not moved."""
+        return self.run(self.hidden[:b, :t], self.tokens[:b, :t])
 
     def step(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One greedy draft step of the first b rows from the input buffers (feature (b, H), token (b,)), each at its
@@ -95,6 +105,17 @@ class HeadRunner(Runner):
         done = self._captured(storage, (bp,)) if self.capture else None
         return storage.step(b) if done is None else done.replay(b)
 
+    def catch_up(self, storage: HeadStorage, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """HeadStorage.catch_up of these inputs (hidden (b, t, H), tokens (b, t), right-padded): a graph replay per
+        padded batch and width where it captures (t up to CATCH_UP_WIDTH), else the same pass eagerly."""
+        b, t = tokens.shape
+        if not self.capture or t > CATCH_UP_WIDTH:
+            return storage.run(hidden, tokens)
+        storage.hidden[:b, :t].copy_(hidden)
+        storage.tokens[:b, :t].copy_(tokens)
+        done = self._captured(storage, (padded_batch(b), t))
+        return storage.catch_up(b, t) if done is None else done.replay(b)[0]
+
     def warm(self, kv: StaticHeadKV, rows: int, widths: Sequence[int] = (1,), layers=None) -> float:
         """Capture the draft step for `rows` rows and each smaller rung of the ladder (graphs.rungs: the batch sizes
         it runs at as rows finish) before a decode is timed; returns the seconds spent. The step has one width and
@@ -103,11 +124,16 @@ class HeadRunner(Runner):
         if self.capture:
             for b in graphs.rungs(rows):
                 self._captured(kv.storage, (b,))
+                for t in range(CATCH_UP_WIDTH, 0, -1):  # a verdict's catch-up: its accepted tokens and one
+                    self._captured(kv.storage, (b, t))
         return self.capture_seconds - before
 
-    def _capture(self, storage: HeadStorage, b: int) -> Captured:
-        """Capture the step at batch size b; its runs write only at each row's length, past what any row holds."""
-        return self.record(storage.device, lambda: storage.step(b), f"the head's {b}-row draft step")
+    def _capture(self, storage: HeadStorage, b: int, t: int | None = None) -> Captured:
+        """Capture the draft step at batch size b (t None) or the catch-up pass of width t; their runs write only at
+        each row's length and on, past what any row holds."""
+        if t is None:
+            return self.record(storage.device, lambda: storage.step(b), f"the head's {b}-row draft step")
+        return self.record(storage.device, lambda: (storage.catch_up(b, t),), f"the head's {b} x {t} catch-up")
 
 
 def attach(head: Eagle3Head, mode: str = "auto") -> HeadRunner | None:
@@ -130,10 +156,14 @@ class StaticHeadKV(StaticRows):
     def run(self, hidden: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor,
             positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """A pass (HeadStorage.run over hidden (B, T, H), tokens (B, T)); each row's length grows by its real entries
-        (real (B, T) bool, the host's: nothing is read back). Returns the pre-norm outputs (B, T, H)."""
+        (real (B, T) bool, the host's: nothing is read back). A chain's pass (no tree `positions` and `mask`) is the
+        runner's catch-up, captured on CUDA. Returns the pre-norm outputs (B, T, H)."""
         fed = real.sum(1).tolist()
         self.reserve(tokens.shape[1])
-        out = self.storage.run(hidden, tokens, positions, mask)
+        if positions is None and mask is None:
+            out = self.runner.catch_up(self.storage, hidden, tokens)
+        else:
+            out = self.storage.run(hidden, tokens, positions, mask)
         self._advance(fed)
         return out
 
