@@ -137,8 +137,8 @@ def _as_verified(p: Proposal, k: int, nodes: int
                  ) -> tuple[TokenTree | None, list[int], torch.Tensor | None, list[float] | None, list[float] | None]:
     """A row's proposal as it is verified: (its tree, None for a chain; the drafted tokens; their q rows, None for a
     deterministic drafter; q of each kept token, for the inspector; each kept node's value, Proposal.values). A tree
-    keeps its first `nodes` nodes no deeper
-    than k (asked for none: the chain of its first children); a tree that is a chain is verified as one."""
+    keeps its first `nodes` nodes no deeper than k (asked for none: the chain of its first children); a tree that is
+    a chain is verified as one."""
     if p.parents is None:
         return None, p.tokens[:k], p.probs, None if p.token_probs is None else p.token_probs[:k], None
     tree = TokenTree(p.tokens, p.parents)
