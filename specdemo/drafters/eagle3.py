@@ -145,8 +145,8 @@ class Eagle3Drafter(Drafter):
         self.kv = new_head_kv(self.head, prompts) or EagerHeadKV(self.head, len(prompts), self.device)
 
     def warm(self, prompts) -> None:
-        """Capture the greedy draft step for this batch's padded size, over the storage begin(prompts) takes next;
-        nothing without capture."""
+        """Capture the greedy draft step and the catch-up widths (HeadRunner.warm) for this batch's padded size and
+        the smaller rungs, over the storage begin(prompts) takes next; nothing without capture."""
         runner = graphs.runner_of(self.head)
         if runner is not None and runner.capture:
             self._new_cache(prompts)
@@ -212,14 +212,13 @@ class Eagle3Drafter(Drafter):
         self.confidences = [[] for _ in range(rows)]
         if max(ks, default=0) <= 0:
             return [Proposal([]) for _ in range(rows)]
-        chains = Chains(request)
         self._drop_drafted()
         feature = self._catch_up(ids, ks)
         if any(request.nodes(r) for r in range(rows)):  # a dynamic tree
             return (draft_trees if sampling.greedy else draft_sampled_trees)(self, request, feature)
         if sampling.greedy and isinstance(self.kv, StaticHeadKV):
             return self._fixed_chains(self._device_chains(feature, request))
-        subset = self.head.subset
+        chains, subset = Chains(request), self.head.subset
         gens = None if sampling.greedy else [generator_on(g, self.device) for g in request.generators]
         while True:
             active = chains.active

@@ -59,9 +59,7 @@ class ModelDrafter(Drafter):
         ids = request.ids
         if max(request.ks, default=0) <= 0:
             return [Proposal([]) for _ in ids]
-        self._cut()
-        chains = Chains(request)
-        logits = self.kv.step([row[n:] for row, n in zip(ids, self.kv.counts)])  # (B, V)
+        chains, logits = Chains(request), self._catch_up(ids)
         if request.sampling.greedy:
             self._greedy(chains, logits, max(request.ks))
         else:
@@ -75,9 +73,13 @@ class ModelDrafter(Drafter):
         own chain, so a verdict's keep() cuts them right (no chain_counts)."""
         if not request.sampling.greedy or max(request.ks, default=0) <= 0:
             return None
+        return DeviceChains.cut(*self._passes(self._catch_up(request.ids), max(request.ks)), request)
+
+    def _catch_up(self, ids) -> torch.Tensor:
+        """Feed each row what its cache lacks (after cutting what the last greedy proposal fed past its chain): the
+        logits (B, V) at each row's pending token, what its first drafted token comes from."""
         self._cut()
-        logits = self.kv.step([row[n:] for row, n in zip(request.ids, self.kv.counts)])  # (B, V)
-        return DeviceChains.cut(*self._passes(logits, max(request.ks)), request)
+        return self.kv.step([row[n:] for row, n in zip(ids, self.kv.counts)])
 
     def _passes(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """k argmax tokens for every row, each pass fed the last one's on the device, with no host read between

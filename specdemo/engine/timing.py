@@ -212,6 +212,7 @@ class StepCosts:
         self.prior = prior
         self.seconds: dict[int, deque] = {}
         self.extras: deque = deque(maxlen=4 * self.WINDOW)  # per tree step: (off-chain value, off-chain tokens)
+        self._costs: tuple[dict, dict] | None = None  # (the prior, costs()) until a step is added: asked every step
 
     def add_extras(self, valued: float, gave: int) -> None:
         """A tree step's nodes off its chain of first children: what the drafter valued them at, and how many of them
@@ -230,6 +231,7 @@ class StepCosts:
     def add(self, width: int, seconds: float) -> None:
         """One step that verified `width` tokens per row took `seconds`."""
         self.seconds.setdefault(width, deque(maxlen=self.WINDOW)).append(seconds)
+        self._costs = None
 
     def measured(self) -> dict[int, float]:
         """{width: median step seconds} for each width with MIN_SAMPLES steps."""
@@ -237,7 +239,12 @@ class StepCosts:
 
     def costs(self) -> dict[int, float]:
         """{n: what a step verifying n drafted tokens costs, over a 1-token pass}: the prior with the run's measured
-        ratios between widths in place (see the class), non-decreasing."""
+        ratios between widths in place (see the class), non-decreasing. Worked out once per step added."""
+        if self._costs is None or self._costs[0] is not self.prior:
+            self._costs = (self.prior, self._worked_out())
+        return self._costs[1]
+
+    def _worked_out(self) -> dict[int, float]:
         prior = self.prior
         measured = {w - 1: s for w, s in self.measured().items() if w - 1 in prior or w == 1}
         if len(measured) < 2:

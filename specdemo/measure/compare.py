@@ -205,11 +205,15 @@ def tree_result(pair: Pair, config: GenerationConfig, sd_events: list[StepEvent]
     with the trees and, greedy, from their first branches alone (metrics.tree_passes), and the steps' times by width
     (metrics.step_ms_by_width)."""
     plan = tree_plan(config, pair.drafter)
-    costs = auto_costs(pair.drafter, 1, config).costs() if plan.by_cost else pair.drafter.pass_costs
-    return {**tree_summary(plan, *tree_steps(sd_events), costs, config.num_draft_tokens),
-            **tree_passes(sd_events, config.sampling.greedy),
-            "step_ms_by_width": {str(w): v for w, v in step_ms_by_width(sd_events).items()},  # JSON keys: strings
-            **({"sized_by": {str(n): c for n, c in costs.items()}} if plan.by_cost else {})}
+    return {**tree_summary(plan, *tree_steps(sd_events), sizing_costs(plan, pair.drafter, config),
+                           config.num_draft_tokens), **tree_passes(sd_events, config.sampling.greedy),
+            "step_ms_by_width": {str(w): v for w, v in step_ms_by_width(sd_events).items()}}  # JSON keys: strings
+
+
+def sizing_costs(plan, drafter: Drafter, config: GenerationConfig) -> dict[int, float] | None:
+    """The costs a run's trees were sized by: under --tree auto those its single-row runs ended on (the load-time
+    pass costs corrected by the steps timed so far, engine.loop.auto_costs), else the load-time ones."""
+    return auto_costs(drafter, 1, config).costs() if plan.by_cost else drafter.pass_costs
 
 
 def _run_json(events: list[StepEvent], stats: RunStats) -> dict:

@@ -96,7 +96,8 @@ def step_ms_by_width(events: Sequence[StepEvent]) -> dict[int, list[float]]:
 def tree_summary(plan, trees: int, drafted_steps: int, pass_costs: dict[int, float] | None, k: int) -> dict:
     """The result's `tree`: the plan (engine.loop.TreePlan: the node budget, whether auto cut it by pass costs, why)
     and how many drafting steps verified a tree; under auto with none, that it fell back to chains, and the costs
-    that made it (a pass one node wider than the chain's)."""
+    that made it (a pass one node wider than the chain's); under auto, `sized_by`: the costs (string keys, for
+    JSON)."""
     note = plan.why
     if plan.by_cost and drafted_steps and not trees:
         note = "auto fell back to chains: no branch paid for the wider pass it needs"
@@ -104,7 +105,7 @@ def tree_summary(plan, trees: int, drafted_steps: int, pass_costs: dict[int, flo
             note += (f" (here a {k + 2}-token pass costs {pass_costs[k + 1]:.2f}x a 1-token one, a {k + 1}-token "
                      f"pass {pass_costs[k]:.2f}x)")
     return {"nodes": plan.nodes, "by_cost": plan.by_cost, "tree_steps": trees, "drafted_steps": drafted_steps,
-            "note": note}
+            "note": note, **({"sized_by": {str(n): c for n, c in pass_costs.items()}} if plan.by_cost else {})}
 
 
 def first_branch_tokens(event: StepEvent) -> int:

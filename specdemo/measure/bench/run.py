@@ -29,12 +29,12 @@ from ...drafters.base import SharedState
 from ...drafters.registry import get, options_of
 from ...drafters.resolve import default_draft, starting_k
 from ...engine import encode_prompt, eos_ids
-from ...engine.loop import auto_costs, tree_plan
+from ...engine.loop import tree_plan
 from ...engine.timing import ForwardTimer, verify_costs_for
 from ...models.eagle3 import eagle3_export
 from ...prompts import DEFAULT_PROMPTS, PromptItem, read_prompts
 from ...serve.serve_config import Lookup, serve_target
-from ..compare import Pair, first_mismatch, load_pair, pair_placement, runner_info, warmup
+from ..compare import Pair, first_mismatch, load_pair, pair_placement, runner_info, sizing_costs, warmup
 from ..metrics import tree_steps, tree_summary, verify_by_nodes
 from ..spec_metrics import speculative_decoding, steps_of
 from ..tune_k import point, run_ar, run_sd, summarize, sweep
@@ -288,12 +288,10 @@ def tree_report(config: GenerationConfig, drafter, rows: list[dict], source: str
     """What one --tree setting drafted over the rows (metrics.tree_summary), and under auto the step costs it sized
     trees by at the end (the load-time pass costs corrected by the steps its runs timed, engine.timing.StepCosts)."""
     plan = tree_plan(config, drafter)
-    costs = auto_costs(drafter, 1, config).costs() if plan.by_cost else drafter.pass_costs
     mine = [r for r in rows if r["tree"] == config.tree]
     return {"setting": config.tree, "source": source,
-            **tree_summary(plan, sum(r["tree_steps"] for r in mine), sum(r["steps"] for r in mine), costs,
-                           config.num_draft_tokens), **({"sized_by": {str(n): c for n, c in costs.items()}}
-                                                        if plan.by_cost else {})}
+            **tree_summary(plan, sum(r["tree_steps"] for r in mine), sum(r["steps"] for r in mine),
+                           sizing_costs(plan, drafter, config), config.num_draft_tokens)}
 
 
 def run_bench(bc: BenchConfig) -> dict:
