@@ -1,6 +1,7 @@
 """The drafters under the graph tiny_runner, on the CPU: a greedy proposal reads the device once (a draft LM's chain, an
 EAGLE-3 head's), a draft LM's greedy chains are its own greedy continuation whatever a row fed past its stop, and
-the engine's warm-up captures the drafter's passes before the clock (a stand-in recorder: graphs need CUDA)."""
+the engine's warm-up captures the drafter's passes before the clock (a stand-in recorder: graphs need CUDA), and an
+EAGLE-3 head's tree levels replay their graphs, reading the device once a level."""
 
 import sys
 from contextlib import contextmanager
@@ -9,8 +10,9 @@ import pytest
 import torch
 from conftest import TEST_DEVICE, case
 
-from specdemo.config import GenerationConfig
-from specdemo.drafters.eagle3_static import CATCH_UP_WIDTH
+from specdemo.config import GenerationConfig, SamplingConfig
+from specdemo.drafters import eagle3_tree
+from specdemo.drafters.eagle3_static import CATCH_UP_WIDTH, LEVEL_WIDTH
 from specdemo.engine import decode, graphs, row_outputs, timing
 from specdemo.engine.graphs import Captured, Runner
 
@@ -141,8 +143,8 @@ def test_the_drafters_passes_are_captured_before_the_clock(tiny, tiny_tok, kind,
     cache taken, nothing recorded. Where its runner captures (a stand-in recorder here, no CUDA), the drafter's
     passes are recorded then, over the storage its begin takes next, and no proposal of a B = 1 decode records
     anything: a draft LM's one-token pass and its catch-up widths 1 and 2 (the first catch-up, its prompt, runs
-    once, uncaptured), an EAGLE-3 head's draft step and its catch-up widths 1 to CATCH_UP_WIDTH. The tokens are the
-    uncaptured run's."""
+    once, uncaptured), an EAGLE-3 head's draft step, its catch-up widths 1 to CATCH_UP_WIDTH and its tree levels' 1 to
+    LEVEL_WIDTH. The tokens are the uncaptured run's."""
     for model in (tiny.target, tiny.draft, tiny.eagle3_target):
         graphs.attach(model, "on")
     try:
@@ -167,7 +169,8 @@ def test_the_drafters_passes_are_captured_before_the_clock(tiny, tiny_tok, kind,
         assert order[0] == "warm" and order.count("begin") == 1 and order.index("begin") > order.index("clock")
         assert captured == (["capture a 1 x 2 pass", "capture a 1 x 1 pass"] if kind == "model"
                             else ["capture the head's 1-row draft step"]
-                            + [f"capture the head's 1 x {t} catch-up" for t in range(CATCH_UP_WIDTH, 0, -1)])
+                            + [f"capture the head's 1 x {t} catch-up" for t in range(CATCH_UP_WIDTH, 0, -1)]
+                            + [f"capture the head's 1 x {t} tree level" for t in range(LEVEL_WIDTH, 0, -1)])
         assert len([o for o in order if o.startswith("capture")]) == len(captured)  # none while proposing
         assert len(drafter.kv.storage.graphs) == len(captured)  # held by the storage begin took
     finally:
@@ -204,4 +207,45 @@ def test_a_batch_whose_rows_finish_captures_nothing_while_timed(tiny, tiny_tok, 
         assert graphs.rungs(4) == [4, 2, 1] and graphs.rungs(3) == [4, 2, 1] and graphs.rungs(1) == [1]
     finally:
         for model in models:
+            graphs.detach(model)
+
+
+@pytest.mark.skipif(TEST_DEVICE.type == "cuda", reason="a CPU stand-in for capture; on CUDA the runners capture")
+@pytest.mark.parametrize("temperature,rows", [(0.0, 1), (0.0, 4), (1.0, 4)])  # sampled, B = 1 drafts no tree here
+def test_a_heads_tree_levels_replay_their_graphs(tiny, tiny_tok, rows, temperature, monkeypatch):
+    """EAGLE-3 trees (8 nodes, 4 deep) under a captured head (the stand-in recorder): each level's pass replays a
+    graph captured in the warm-up, nothing is captured while timed, every tree and token is the uncaptured run's, and
+    a greedy level reads the device once (its candidates: eagle3_tree._top)."""
+    models = (tiny.eagle3_target,)
+    graphs.attach(tiny.eagle3_target, "on")
+    try:
+        target, drafter = case("eagle3").build(tiny)
+        graphs.attach(drafter.head, "on")
+        config = GenerationConfig(max_new_tokens=24, num_draft_tokens=4, tree="8", seed=3,
+                                  sampling=SamplingConfig(temperature=temperature))
+        plain = list(decode(target, tiny_tok, PROMPTS[:rows], config, drafter))
+        order, levels, tops = [], [], []
+        start = timing.Clock.start
+        monkeypatch.setattr(timing.Clock, "start", lambda self: order.append("clock") or start(self))
+        monkeypatch.setattr(Runner, "record", recorder(order))
+        replay = _Replayed.replay
+        monkeypatch.setattr(_Replayed, "replay", lambda self: levels.append(self) or replay(self))
+        top = eagle3_tree._top
+        monkeypatch.setattr(eagle3_tree, "_top", lambda *a: tops.append(1) or top(*a))
+        for model in models + (drafter.head,):
+            graphs.runner_of(model).capture = True
+        with counted_reads() as reads:
+            events = list(decode(target, tiny_tok, PROMPTS[:rows], config, drafter))
+        assert row_outputs(events, rows) == row_outputs(plain, rows)
+        assert [(s.drafted, s.parents) for e in events for s in e.steps] == [(s.drafted, s.parents) for e in plain
+                                                                          for s in e.steps]
+        assert any(p is not None for e in events for s in e.steps for p in [s.parents])  # trees were drafted
+        first = order.index("clock")
+        assert [o for o in order[first:] if o.startswith("capture")] == []
+        level_graphs = {id(g.graph) for k, g in drafter.kv.storage.graphs.items() if len(k) == 3}
+        assert level_graphs and sum(id(g) in level_graphs for g in levels) > 0
+        if not temperature:
+            assert len([r for r in reads if r[0].endswith("eagle3_tree.py")]) == len(tops)
+    finally:
+        for model in models + (drafter.head,):
             graphs.detach(model)

@@ -1,8 +1,9 @@
 """An EAGLE-3 head's static KV cache and graph runner (drafters/eagle3_static.py) against its eager cache, on tiny
 random heads: the same proposals token for token (greedy chains with and without the confidence stop, trees, B = 1
 and 4), fixed buffer addresses over a run with rejections, rollback that writes nothing, growth past the capacity, a
-draft step that compiles whole, and on CUDA (GRAPH_TESTS=1 in scripts/gpu_check.sh) the captured step equal to the
-eager one. Greedy and sampled decoding through the head's static path is test_static.py's (conftest's cases)."""
+draft step that compiles whole, and on CUDA (GRAPH_TESTS=1 in scripts/gpu_check.sh) the captured step, catch-up and
+tree level equal to the eager passes (on the CPU a tree's levels run through the same level buffers uncaptured).
+Greedy and sampled decoding through the head's static path is test_static.py's (conftest's cases)."""
 
 import pytest
 import torch
@@ -251,6 +252,28 @@ def test_the_captured_catch_up_is_the_eager_pass(head, static_head):
         eager = kv.storage.run(hidden, tokens)
         before = static_head.graphs
         replayed = static_head.catch_up(kv.storage, hidden, tokens)
+    assert static_head.graphs == before + 1
+    assert torch.allclose(replayed.float(), eager.float(), atol=1e-4)
+    kv.release()
+
+
+@pytest.mark.skipif(TEST_DEVICE.type != "cuda", reason="CUDA graphs: scripts/gpu_check.sh runs this (GRAPH_TESTS=1)")
+def test_the_captured_tree_level_is_the_eager_pass(head, static_head):
+    """On CUDA a draft tree's level pass (3 rows of 2 entries, run as 4: explicit positions and an ancestry mask)
+    replays as a graph: the eager pass's outputs."""
+    with torch.inference_mode():
+        kv = _one_step_ready(head, 3)
+        storage = kv.storage
+        hidden = torch.randn(3, 2, head.c.hidden_size, dtype=storage.hidden.dtype, device=kv.device)
+        tokens = torch.randint(0, 16, (3, 2), device=kv.device)
+        lengths = storage.lengths[:3, None]
+        positions = lengths.expand(3, 2).clone()  # two siblings at the row's next position
+        mask = storage.slots[None, None, :] < lengths[:, :, None]  # the row's entries...
+        mask = mask | (storage.slots[None, None, :] == lengths[:, :, None] + torch.arange(2, device=kv.device)[:, None])
+        mask = mask[:, None]  # ...and itself: (3, 1, 2, capacity)
+        eager = storage.run(hidden, tokens, positions, mask)
+        before = static_head.graphs
+        replayed = static_head.tree_level(storage, hidden, tokens, positions, mask)
     assert static_head.graphs == before + 1
     assert torch.allclose(replayed.float(), eager.float(), atol=1e-4)
     kv.release()

@@ -1,9 +1,9 @@
 """An EAGLE-3 head's static KV cache and its graph runner: the head's keys and values in buffers allocated once, at
 fixed addresses, each row holding its positions 0..len-1 with no holes (engine.static.StaticRows: lengths on the
 device and the host, rollback = a length change), and its greedy draft step captured as a CUDA graph per padded batch
-size (an engine.graphs.Runner of its own). Chosen with the target's `--graphs` (attach); on a CPU, `on` runs the same
-code uncaptured. Knows the head module, not the drafter's bookkeeping (drafters.eagle3).
-"""
+size (an engine.graphs.Runner of its own), as are the catch-up after a verdict and a draft tree's level passes.
+Chosen with the target's `--graphs` (attach); on a CPU, `on` runs the same code uncaptured. Knows the head module,
+not the drafter's bookkeeping (drafters.eagle3)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ from ..engine import graphs
 from ..engine.graphs import Captured, Runner, padded_batch
 from ..engine.static import CAPACITY_STEP, StaticRows, rounded_capacity
 from ..models.eagle3_head import Eagle3Head
+from .eagle3_tree import FRONTIER
 
 CATCH_UP_WIDTH = 17  # the widest catch-up pass captured (a verdict's accepted tokens and the pending one, k <= 16)
+LEVEL_WIDTH = FRONTIER  # the widest tree level captured (eagle3_tree feeds at most FRONTIER nodes a row per depth)
 
 
 def top_token(head: Eagle3Head, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,6 +48,13 @@ class HeadStorage:
         # the catch-up's inputs (a verdict's features, prepared, and the tokens that follow them), right-padded
         self.hidden = torch.zeros(rows, CATCH_UP_WIDTH, c.hidden_size, dtype=weight.dtype, device=self.device)
         self.tokens = torch.zeros(rows, CATCH_UP_WIDTH, dtype=torch.long, device=self.device)
+        # a tree level's inputs (eagle3_tree._expand's): each entry's parent output, token, position and mask; each
+        # entry sees at least its own slot, so a padded row attends to something (all-masked rows would give NaN)
+        self.level_hidden = torch.zeros(rows, LEVEL_WIDTH, c.hidden_size, dtype=weight.dtype, device=self.device)
+        self.level_tokens = torch.zeros(rows, LEVEL_WIDTH, dtype=torch.long, device=self.device)
+        self.level_positions = torch.zeros(rows, LEVEL_WIDTH, dtype=torch.long, device=self.device)
+        self.level_mask = torch.zeros(rows, 1, LEVEL_WIDTH, capacity, dtype=torch.bool, device=self.device)
+        self.level_mask[:, 0, range(LEVEL_WIDTH), range(LEVEL_WIDTH)] = True
         self.busy = False  # held by one drafter at a time
         self.graphs: dict = {}  # (b,) -> engine.graphs.Captured: the step at that padded batch size
 
@@ -75,6 +84,12 @@ class HeadStorage:
         entries at its length on: the pre-norm outputs (b, t, H). Lengths are not moved."""
         return self.run(self.hidden[:b, :t], self.tokens[:b, :t])
 
+    def level(self, b: int, t: int) -> torch.Tensor:
+        """A draft tree's level pass of the first b rows from the level buffers (t entries a row, each at its given
+        position and mask): the pre-norm outputs (b, t, H). Lengths are not moved."""
+        return self.run(self.level_hidden[:b, :t], self.level_tokens[:b, :t], self.level_positions[:b, :t],
+                        self.level_mask[:b, :, :t])
+
     def step(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One greedy draft step of the first b rows from the input buffers (feature (b, H), token (b,)), each at its
         row's length: (the next feature (b, H), its greedy token (b,), that token's q). Straight-line tensor code
@@ -85,9 +100,9 @@ class HeadStorage:
 
 @dataclass
 class HeadRunner(Runner):
-    """How a head's passes run: over HeadStorages it pools, its greedy draft step captured per padded batch size
-    (on CUDA), every other pass (the catch-up after a verdict, a tree's levels, sampled chains) eagerly over the same
-    buffers."""
+    """How a head's passes run: over HeadStorages it pools, captured per padded batch size (on CUDA) and width: its
+    greedy draft step, the catch-up after a verdict (up to CATCH_UP_WIDTH) and a draft tree's level passes (up to
+    LEVEL_WIDTH); every other pass (sampled chains, wider ones) eagerly over the same buffers."""
 
     refusal = staticmethod(graphs.why_not_here)  # any head on any device can take the static cache
 
@@ -116,23 +131,43 @@ class HeadRunner(Runner):
         done = self._captured(storage, (padded_batch(b), t))
         return storage.catch_up(b, t) if done is None else done.replay(b)[0]
 
+    def tree_level(self, storage: HeadStorage, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                   mask: torch.Tensor) -> torch.Tensor:
+        """HeadStorage.run of a tree level (hidden (b, t, H), tokens and positions (b, t), mask (b, 1, t, capacity)):
+        through the level buffers up to LEVEL_WIDTH entries (a graph replay per padded batch and width where it
+        captures, else the same code eagerly: what the CPU tests check), wider ones eagerly."""
+        b, t = tokens.shape
+        if t > LEVEL_WIDTH:
+            return storage.run(hidden, tokens, positions, mask)
+        for buf, x in zip((storage.level_hidden, storage.level_tokens, storage.level_positions),
+                          (hidden, tokens, positions)):
+            buf[:b, :t].copy_(x, non_blocking=True)
+        storage.level_mask[:b, :, :t].copy_(mask, non_blocking=True)
+        done = self._captured(storage, (padded_batch(b), t, True)) if self.capture else None
+        return storage.level(b, t) if done is None else done.replay(b)[0]
+
     def warm(self, kv: StaticHeadKV, rows: int, widths: Sequence[int] = (1,), layers=None) -> float:
-        """Capture the draft step for `rows` rows and each smaller rung of the ladder (graphs.rungs: the batch sizes
-        it runs at as rows finish) before a decode is timed; returns the seconds spent. The step has one width and
-        reads no target layers (widths and layers are the target runner's)."""
+        """Capture the draft step, the catch-up widths and the tree levels' for `rows` rows and each smaller rung of
+        the ladder (graphs.rungs: the batch sizes it runs at as rows finish) before a decode is timed; returns the
+        seconds spent. Reads no target layers and takes the head's own widths (`widths`, `layers`: the target
+        runner's)."""
         before = self.capture_seconds
         if self.capture:
             for b in graphs.rungs(rows):
                 self._captured(kv.storage, (b,))
                 for t in range(CATCH_UP_WIDTH, 0, -1):  # a verdict's catch-up: its accepted tokens and one
                     self._captured(kv.storage, (b, t))
+                for t in range(LEVEL_WIDTH, 0, -1):
+                    self._captured(kv.storage, (b, t, True))
         return self.capture_seconds - before
 
-    def _capture(self, storage: HeadStorage, b: int, t: int | None = None) -> Captured:
-        """Capture the draft step at batch size b (t None) or the catch-up pass of width t; their runs write only at
-        each row's length and on, past what any row holds."""
+    def _capture(self, storage: HeadStorage, b: int, t: int | None = None, level: bool = False) -> Captured:
+        """Capture the draft step at batch size b (t None), the catch-up pass of width t, or (level) a tree level of
+        width t; their runs write only at each row's length and on, past what any row holds."""
         if t is None:
             return self.record(storage.device, lambda: storage.step(b), f"the head's {b}-row draft step")
+        if level:
+            return self.record(storage.device, lambda: (storage.level(b, t),), f"the head's {b} x {t} tree level")
         return self.record(storage.device, lambda: (storage.catch_up(b, t),), f"the head's {b} x {t} catch-up")
 
 
@@ -157,13 +192,13 @@ class StaticHeadKV(StaticRows):
             positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """A pass (HeadStorage.run over hidden (B, T, H), tokens (B, T)); each row's length grows by its real entries
         (real (B, T) bool, the host's: nothing is read back). A chain's pass (no tree `positions` and `mask`) is the
-        runner's catch-up, captured on CUDA. Returns the pre-norm outputs (B, T, H)."""
+        runner's catch-up, a tree's its level pass, both captured on CUDA. Returns the pre-norm outputs (B, T, H)."""
         fed = real.sum(1).tolist()
         self.reserve(tokens.shape[1])
         if positions is None and mask is None:
             out = self.runner.catch_up(self.storage, hidden, tokens)
         else:
-            out = self.storage.run(hidden, tokens, positions, mask)
+            out = self.runner.tree_level(self.storage, hidden, tokens, positions, mask)
         self._advance(fed)
         return out
 
@@ -186,7 +221,7 @@ class StaticHeadKV(StaticRows):
 
     def visible(self) -> torch.Tensor:
         """(B, capacity) bool: the slots each row holds now (a draft tree's pass sees these and its ancestors)."""
-        return self.storage.slots[None, :] < torch.tensor(self.counts, device=self.device)[:, None]
+        return self.storage.slots[None, :] < torch.tensor(self.counts).to(self.device, non_blocking=True)[:, None]
 
     def tree_columns(self, width: int) -> tuple[int, list[int]]:
         """Before a pass of `width` entries: the width of its mask (the capacity) and where each row's entries start

@@ -81,7 +81,9 @@ def _top(drafter: Eagle3Drafter, out: torch.Tensor) -> tuple[list[list[float]], 
     q = torch.softmax(drafter.head.logits(out).float(), -1)  # (N, S)
     top = q.topk(min(TOP, q.shape[-1]), dim=-1)
     ids = drafter.head.subset[top.indices]  # draft vocabulary -> target ids
-    return top.values.tolist(), ids.tolist(), top.values[:, 0].tolist()
+    read = torch.cat([top.values.double(), ids.double()], 1).tolist()  # one read (ids < 2**53 stay exact)
+    n = top.values.shape[1]
+    return [r[:n] for r in read], [[int(t) for t in r[n:]] for r in read], [r[0] for r in read]
 
 
 def draft_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor) -> list[Proposal]:
@@ -122,7 +124,8 @@ def _level(drafter: Eagle3Drafter, trees: list[_Row], request: DraftRequest, dep
         return None
     out = _expand(drafter, trees, feed, width, depth, base, true_valid)  # (B, W, H)
     fed = [(r, j, n) for r, nodes in enumerate(feed) for j, n in enumerate(nodes)]
-    return [(r, n) for r, _, n in fed], torch.stack([out[r, j] for r, j, _ in fed])
+    at = torch.tensor([(r, j) for r, j, _ in fed]).T.to(out.device, non_blocking=True)
+    return [(r, n) for r, _, n in fed], out[at[0], at[1]]
 
 
 def _expand(drafter: Eagle3Drafter, trees: list[_Row], feed: list[list[int]], width: int, depth: int,
@@ -132,21 +135,25 @@ def _expand(drafter: Eagle3Drafter, trees: list[_Row], feed: list[list[int]], wi
     entry lands (its column in the mask) is the cache's to say (kv.tree_columns)."""
     rows, device = len(trees), drafter.device
     columns, start = drafter.kv.tree_columns(width)
-    hidden = torch.zeros(rows, width, feature_width(trees), dtype=drafter.dtype, device=device)
-    tokens = torch.zeros(rows, width, dtype=torch.long)  # the host's, moved once
+    inputs = torch.zeros(2, rows, width, dtype=torch.long)  # tokens and positions, the host's, moved at once
     real = torch.zeros(rows, width, dtype=torch.bool)
-    positions = torch.zeros(rows, width, dtype=torch.long)
     seen = [(r, j, start[r] + j) for r in range(rows) for j in range(width)]  # each entry sees itself (padding too)
+    where, sources = [], []
     for r, (tree, nodes) in enumerate(zip(trees, feed)):
         for j, n in enumerate(nodes):
-            hidden[r, j] = tree.source[n].to(drafter.dtype)
-            tokens[r, j], real[r, j], positions[r, j] = tree.tokens[n], True, base[r] + depth - 1
+            where.append((r, j))
+            sources.append(tree.source[n])
+            inputs[0, r, j], inputs[1, r, j], real[r, j] = tree.tokens[n], base[r] + depth - 1, True
             seen += [(r, j, tree.column[a]) for a in tree.ancestors(tree.parents[n])]
             tree.column[n] = start[r] + j
+    inputs = inputs.to(device, non_blocking=True)
+    hidden = torch.zeros(rows, width, feature_width(trees), dtype=drafter.dtype, device=device)
+    at = torch.tensor(where).T.to(device, non_blocking=True)
+    hidden[at[0], at[1]] = torch.stack(sources).to(drafter.dtype)  # one gather, not a copy per node
     mask = torch.zeros(rows, width, columns, dtype=torch.bool, device=device)
     mask[:, :, : true_valid.shape[1]] = true_valid[:, None, :]
-    mask[tuple(torch.tensor(seen).T.to(device))] = True
-    return drafter._pass(hidden, tokens.to(device), real, positions.to(device), mask[:, None])
+    mask[tuple(torch.tensor(seen).T.to(device, non_blocking=True))] = True
+    return drafter._pass(hidden, inputs[0], real, inputs[1], mask[:, None])
 
 
 def feature_width(trees: list[_Row]) -> int:
