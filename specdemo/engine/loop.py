@@ -182,7 +182,7 @@ def _path_features(features: torch.Tensor | None, r: int, path: list[int], tree:
         return None
     if tree is None:
         return features[r, : len(path) + 1]
-    return features[r, torch.tensor([0] + [j + 1 for j in path], device=features.device)]
+    return features[r, torch.tensor([0] + [j + 1 for j in path]).to(features.device, non_blocking=True)]
 
 
 @dataclass(frozen=True)

@@ -286,7 +286,7 @@ class StaticKV(StaticRows):
         start = self.start
         moves = path_moves(start, entries)
         if moves is not None:
-            src, dst = (m.to(self.device) for m in moves)
+            src, dst = (m.to(self.device, non_blocking=True) for m in moves)  # a copy that waits for nothing
             for buf in self.storage.buffers():
                 _move_slots(buf[: self.rows], src, dst)
         self._set_counts([s + len(e) for s, e in zip(start, entries)])

@@ -152,7 +152,7 @@ class TreeBatch:
             tokens[r, :m], parents[r, :m], real[r, :m] = torch.tensor(t.tokens), torch.tensor(t.parents), True
             depths[r, 1 : m + 1] = torch.tensor(t.depths)
             mask[r, : m + 1, : m + 1] = t.attention_mask()
-        return cls(*(x.to(device) for x in (tokens, parents, real, depths, mask)))
+        return cls(*(x.to(device, non_blocking=True) for x in (tokens, parents, real, depths, mask)))  # no wait
 
 
 def greedy_tree_accept_batch(trees: Sequence[TokenTree], logits: torch.Tensor,
