@@ -1,7 +1,7 @@
 """The drafters under the graph tiny_runner, on the CPU: a greedy proposal reads the device once (a draft LM's chain, an
 EAGLE-3 head's), a draft LM's greedy chains are its own greedy continuation whatever a row fed past its stop, and
 the engine's warm-up captures the drafter's passes before the clock (a stand-in recorder: graphs need CUDA), and an
-EAGLE-3 head's tree levels replay their graphs, reading the device once a level."""
+EAGLE-3 head's tree levels replay their graphs, a greedy tree reading the device once a step."""
 
 import sys
 from contextlib import contextmanager
@@ -11,7 +11,6 @@ import torch
 from conftest import TEST_DEVICE, case
 
 from specdemo.config import GenerationConfig, SamplingConfig
-from specdemo.drafters import eagle3_tree
 from specdemo.drafters.eagle3_static import CATCH_UP_WIDTH, LEVEL_WIDTH
 from specdemo.engine import decode, graphs, row_outputs, timing
 from specdemo.engine.graphs import Captured, Runner
@@ -215,7 +214,8 @@ def test_a_batch_whose_rows_finish_captures_nothing_while_timed(tiny, tiny_tok, 
 def test_a_heads_tree_levels_replay_their_graphs(tiny, tiny_tok, rows, temperature, monkeypatch):
     """EAGLE-3 trees (8 nodes, 4 deep) under a captured head (the stand-in recorder): each level's pass replays a
     graph captured in the warm-up, nothing is captured while timed, every tree and token is the uncaptured run's, and
-    a greedy level reads the device once (its candidates: eagle3_tree._top)."""
+    a greedy tree, grown on the device (eagle3_device_tree), reads it once a step, where the uncaptured run grew it
+    on the host a level at a time."""
     models = (tiny.eagle3_target,)
     graphs.attach(tiny.eagle3_target, "on")
     try:
@@ -224,14 +224,12 @@ def test_a_heads_tree_levels_replay_their_graphs(tiny, tiny_tok, rows, temperatu
         config = GenerationConfig(max_new_tokens=24, num_draft_tokens=4, tree="8", seed=3,
                                   sampling=SamplingConfig(temperature=temperature))
         plain = list(decode(target, tiny_tok, PROMPTS[:rows], config, drafter))
-        order, levels, tops = [], [], []
+        order, levels = [], []
         start = timing.Clock.start
         monkeypatch.setattr(timing.Clock, "start", lambda self: order.append("clock") or start(self))
         monkeypatch.setattr(Runner, "record", recorder(order))
         replay = _Replayed.replay
         monkeypatch.setattr(_Replayed, "replay", lambda self: levels.append(self) or replay(self))
-        top = eagle3_tree._top
-        monkeypatch.setattr(eagle3_tree, "_top", lambda *a: tops.append(1) or top(*a))
         for model in models + (drafter.head,):
             graphs.runner_of(model).capture = True
         with counted_reads() as reads:
@@ -245,7 +243,9 @@ def test_a_heads_tree_levels_replay_their_graphs(tiny, tiny_tok, rows, temperatu
         level_graphs = {id(g.graph) for k, g in drafter.kv.storage.graphs.items() if len(k) == 3}
         assert level_graphs and sum(id(g) in level_graphs for g in levels) > 0
         if not temperature:
-            assert len([r for r in reads if r[0].endswith("eagle3_tree.py")]) == len(tops)
+            drafting = sum(e.kind == "spec" and e.k > 0 for e in events)
+            assert not [r for r in reads if r[0].endswith("eagle3_tree.py")]
+            assert len([r for r in reads if r[0].endswith("eagle3_device_tree.py")]) == drafting
     finally:
         for model in models + (drafter.head,):
             graphs.detach(model)

@@ -20,6 +20,7 @@ from ..models import kernels
 from ..models.eagle3 import locate_eagle3, recorded_k
 from ..models.eagle3_head import load_head
 from .base import Chains, DeviceChains, Drafter, DraftRequest, Proposal
+from .eagle3_device_tree import draft_device_trees, grows_on_device
 from .eagle3_static import StaticHeadKV, attach, new_head_kv
 from .eagle3_tree import draft_sampled_trees, draft_trees
 
@@ -215,6 +216,8 @@ class Eagle3Drafter(Drafter):
         self._drop_drafted()
         feature = self._catch_up(ids, ks)
         if any(request.nodes(r) for r in range(rows)):  # a dynamic tree
+            if grows_on_device(self, request):
+                return draft_device_trees(self, request, feature)
             return (draft_trees if sampling.greedy else draft_sampled_trees)(self, request, feature)
         if sampling.greedy and isinstance(self.kv, StaticHeadKV):
             return self._fixed_chains(self._device_chains(feature, request))

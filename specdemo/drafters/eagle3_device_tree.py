@@ -1,0 +1,152 @@
+"""An EAGLE-3 head's greedy draft tree grown on the device: eagle3_tree's dynamic tree (EAGLE-2's expansion) in fixed
+shapes, so that a step reads the device once for the whole tree instead of once a depth. Each depth feeds FRONTIER
+nodes a row (the chain's, then the most probable others, chosen by a stable sort) through the head's tree level,
+captured on CUDA (eagle3_static.HeadRunner.tree_level), with positions and ancestry masks built on the device; nodes
+that eagle3_tree would not grow (past a row's k, after an end of sequence, rows drafting no tree) are carried as dead
+and dropped when the tree is read. The host then cuts the tree as eagle3_tree does (its _proposal), so under a node
+budget the proposal is eagle3_tree's node for node; under --tree auto every depth feeds FRONTIER nodes whatever the
+cut keeps (on a GPU a wider level costs no more). Used where the head's runner captures (DEVICE_TREES). Knows the
+head drafter's state, not the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .base import DraftRequest, Proposal
+from .eagle3_static import StaticHeadKV
+from .eagle3_tree import FRONTIER, TOP, _proposal, _Row
+
+if TYPE_CHECKING:
+    from .eagle3 import Eagle3Drafter
+
+# greedy trees grown on the device: "capture" where the head's passes are graph-captured, "always" (the tests, on
+# the CPU), "never"
+DEVICE_TREES = "capture"
+CHAIN_FIRST = 2.0  # added to a chain node's value when a depth's nodes to feed are chosen: values are at most 1
+
+
+def grows_on_device(drafter: Eagle3Drafter, request: DraftRequest) -> bool:
+    """Whether this request's trees grow on the device: greedy, over the head's static cache, where it captures (or
+    DEVICE_TREES says always)."""
+    kv = drafter.kv
+    if DEVICE_TREES == "never" or not request.sampling.greedy or not isinstance(kv, StaticHeadKV):
+        return False
+    return DEVICE_TREES == "always" or kv.runner.capture
+
+
+@dataclass
+class _Nodes:
+    """One depth's nodes, (B, C) each: token (target ids), joint value and q (float64, as eagle3_tree's Python
+    floats), on the chain, dead (eagle3_tree would not have it), parent (its index in the whole tree, -1: the root),
+    and which fed entry's output (`outs`, (B, W, H)) it was chosen from; ancestry (B, C, M): the tree columns of the
+    fed nodes on its path."""
+
+    tokens: torch.Tensor
+    values: torch.Tensor
+    q: torch.Tensor
+    chain: torch.Tensor
+    dead: torch.Tensor
+    parents: torch.Tensor
+    slot: torch.Tensor
+    outs: torch.Tensor
+    ancestry: torch.Tensor
+
+
+def _children(drafter: Eagle3Drafter, outs: torch.Tensor, fed: _Nodes, index: torch.Tensor,
+              peak_ok: bool) -> _Nodes:
+    """The TOP candidates after each fed entry's output outs (B, W, H), most probable first: fed holds the fed
+    nodes (B, W) and `index` their indices in the whole tree; `peak_ok` False: the first child of a chain node stays
+    on the chain only if the head is confident enough (min_confidence), as eagle3_tree's _Row.add decides."""
+    b, w = fed.tokens.shape
+    q = torch.softmax(drafter.head.logits(outs).float(), -1)  # (B, W, S)
+    top = q.topk(min(TOP, q.shape[-1]), dim=-1)
+    n = top.values.shape[-1]
+    p = top.values.double()  # (B, W, n)
+    first = torch.zeros(n, dtype=torch.bool, device=p.device)
+    first[0] = True
+    sure = p[:, :, :1] >= drafter.min_confidence if not peak_ok else torch.ones_like(p[:, :, :1], dtype=torch.bool)
+    flat = (b, w * n)
+    return _Nodes(
+        tokens=drafter.head.subset[top.indices].reshape(flat),
+        values=(fed.values[:, :, None] * p).reshape(flat),
+        q=p.reshape(flat),
+        chain=(fed.chain[:, :, None] & first & sure).reshape(flat),
+        dead=fed.dead[:, :, None].expand(b, w, n).reshape(flat),
+        parents=index[:, :, None].expand(b, w, n).reshape(flat),
+        slot=torch.arange(w, device=p.device)[None, :, None].expand(b, w, n).reshape(flat),
+        outs=outs,
+        ancestry=fed.ancestry[:, :, None, :].expand(b, w, n, fed.ancestry.shape[-1]).reshape(*flat, -1),
+    )
+
+
+def _gather(x: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    """x (B, C, ...) at sel (B, F) along dim 1."""
+    return x.gather(1, sel.view(*sel.shape, *([1] * (x.dim() - 2))).expand(*sel.shape, *x.shape[2:]))
+
+
+def draft_device_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor) -> list[Proposal]:
+    """Each row's dynamic tree after the catch-up (feature (B, H)), grown on the device and read back once, then cut
+    as eagle3_tree cuts its own (_proposal). Every depth writes FRONTIER entries a row into the head's cache past its
+    true entries (cut at the next verdict, as a chain's drafted entries are)."""
+    rows, k, device = len(request.ids), max(request.ks), feature.device
+    kv = drafter.kv
+    width = (k - 1) * FRONTIER  # the tree's columns in the head's cache, past each row's true entries
+    capacity, start = kv.tree_columns(width)
+    ks = torch.tensor(list(request.ks)).to(device, non_blocking=True)
+    grow = torch.tensor([request.ks[r] > 0 and request.nodes(r) > 0 for r in range(rows)]).to(device,
+                                                                                             non_blocking=True)
+    first = torch.tensor(start).to(device, non_blocking=True)  # (B,): each row's true entries end here
+    columns = first[:, None] + torch.arange(width, device=device)  # (B, M)
+    visible = kv.visible()  # (B, capacity): the true entries
+    eos = torch.tensor(sorted(request.eos_token_ids), dtype=torch.long).to(device, non_blocking=True)
+    root = _Nodes(tokens=torch.zeros(rows, 1, dtype=torch.long, device=device),
+                  values=torch.ones(rows, 1, dtype=torch.float64, device=device), q=None,
+                  chain=torch.ones(rows, 1, dtype=torch.bool, device=device), dead=~grow[:, None], parents=None,
+                  slot=None, outs=None, ancestry=torch.zeros(rows, 1, width, dtype=torch.bool, device=device))
+    levels = [_children(drafter, feature[:, None], root, torch.full((rows, 1), -1, device=device), True)]
+    offset = 0
+    for depth in range(1, k):
+        nodes = levels[-1]
+        blocked = nodes.dead | torch.isin(nodes.tokens, eos) | (ks <= depth)[:, None]
+        key = torch.where(blocked, float("-inf"), nodes.values + CHAIN_FIRST * nodes.chain)
+        sel = key.sort(dim=1, descending=True, stable=True).indices[:, :FRONTIER]  # (B, F): the nodes to feed
+        fed = _Nodes(tokens=nodes.tokens.gather(1, sel), values=nodes.values.gather(1, sel), q=None,
+                     chain=nodes.chain.gather(1, sel), dead=blocked.gather(1, sel), parents=None, slot=None,
+                     outs=None, ancestry=_gather(nodes.ancestry, sel).clone())
+        own = (depth - 1) * FRONTIER + torch.arange(FRONTIER, device=device)
+        fed.ancestry[:, torch.arange(FRONTIER, device=device), own] = True  # each entry sees itself
+        mask = visible[:, None, :].expand(rows, FRONTIER, capacity).clone()
+        mask.scatter_(2, columns[:, None, :].expand(rows, FRONTIER, width), fed.ancestry)
+        hidden = _gather(nodes.outs, nodes.slot.gather(1, sel))  # each fed node's parent's output
+        positions = (first + depth - 1)[:, None].expand(rows, FRONTIER)
+        real = torch.ones(rows, FRONTIER, dtype=torch.bool)  # the host's: every row writes FRONTIER entries
+        outs = drafter._pass(hidden.to(drafter.dtype), fed.tokens, real, positions, mask[:, None])  # (B, F, H)
+        levels.append(_children(drafter, outs, fed, offset + sel, False))
+        offset += nodes.tokens.shape[1]
+    return _read(drafter, levels, request)
+
+
+def _read(drafter: Eagle3Drafter, levels: list[_Nodes], request: DraftRequest) -> list[Proposal]:
+    """The whole tree in one read, each row's live nodes renumbered in eagle3_tree's order, cut by _proposal."""
+    fields = [torch.cat([getattr(n, f).double() for n in levels], 1)
+              for f in ("tokens", "parents", "values", "q", "chain", "dead")]
+    read = torch.stack(fields, -1).tolist()  # (B, C, 6): the step's one read of the tree
+    out = []
+    for r, row in enumerate(read):
+        tree, at = _Row(), {}
+        for i, (token, parent, value, q, chain, dead) in enumerate(row):
+            if dead:
+                continue
+            at[i] = len(tree.tokens)
+            if chain:
+                tree.chain.append(at[i])
+            tree.tokens.append(int(token))
+            tree.parents.append(at[int(parent)] if parent >= 0 else -1)
+            tree.values.append(value)
+            tree.q.append(q)
+        out.append(_proposal(tree, request.nodes(r), request.tree_costs, request.tree_extra_scale))
+    return out

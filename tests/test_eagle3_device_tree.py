@@ -1,0 +1,91 @@
+"""An EAGLE-3 head's greedy tree grown on the device (drafters/eagle3_device_tree.py), on the CPU with
+DEVICE_TREES = "always" over the head's static cache: under a node budget its proposals are eagle3_tree's node for
+node (B = 1 and 4, k = 1 to 4, with and without the confidence stop), under --tree auto the output is the target's
+own greedy output, and the whole tree comes back in one read a step. On CUDA (GRAPH_TESTS=1 in scripts/gpu_check.sh)
+the same, with the head's passes captured."""
+
+from collections import Counter
+
+import pytest
+from conftest import TEST_DEVICE, draft_vocab, random_head
+from test_draft_graphs import counted_reads
+from test_tree_engine import PROMPTS
+
+from specdemo.config import GenerationConfig
+from specdemo.drafters import eagle3_device_tree
+from specdemo.drafters.eagle3 import Eagle3Drafter
+from specdemo.drafters.eagle3_static import attach
+from specdemo.engine import decode, graphs, row_outputs
+
+
+@pytest.fixture(scope="module")
+def head(eagle3_target):
+    """A random head over 12 of the 8-layer tiny target's 16 ids (as test_eagle3_static's)."""
+    return random_head(eagle3_target, 0, vocab=draft_vocab(12, 0, vocab=16))
+
+
+def run(target, tok, head, prompts, config, device_trees: str, min_confidence: float = 0.0):
+    """(each row's steps' drafted tokens and parents, their q, the outputs, how many steps drafted) with a fresh
+    drafter over the head's static cache, its greedy trees grown as `device_trees` says."""
+    drafter = Eagle3Drafter(head, min_confidence=min_confidence)
+    saved = eagle3_device_tree.DEVICE_TREES
+    eagle3_device_tree.DEVICE_TREES = device_trees
+    attach(head, "on")
+    try:
+        events = list(decode(target, tok, prompts, config, drafter))
+    finally:
+        eagle3_device_tree.DEVICE_TREES = saved
+        graphs.detach(head)
+    steps = [(s.drafted, s.parents) for e in events for s in e.steps if e.kind == "spec"]
+    q = [s.draft_token_probs for e in events for s in e.steps if e.kind == "spec"]
+    return steps, q, row_outputs(events, len(prompts)), sum(e.kind == "spec" and e.k > 0 for e in events)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("k,nodes", [(1, 3), (2, 4), (3, 8), (4, 8), (4, 16)])
+@pytest.mark.parametrize("min_confidence", [0.0, 0.3])
+def test_device_trees_are_the_hosts(eagle3_target, tiny_tok, head, rows, k, nodes, min_confidence):
+    """Under a node budget the device's tree is eagle3_tree's: the same nodes, parents and q at every step of a whole
+    run (rejections, rows finishing), and the same output."""
+    if TEST_DEVICE.type == "cuda" and (k, nodes) != (4, 8):
+        pytest.skip("on CUDA one budget: each run captures its graphs anew")
+    config = GenerationConfig(max_new_tokens=32, num_draft_tokens=k, tree=str(nodes))
+    host = run(eagle3_target, tiny_tok, head, PROMPTS[:rows], config, "never", min_confidence)
+    device = run(eagle3_target, tiny_tok, head, PROMPTS[:rows], config, "always", min_confidence)
+    assert device[0] == host[0] and device[2] == host[2]
+    flat = [[p for step in q if step for p in step] for q in (device[1], host[1])]
+    assert flat[0] == pytest.approx(flat[1], abs=1e-6)
+    assert any(p is not None and p != list(range(-1, len(p) - 1)) for _, p in device[0])  # trees that branch
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_device_trees_under_auto_are_lossless(eagle3_target, tiny_tok, head, rows):
+    """Under --tree auto (every depth feeds FRONTIER nodes, the cut by the step costs) the output is the target's
+    own greedy output."""
+    plain = row_outputs(list(decode(eagle3_target, tiny_tok, PROMPTS[:rows], GenerationConfig(max_new_tokens=32))),
+                        rows)
+    config = GenerationConfig(max_new_tokens=32, num_draft_tokens=4, tree="auto")
+    assert run(eagle3_target, tiny_tok, head, PROMPTS[:rows], config, "always")[2] == plain
+
+
+def test_a_device_tree_is_read_once(eagle3_target, tiny_tok, head):
+    """A step's tree comes back in one read (the engine's verdict is another), however deep: no read in the
+    tree's own module but _read's, once a step."""
+    config = GenerationConfig(max_new_tokens=24, num_draft_tokens=4, tree="8")
+    with counted_reads() as reads:
+        drafting = run(eagle3_target, tiny_tok, head, PROMPTS[:2], config, "always")[3]
+    mine = [r for r in reads if r[0].endswith("eagle3_device_tree.py")]
+    assert {f for _, f in mine} == {"_read"} and len(mine) == drafting > 5
+
+
+def test_device_trees_grow_nothing_after_an_end_of_sequence(eagle3_target, tiny_tok, head, monkeypatch):
+    """With the head's favourite token made the end of sequence, the device's trees are still eagle3_tree's: a node
+    that ends the sequence is not fed, so it has no children."""
+    config = GenerationConfig(max_new_tokens=32, num_draft_tokens=4, tree="8")
+    drafted = Counter(t for d, _ in run(eagle3_target, tiny_tok, head, PROMPTS, config, "never")[0] for t in d)
+    eos = drafted.most_common(1)[0][0]
+    monkeypatch.setattr(eagle3_target.generation_config, "eos_token_id", eos)
+    host = run(eagle3_target, tiny_tok, head, PROMPTS, config, "never")
+    device = run(eagle3_target, tiny_tok, head, PROMPTS, config, "always")
+    assert device[0] == host[0] and device[2] == host[2]
+    assert sum(eos in d[:-1] for d, _ in host[0]) > 3  # drafted before other nodes: leaves of its own
