@@ -16,6 +16,7 @@ from specdemo.drafters import eagle3_device_tree
 from specdemo.drafters.eagle3 import Eagle3Drafter
 from specdemo.drafters.eagle3_static import attach
 from specdemo.engine import decode, graphs, row_outputs
+from specdemo.engine.timing import StepCosts
 
 
 @pytest.fixture(scope="module")
@@ -24,10 +25,11 @@ def head(eagle3_target):
     return random_head(eagle3_target, 0, vocab=draft_vocab(12, 0, vocab=16))
 
 
-def run(target, tok, head, prompts, config, device_trees: str, min_confidence: float = 0.0):
+def run(target, tok, head, prompts, config, device_trees: str, min_confidence: float = 0.0, pass_costs=None):
     """(each row's steps' drafted tokens and parents, their q, the outputs, how many steps drafted) with a fresh
     drafter over the head's static cache, its greedy trees grown as `device_trees` says."""
     drafter = Eagle3Drafter(head, min_confidence=min_confidence)
+    drafter.pass_costs = pass_costs
     saved = eagle3_device_tree.DEVICE_TREES
     eagle3_device_tree.DEVICE_TREES = device_trees
     attach(head, "on")
@@ -59,13 +61,28 @@ def test_device_trees_are_the_hosts(eagle3_target, tiny_tok, head, rows, k, node
 
 
 @pytest.mark.parametrize("rows", [1, 4])
-def test_device_trees_under_auto_are_lossless(eagle3_target, tiny_tok, head, rows):
-    """Under --tree auto (every depth feeds FRONTIER nodes, the cut by the step costs) the output is the target's
-    own greedy output."""
+@pytest.mark.parametrize("slope", [0.02, 0.15])
+def test_device_trees_under_auto_cut_as_the_host_and_are_lossless(eagle3_target, tiny_tok, head, rows, slope,
+                                                                  load_time_costs, monkeypatch):
+    """Under --tree auto (every depth feeds FRONTIER nodes) the device's cut of each step's tree (drafters.trees'
+    tree_budget on the device, by the step costs and the run's extra scale) is the host's cut of the same tree, and
+    the output is the target's own greedy output; a gentle and a steep cost slope keep more and fewer nodes."""
     plain = row_outputs(list(decode(eagle3_target, tiny_tok, PROMPTS[:rows], GenerationConfig(max_new_tokens=32))),
                         rows)
+    cut, sizes = eagle3_device_tree._cut, []
+
+    def checked(pool, request):
+        kept = cut(pool, request)
+        assert eagle3_device_tree._read(kept) == eagle3_device_tree.host_cut(pool, request)
+        sizes.extend(int(n) for n in kept["keep"].sum(1).tolist())
+        return kept
+
+    monkeypatch.setattr(eagle3_device_tree, "_cut", checked)
+    monkeypatch.setattr(StepCosts, "extra_scale", lambda self: 0.6)  # the branches' values weighed, as a run learns
     config = GenerationConfig(max_new_tokens=32, num_draft_tokens=4, tree="auto")
-    assert run(eagle3_target, tiny_tok, head, PROMPTS[:rows], config, "always")[2] == plain
+    costs = {n: 1.0 + slope * n for n in range(1, 17)}
+    assert run(eagle3_target, tiny_tok, head, PROMPTS[:rows], config, "always", pass_costs=costs)[2] == plain
+    assert len(set(sizes)) > 1  # the cut acted, not the same on every step
 
 
 def test_a_device_tree_is_read_once(eagle3_target, tiny_tok, head):

@@ -2,11 +2,11 @@
 shapes, so that a step reads the device once for the whole tree instead of once a depth. Each depth feeds FRONTIER
 nodes a row (the chain's, then the most probable others, chosen by a stable sort) through the head's tree level,
 captured on CUDA (eagle3_static.HeadRunner.tree_level), with positions and ancestry masks built on the device; nodes
-that eagle3_tree would not grow (past a row's k, after an end of sequence, rows drafting no tree) are carried as dead
-and dropped when the tree is read. The host then cuts the tree as eagle3_tree does (its _proposal), so under a node
-budget the proposal is eagle3_tree's node for node; under --tree auto every depth feeds FRONTIER nodes whatever the
-cut keeps (on a GPU a wider level costs no more). Used where the head's runner captures (DEVICE_TREES). Knows the
-head drafter's state, not the engine.
+that eagle3_tree would not grow (past a row's k, after an end of sequence, rows drafting no tree) are carried as
+dead. The tree is then cut on the device as eagle3_tree cuts its own (_cut: its _proposal's choice, tree_budget's
+under --tree auto) and read back once, so under a node budget the proposal is eagle3_tree's node for node; under
+--tree auto every depth feeds FRONTIER nodes whatever the cut keeps (on a GPU a wider level costs no more). Used
+where the head's runner captures (DEVICE_TREES). Knows the head drafter's state, not the engine.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..config import MAX_K_ENGINE
 from .base import DraftRequest, Proposal
 from .eagle3_static import StaticHeadKV
 from .eagle3_tree import FRONTIER, TOP, _proposal, _Row
@@ -127,14 +128,82 @@ def draft_device_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: t
         outs = drafter._pass(hidden.to(drafter.dtype), fed.tokens, real, positions, mask[:, None])  # (B, F, H)
         levels.append(_children(drafter, outs, fed, offset + sel, False))
         offset += nodes.tokens.shape[1]
-    return _read(drafter, levels, request)
+    return _read(_cut(_pool(levels), request))
 
 
-def _read(drafter: Eagle3Drafter, levels: list[_Nodes], request: DraftRequest) -> list[Proposal]:
-    """The whole tree in one read, each row's live nodes renumbered in eagle3_tree's order, cut by _proposal."""
-    fields = [torch.cat([getattr(n, f).double() for n in levels], 1)
-              for f in ("tokens", "parents", "values", "q", "chain", "dead")]
-    read = torch.stack(fields, -1).tolist()  # (B, C, 6): the step's one read of the tree
+def _pool(levels: list[_Nodes]) -> dict[str, torch.Tensor]:
+    """Every depth's nodes side by side, (B, C) each, in eagle3_tree's order (depth by depth, fed node by fed
+    node)."""
+    return {f: torch.cat([getattr(n, f) for n in levels], 1)
+            for f in ("tokens", "parents", "values", "q", "chain", "dead")}
+
+
+def _cut(pool: dict[str, torch.Tensor], request: DraftRequest) -> dict[str, torch.Tensor]:
+    """The tree eagle3_tree's _proposal keeps (drafters.trees.branch_out), chosen on the device: the chain's nodes,
+    then the others best value first (a node is worth no more than its parent, so its parent is in first), at most
+    the row's node budget; under --tree auto the others only up to tree_budget's count. Returns the kept nodes (B, N)
+    in _proposal's order (the chain's, then the rest as they were grown): token, parent (among the kept; -1 the
+    root), value, q, and whether a row's entry holds a node."""
+    dead, chain, values = pool["dead"], pool["chain"], pool["values"]
+    b, c = dead.shape
+    limits = torch.tensor([min(request.nodes(r), MAX_K_ENGINE) for r in range(b)]).to(values.device,
+                                                                                       non_blocking=True)
+    n = min(max(min(request.nodes(r), MAX_K_ENGINE) for r in range(b)), c)
+    best = torch.where(dead, float("-inf"), values + CHAIN_FIRST * chain).sort(dim=1, descending=True, stable=True)
+    rank = torch.arange(n, device=values.device)
+    keep = (best.values[:, :n] > float("-inf")) & (rank < limits[:, None])  # (B, N), best first
+    chosen = best.indices[:, :n]
+    if request.tree_costs is not None:
+        keep &= rank < _budget(values.gather(1, chosen), chain.gather(1, chosen) & keep, keep, request)[:, None]
+    index = torch.arange(c, device=values.device)
+    order = torch.where(keep, index[chosen] - c * chain.gather(1, chosen), 2 * c).sort(dim=1).indices
+    kept, keep = chosen.gather(1, order), keep.gather(1, order)
+    at = torch.full((b, c + 1), -1, dtype=torch.long, device=values.device)  # pool index + 1 -> its kept position
+    at.scatter_(1, torch.where(keep, kept + 1, 0), torch.where(keep, torch.arange(n, device=values.device), -1))
+    return dict(tokens=pool["tokens"].gather(1, kept), parents=at.gather(1, pool["parents"].gather(1, kept) + 1),
+                values=values.gather(1, kept), q=pool["q"].gather(1, kept), keep=keep)
+
+
+def _budget(values: torch.Tensor, chain: torch.Tensor, keep: torch.Tensor, request: DraftRequest) -> torch.Tensor:
+    """drafters.trees.tree_budget on the device, for every row: how many of a row's kept nodes (values (B, N), best
+    first, the chain's first) to verify, its chain's and then the others' that pay for the wider pass by
+    request.tree_costs (shifted past the chain's, as branch_out shifts them), their values weighed by
+    request.tree_extra_scale."""
+    costs = request.tree_costs
+    top = max(costs, default=0)
+    table = torch.tensor([1.0] + [costs.get(n, 1.0) for n in range(1, top + 1)], dtype=torch.float64)
+    table = table.to(values.device, non_blocking=True)  # (top + 1,): n nodes verified -> cost
+    length = chain.sum(1)  # (B,): the chain's kept nodes
+    start = 1.0 + (values * chain).sum(1)
+    b, n = values.shape
+    m = torch.arange(1, n + 1, device=values.device)  # extras kept
+    extra = torch.where(keep & ~chain, values * request.tree_extra_scale, 0.0)
+    # the extras, best first, after the chain: shift each row's so that its first extra is column 0
+    shift = (length[:, None] + m[None, :] - 1).clamp(max=n - 1)
+    gains = torch.cat([start[:, None], extra.gather(1, shift)], 1).cumsum(1)[:, 1:]  # (B, N): tokens with m extras
+    width = length[:, None] + m[None, :]
+    fits = (width <= top) & (length[:, None] + m[None, :] - 1 < n) & keep.gather(1, shift)
+    cost = table[width.clamp(max=top)] / table[length.clamp(max=top)][:, None]
+    ratio = torch.where(fits, gains / cost, float("-inf"))
+    paying = torch.cat([start[:, None], ratio], 1).argmax(1)  # the first best: 0 keeps the chain alone
+    return length + paying
+
+
+def _read(kept: dict[str, torch.Tensor]) -> list[Proposal]:
+    """The kept trees in one read, as proposals."""
+    fields = torch.stack([kept[f].double() for f in ("tokens", "parents", "values", "q", "keep")], -1)
+    out = []
+    for row in fields.tolist():  # the step's one read of the tree
+        row = [x for x in row if x[4]]
+        out.append(Proposal([int(x[0]) for x in row], token_probs=[x[3] for x in row],
+                            parents=[int(x[1]) for x in row], values=[x[2] for x in row]) if row else Proposal([]))
+    return out
+
+
+def host_cut(pool: dict[str, torch.Tensor], request: DraftRequest) -> list[Proposal]:
+    """The same tree (_pool's) read whole and cut on the host by eagle3_tree's _proposal: what _cut must equal (the
+    tests)."""
+    read = torch.stack([pool[f].double() for f in ("tokens", "parents", "values", "q", "chain", "dead")], -1).tolist()
     out = []
     for r, row in enumerate(read):
         tree, at = _Row(), {}
