@@ -214,8 +214,9 @@ def test_a_batch_whose_rows_finish_captures_nothing_while_timed(tiny, tiny_tok, 
 def test_a_heads_tree_levels_replay_their_graphs(tiny, tiny_tok, rows, temperature, monkeypatch):
     """EAGLE-3 trees (8 nodes, 4 deep) under a captured head (the stand-in recorder): each level's pass replays a
     graph captured in the warm-up, nothing is captured while timed, every tree and token is the uncaptured run's, and
-    a greedy tree, grown on the device (eagle3_device_tree), reads it once a step, where the uncaptured run grew it
-    on the host a level at a time."""
+    a greedy tree, grown on the device (eagle3_device_tree) and verified there with the captured target
+    (engine.device_step), reads it once a step with its verdict, where the uncaptured run grew it on the host a level
+    at a time."""
     models = (tiny.eagle3_target,)
     graphs.attach(tiny.eagle3_target, "on")
     try:
@@ -244,8 +245,8 @@ def test_a_heads_tree_levels_replay_their_graphs(tiny, tiny_tok, rows, temperatu
         assert level_graphs and sum(id(g) in level_graphs for g in levels) > 0
         if not temperature:
             drafting = sum(e.kind == "spec" and e.k > 0 for e in events)
-            assert not [r for r in reads if r[0].endswith("eagle3_tree.py")]
-            assert len([r for r in reads if r[0].endswith("eagle3_device_tree.py")]) == drafting
+            assert not [r for r in reads if r[0].endswith(("eagle3_tree.py", "eagle3_device_tree.py"))]
+            assert len([r for r in reads if r[0].endswith("device_step.py")]) == drafting
     finally:
         for model in models + (drafter.head,):
             graphs.detach(model)

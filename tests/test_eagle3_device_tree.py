@@ -1,21 +1,22 @@
 """An EAGLE-3 head's greedy tree grown on the device (drafters/eagle3_device_tree.py), on the CPU with
 DEVICE_TREES = "always" over the head's static cache: under a node budget its proposals are eagle3_tree's node for
 node (B = 1 and 4, k = 1 to 4, with and without the confidence stop), under --tree auto the output is the target's
-own greedy output, and the whole tree comes back in one read a step. On CUDA (GRAPH_TESTS=1 in scripts/gpu_check.sh)
-the same, with the head's passes captured."""
+own greedy output, and the whole tree comes back in one read a step; verified on the device (engine.device_step,
+loop.ONE_READ = "always"), the same, the tree and the verdict read together. On CUDA (GRAPH_TESTS=1 in
+scripts/gpu_check.sh) the same, with the head's passes captured."""
 
 from collections import Counter
 
 import pytest
 from conftest import TEST_DEVICE, draft_vocab, random_head
-from test_draft_graphs import counted_reads
+from test_draft_graphs import HOST_READS, counted_reads
 from test_tree_engine import PROMPTS
 
 from specdemo.config import GenerationConfig
 from specdemo.drafters import eagle3_device_tree
 from specdemo.drafters.eagle3 import Eagle3Drafter
 from specdemo.drafters.eagle3_static import attach
-from specdemo.engine import decode, graphs, row_outputs
+from specdemo.engine import decode, graphs, loop, row_outputs
 from specdemo.engine.timing import StepCosts
 
 
@@ -25,18 +26,20 @@ def head(eagle3_target):
     return random_head(eagle3_target, 0, vocab=draft_vocab(12, 0, vocab=16))
 
 
-def run(target, tok, head, prompts, config, device_trees: str, min_confidence: float = 0.0, pass_costs=None):
+def run(target, tok, head, prompts, config, device_trees: str, min_confidence: float = 0.0, pass_costs=None,
+        one_read: str = "never"):
     """(each row's steps' drafted tokens and parents, their q, the outputs, how many steps drafted) with a fresh
-    drafter over the head's static cache, its greedy trees grown as `device_trees` says."""
+    drafter over the head's static cache, its greedy trees grown as `device_trees` says; with one_read "always" the
+    engine verifies them on the device too (engine.device_step)."""
     drafter = Eagle3Drafter(head, min_confidence=min_confidence)
     drafter.pass_costs = pass_costs
-    saved = eagle3_device_tree.DEVICE_TREES
-    eagle3_device_tree.DEVICE_TREES = device_trees
+    saved = eagle3_device_tree.DEVICE_TREES, loop.ONE_READ
+    eagle3_device_tree.DEVICE_TREES, loop.ONE_READ = device_trees, one_read
     attach(head, "on")
     try:
         events = list(decode(target, tok, prompts, config, drafter))
     finally:
-        eagle3_device_tree.DEVICE_TREES = saved
+        eagle3_device_tree.DEVICE_TREES, loop.ONE_READ = saved
         graphs.detach(head)
     steps = [(s.drafted, s.parents) for e in events for s in e.steps if e.kind == "spec"]
     q = [s.draft_token_probs for e in events for s in e.steps if e.kind == "spec"]
@@ -46,14 +49,17 @@ def run(target, tok, head, prompts, config, device_trees: str, min_confidence: f
 @pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("k,nodes", [(1, 3), (2, 4), (3, 8), (4, 8), (4, 16)])
 @pytest.mark.parametrize("min_confidence", [0.0, 0.3])
-def test_device_trees_are_the_hosts(eagle3_target, tiny_tok, head, rows, k, nodes, min_confidence):
+@pytest.mark.parametrize("one_read", ["never", "always"])
+def test_device_trees_are_the_hosts(eagle3_target, eagle3_runner, tiny_tok, head, rows, k, nodes, min_confidence,
+                                    one_read):
     """Under a node budget the device's tree is eagle3_tree's: the same nodes, parents and q at every step of a whole
-    run (rejections, rows finishing), and the same output."""
+    run (rejections, rows finishing), and the same output; read back alone, or verified on the device and read with
+    the verdict (one_read), over the target's eager or static cache."""
     if TEST_DEVICE.type == "cuda" and (k, nodes) != (4, 8):
         pytest.skip("on CUDA one budget: each run captures its graphs anew")
     config = GenerationConfig(max_new_tokens=32, num_draft_tokens=k, tree=str(nodes))
     host = run(eagle3_target, tiny_tok, head, PROMPTS[:rows], config, "never", min_confidence)
-    device = run(eagle3_target, tiny_tok, head, PROMPTS[:rows], config, "always", min_confidence)
+    device = run(eagle3_target, tiny_tok, head, PROMPTS[:rows], config, "always", min_confidence, one_read=one_read)
     assert device[0] == host[0] and device[2] == host[2]
     flat = [[p for step in q if step for p in step] for q in (device[1], host[1])]
     assert flat[0] == pytest.approx(flat[1], abs=1e-6)
@@ -62,8 +68,9 @@ def test_device_trees_are_the_hosts(eagle3_target, tiny_tok, head, rows, k, node
 
 @pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("slope", [0.02, 0.15])
+@pytest.mark.parametrize("one_read", ["never", "always"])
 def test_device_trees_under_auto_cut_as_the_host_and_are_lossless(eagle3_target, tiny_tok, head, rows, slope,
-                                                                  load_time_costs, monkeypatch):
+                                                                  one_read, load_time_costs, monkeypatch):
     """Under --tree auto (every depth feeds FRONTIER nodes) the device's cut of each step's tree (drafters.trees'
     tree_budget on the device, by the step costs and the run's extra scale) is the host's cut of the same tree, and
     the output is the target's own greedy output; a gentle and a steep cost slope keep more and fewer nodes."""
@@ -81,18 +88,37 @@ def test_device_trees_under_auto_cut_as_the_host_and_are_lossless(eagle3_target,
     monkeypatch.setattr(StepCosts, "extra_scale", lambda self: 0.6)  # the branches' values weighed, as a run learns
     config = GenerationConfig(max_new_tokens=32, num_draft_tokens=4, tree="auto")
     costs = {n: 1.0 + slope * n for n in range(1, 17)}
-    assert run(eagle3_target, tiny_tok, head, PROMPTS[:rows], config, "always", pass_costs=costs)[2] == plain
+    assert run(eagle3_target, tiny_tok, head, PROMPTS[:rows], config, "always", pass_costs=costs,
+               one_read=one_read)[2] == plain
     assert len(set(sizes)) > 1  # the cut acted, not the same on every step
 
 
-def test_a_device_tree_is_read_once(eagle3_target, tiny_tok, head):
-    """A step's tree comes back in one read (the engine's verdict is another), however deep: no read in the
-    tree's own module but _read's, once a step."""
+@pytest.mark.parametrize("one_read", ["never", "always"])
+def test_a_device_tree_is_read_once(eagle3_target, tiny_tok, head, one_read, monkeypatch):
+    """Under the static runner, however deep, a step's tree comes back in one read (_read's), and the verdict in
+    another; verified on the device (one_read), the tree and the verdict come back together: the step's one read of
+    the device."""
+    graphs.attach(eagle3_target, "on")
+    per_step, step = [], loop._spec_step
+
+    def counting(*args):
+        with counted_reads() as reads:
+            out = step(*args)
+        per_step.append([f for path, f in reads if (path.rsplit("/", 1)[-1], f) not in HOST_READS])
+        return out
+
+    monkeypatch.setattr(loop, "_spec_step", counting)
     config = GenerationConfig(max_new_tokens=24, num_draft_tokens=4, tree="8")
-    with counted_reads() as reads:
-        drafting = run(eagle3_target, tiny_tok, head, PROMPTS[:2], config, "always")[3]
-    mine = [r for r in reads if r[0].endswith("eagle3_device_tree.py")]
-    assert {f for _, f in mine} == {"_read"} and len(mine) == drafting > 5
+    try:
+        drafting = run(eagle3_target, tiny_tok, head, PROMPTS[:2], config, "always", one_read=one_read)[3]
+    finally:
+        graphs.detach(eagle3_target)
+    drafted = per_step[:drafting]  # the last step may have nothing to draft: its verdicts alone
+    assert drafting > 5 and all(len(r) == 1 for r in per_step[drafting:])
+    if one_read == "always":
+        assert all(r == ["verify_trees_on_device"] for r in drafted), per_step
+    else:
+        assert all(r == ["_read", "greedy_tree_accept_batch"] for r in drafted), per_step
 
 
 def test_device_trees_grow_nothing_after_an_end_of_sequence(eagle3_target, tiny_tok, head, monkeypatch):

@@ -107,6 +107,19 @@ class DeviceChains:
 
 
 @dataclass
+class DeviceTrees:
+    """Greedy draft trees left on the device (Drafter.propose_on_device), (B, N) each: tokens as target ids, parents
+    (-1: the pending token; a parent before its children), q of each token, its value (Proposal.values), and keep:
+    which entries hold a node (each row's nodes first, padding after). Nothing of them has been read back."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    q: torch.Tensor
+    values: torch.Tensor
+    keep: torch.Tensor
+
+
+@dataclass
 class Verdict:
     """The target's answer to one row's proposal: how many drafts it kept (for a tree: the nodes on the accepted
     path) and the sequence now committed."""
@@ -167,10 +180,11 @@ class Drafter(ABC):
     def propose(self, request: DraftRequest) -> list[Proposal]:
         """Up to request.ks[r] tokens continuing request.ids[r] for each row (fewer, or none, is allowed)."""
 
-    def propose_on_device(self, request: DraftRequest) -> DeviceChains | None:
-        """Greedy chains for the request left on the device, for an engine that verifies them there and reads them
-        back once with the target's verdict (one host synchronisation per step; the engine asks only for greedy
-        chains under a graph-captured target). None: propose() serves the request, as for most drafters."""
+    def propose_on_device(self, request: DraftRequest) -> DeviceChains | DeviceTrees | None:
+        """Greedy chains (or, where the request allows trees, trees) for the request left on the device, for an
+        engine that verifies them there and reads them back once with the target's verdict (one host synchronisation
+        per step; the engine asks only when greedy under a graph-captured target). None: propose() serves the
+        request, as for most drafters."""
         return None
 
     def update(self, verdicts: Sequence[Verdict]) -> None:

@@ -19,8 +19,8 @@ from ..engine.verify import generator_on, logits_to_probs
 from ..models import kernels
 from ..models.eagle3 import locate_eagle3, recorded_k
 from ..models.eagle3_head import load_head
-from .base import Chains, DeviceChains, Drafter, DraftRequest, Proposal
-from .eagle3_device_tree import draft_device_trees, grows_on_device
+from .base import Chains, DeviceChains, DeviceTrees, Drafter, DraftRequest, Proposal
+from .eagle3_device_tree import device_trees, draft_device_trees, grows_on_device
 from .eagle3_static import StaticHeadKV, attach, new_head_kv
 from .eagle3_tree import draft_sampled_trees, draft_trees
 
@@ -258,17 +258,20 @@ class Eagle3Drafter(Drafter):
             feature = self._pass(feature[:, None], step_tok, torch.tensor([[a] for a in chains.active]))[:, -1]
         return chains.proposals()
 
-    def propose_on_device(self, request: DraftRequest) -> DeviceChains | None:
-        """Greedy chains over the static cache, left on the device (_device_chains) for the engine to verify and
-        read back with its verdict; None where propose() drafts (sampling, trees, the eager cache, nothing to draft).
-        `confidences` stays empty: nothing is read."""
+    def propose_on_device(self, request: DraftRequest) -> DeviceChains | DeviceTrees | None:
+        """Greedy chains over the static cache, or trees where they grow on the device (eagle3_device_tree), left
+        there (_device_chains, device_trees) for the engine to verify and read back with its verdict; None where
+        propose() drafts (sampling, host-grown trees, the eager cache, nothing to draft). `confidences` stays empty:
+        nothing is read."""
         rows = len(request.ids)
+        trees = any(request.nodes(r) for r in range(rows))
         if (not request.sampling.greedy or not isinstance(self.kv, StaticHeadKV) or max(request.ks, default=0) <= 0
-                or any(request.nodes(r) for r in range(rows))):
+                or (trees and not grows_on_device(self, request))):
             return None
         self.confidences = [[] for _ in range(rows)]
         self._drop_drafted()
-        return self._device_chains(self._catch_up(request.ids, request.ks), request)
+        feature = self._catch_up(request.ids, request.ks)
+        return device_trees(self, request, feature) if trees else self._device_chains(feature, request)
 
     def _device_chains(self, feature: torch.Tensor, request: DraftRequest) -> DeviceChains:
         """max(k) draft steps for every row, one fixed shape with no host synchronisation between them

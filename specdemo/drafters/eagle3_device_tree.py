@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import MAX_K_ENGINE
-from .base import DraftRequest, Proposal
+from .base import DeviceTrees, DraftRequest, Proposal
 from .eagle3_static import StaticHeadKV
 from .eagle3_tree import FRONTIER, TOP, _proposal, _Row
 
@@ -90,8 +90,20 @@ def _gather(x: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
 
 
 def draft_device_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor) -> list[Proposal]:
-    """Each row's dynamic tree after the catch-up (feature (B, H)), grown on the device and read back once, then cut
-    as eagle3_tree cuts its own (_proposal). Every depth writes FRONTIER entries a row into the head's cache past its
+    """Each row's dynamic tree after the catch-up (feature (B, H)), grown and cut on the device (_grow, _cut), read
+    back once."""
+    return _read(_cut(_pool(_grow(drafter, request, feature)), request))
+
+
+def device_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor) -> DeviceTrees:
+    """The same trees left on the device, for the engine to verify there and read back with its verdict."""
+    kept = _cut(_pool(_grow(drafter, request, feature)), request)
+    return DeviceTrees(kept["tokens"], kept["parents"], kept["q"], kept["values"], kept["keep"])
+
+
+def _grow(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor) -> list[_Nodes]:
+    """Each row's dynamic tree after the catch-up (feature (B, H)), depth by depth, as eagle3_tree grows it (the
+    nodes it would not grow carried as dead). Every depth writes FRONTIER entries a row into the head's cache past its
     true entries (cut at the next verdict, as a chain's drafted entries are)."""
     rows, k, device = len(request.ids), max(request.ks), feature.device
     kv = drafter.kv
@@ -128,7 +140,7 @@ def draft_device_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: t
         outs = drafter._pass(hidden.to(drafter.dtype), fed.tokens, real, positions, mask[:, None])  # (B, F, H)
         levels.append(_children(drafter, outs, fed, offset + sel, False))
         offset += nodes.tokens.shape[1]
-    return _read(_cut(_pool(levels), request))
+    return levels
 
 
 def _pool(levels: list[_Nodes]) -> dict[str, torch.Tensor]:

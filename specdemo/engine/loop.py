@@ -14,25 +14,22 @@ from dataclasses import dataclass
 import torch
 
 from ..config import AUTO_TREE_NODES, MAX_K_ENGINE, GenerationConfig, SamplingConfig
-from ..drafters.base import DeviceChains, Drafter, DraftRequest, Proposal, Verdict
+from ..drafters.base import DeviceTrees, Drafter, DraftRequest, Proposal, Verdict
 from . import graphs
-from .events import BatchEvent, Committer, Inspection, StepEvent, check_request, eos_ids
+from .device_step import Verified as _Verified
+from .device_step import verify_chains_on_device, verify_trees_on_device
+from .events import BatchEvent, Committer, StepEvent, check_request, eos_ids
 from .kv import check_cache, right_padded
 from .static import needed_capacity
 from .timing import Clock, StepCosts, step_costs
 from .tree import TokenTree, TreeBatch, greedy_tree_accept_batch, tree_accept_batch
-from .verify import (
-    ACCEPT_RULES,
-    greedy_accept_batch,
-    greedy_accept_chains,
-    inspect_verify,
-    logits_to_probs,
-)
+from .verify import ACCEPT_RULES, greedy_accept_batch, inspect_verify, logits_to_probs
 
 KPolicy = Callable[[int], int]  # the current batch size -> k (0: no speculation this step)
-# when greedy chains stay on the device, verified there and read back once a step (Drafter.propose_on_device):
-# "capture" where the target's passes are graph-captured (every row then feeds k + 1 entries, which costs nothing
-# more on a GPU and a wider pass on a CPU), "always" (the tests, on the CPU), "never"
+# when greedy drafts (chains, or trees where the drafter grows them there) stay on the device, verified there and
+# read back once a step (Drafter.propose_on_device, engine.device_step): "capture" where the target's passes are
+# graph-captured (every row then feeds all its entries: nothing more on a GPU, a wider pass on a CPU), "always" (the
+# tests), "never"
 ONE_READ = "capture"
 
 
@@ -78,20 +75,6 @@ def _choose(logits: torch.Tensor, sampling: SamplingConfig, gens) -> list[int]:
         return logits.argmax(-1).tolist()
     probs = logits_to_probs(logits, sampling)
     return [int(torch.multinomial(p, 1, generator=g)) for p, g in zip(probs, gens)]
-
-
-@dataclass
-class _Verified:
-    """One row's verdict from a verify pass: the accepted nodes (a chain's: its first num_accepted) and the next
-    token."""
-
-    path: list[int]
-    next_token: int
-    inspection: Inspection | None
-
-    @property
-    def num_accepted(self) -> int:
-        return len(self.path)
 
 
 def _verify(logits: torch.Tensor, tokens: torch.Tensor, drafted: list[list[int]], qs: list[torch.Tensor | None],
@@ -154,26 +137,6 @@ def _as_verified(p: Proposal, k: int, nodes: int
     token_probs = None if p.token_probs is None else [p.token_probs[j] for j in keep]
     values = None if p.values is None else [p.values[j] for j in keep]
     return (None if tree.is_chain() else tree), list(tree.tokens), probs, token_probs, values
-
-
-def _verify_on_device(run: _Run, ids: list[list[int]], chains: DeviceChains) -> tuple:
-    """Greedy chains still on the device (Drafter.propose_on_device): every row feeds its pending token and all k
-    drafted positions (a row's past its length are padding: each entry attends only to those before it, and none is
-    accepted), the target's argmax is compared there, the cache keeps the accepted entries, and the verdicts and the
-    chains come back in one read (verify.greedy_accept_chains). Returns (width, features, drafted, their q,
-    verified)."""
-    rows = len(ids)
-    pending = torch.tensor([row[-1] for row in ids])[:, None].to(run.device, non_blocking=True)
-    tokens = torch.cat([pending, chains.tokens.to(run.device)], 1)  # (B, k + 1)
-    width, before = tokens.shape[1], list(run.kv.counts)
-    real = torch.ones_like(tokens, dtype=torch.bool)
-    logits, features = run.kv.forward(tokens, real, width, run.layers, fed=[width] * rows)  # (B, W, V)
-    accepted, nxt, drafted, q = greedy_accept_chains(tokens[:, 1:], chains.lengths.to(run.device),
-                                                     chains.q.to(run.device), logits)
-    run.kv.keep([n + 1 + a for n, a in zip(before, accepted)])
-    seen = [inspect_verify(logits[r, : len(d) + 1], None, tokens[r, 1 : 1 + len(d)]) if run.inspect else None
-            for r, d in enumerate(drafted)]
-    return width, features, drafted, q, [_Verified(list(range(a)), t, s) for a, t, s in zip(accepted, nxt, seen)]
 
 
 def _path_features(features: torch.Tensor | None, r: int, path: list[int], tree: TokenTree | None):
@@ -245,7 +208,7 @@ class _Run:
         self.row_k = [config.num_draft_tokens] * len(prompts)
         self.tree = tree_plan(config, drafter, self.kv.takes_trees)
         runner = getattr(self.kv, "runner", None)
-        self.one_read = (drafter is not None and self.sampling.greedy and self.tree.nodes == 0
+        self.one_read = (drafter is not None and self.sampling.greedy
                          and (ONE_READ == "always" or (ONE_READ == "capture" and getattr(runner, "capture", False))))
         # under --tree auto: what steps cost by width, as this drafter's runs have measured them so far
         self.costs = auto_costs(drafter, len(prompts), config) if self.tree.by_cost else None
@@ -334,8 +297,11 @@ def _spec_step(run: _Run, k_policy: KPolicy | None) -> BatchEvent:
     draft_seconds = run.clock.stop()
 
     run.clock.start()
-    if on_device is not None:  # greedy chains verified on the device and read back with the verdicts, once
-        width, features, drafted, token_probs, verified = _verify_on_device(run, ids, on_device)
+    if isinstance(on_device, DeviceTrees):  # greedy trees verified on the device and read back with the verdicts
+        width, features, proposals, trees, verified = verify_trees_on_device(run, ids, on_device)
+        drafted, token_probs, values = ([getattr(p, f) for p in proposals] for f in ("tokens", "token_probs", "values"))
+    elif on_device is not None:  # greedy chains verified on the device and read back with the verdicts, once
+        width, features, drafted, token_probs, verified = verify_chains_on_device(run, ids, on_device)
         trees, values = [None] * len(ids), [None] * len(ids)
         proposals = [Proposal(d, token_probs=q) for d, q in zip(drafted, token_probs)]
     elif all(t is None for t in trees):  # chains: the pending token and the accepted drafts stay, the rest rolls back

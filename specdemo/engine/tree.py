@@ -161,12 +161,20 @@ def greedy_tree_accept_batch(trees: Sequence[TokenTree], logits: torch.Tensor,
     (accepted nodes along each row's path, next token per row). The path ends at the deepest node whose token and
     every ancestor's equal the target's argmax at its parent (the lowest index among equally deep ones), so the output
     is the target's own greedy output; the next token is the argmax there. `batch`: the trees already stacked."""
-    b, w = logits.shape[:2]
+    w = logits.shape[1]
     batch = batch if batch is not None else TreeBatch.stack(trees, w - 1, logits.device)
+    ends, nxt = torch.stack(greedy_tree_verdict(batch, logits)).tolist()  # the one host sync
+    return [t.path(e - 1) if e else [] for t, e in zip(trees, ends)], nxt
+
+
+def greedy_tree_verdict(batch: TreeBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """greedy_tree_accept_batch's verdict left on the device: each row's last accepted entry (B,) (0: none of its
+    nodes; else its accepted path's deepest node + 1) and next token (B,)."""
+    b = logits.shape[0]
     n = batch.tokens.shape[1]
     choice = logits.argmax(-1)  # (B, W)
     if n == 0:  # nothing drafted: a plain step
-        return [[] for _ in range(b)], choice[:, 0].tolist()
+        return torch.zeros(b, dtype=torch.long, device=logits.device), choice[:, 0]
     at_parent = choice.gather(1, batch.parents + 1)  # (B, n): the target's pick after each node's parent
     bad = (batch.tokens != at_parent) | ~batch.real
     good = ~(batch.mask[:, 1:, 1:] & bad[:, None, :]).any(-1)  # (B, n): no bad node on the path to it
@@ -174,9 +182,24 @@ def greedy_tree_accept_batch(trees: Sequence[TokenTree], logits: torch.Tensor,
     score = torch.where(good, batch.depths[:, 1:] * (n + 1) + (n - index), torch.zeros_like(index))
     best = score.argmax(1)  # (B,)
     last = torch.where(score.gather(1, best[:, None])[:, 0] > 0, best + 1, torch.zeros_like(best))  # entry
-    nxt = choice.gather(1, last[:, None])[:, 0]
-    ends, nxt = last.tolist(), nxt.tolist()  # the one host sync
-    return [t.path(e - 1) for t, e in zip(trees, ends)], nxt
+    return last, choice.gather(1, last[:, None])[:, 0]
+
+
+def device_tree_batch(tokens: torch.Tensor, parents: torch.Tensor, keep: torch.Tensor) -> TreeBatch:
+    """The TreeBatch of trees given on the device (drafters.base.DeviceTrees' layout: (B, N) each, each row's nodes
+    first, a parent before its children), built there: each node's ancestors by repeated squaring of the parent
+    relation, its depth their count, padding seeing only itself (as TreeBatch.stack pads)."""
+    b, n = tokens.shape
+    index = torch.arange(n, device=tokens.device)
+    reach = (index[None, :, None] == index[None, None, :]) | ((parents[:, :, None] == index) & keep[:, :, None])
+    for _ in range(max(n - 1, 1).bit_length()):  # paths twice as long each round: ancestors or self
+        reach |= torch.bmm(reach.float(), reach.float()) > 0
+    depths = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=tokens.device),
+                        torch.where(keep, reach.sum(-1), 0)], 1)
+    mask = torch.eye(n + 1, dtype=torch.bool, device=tokens.device).repeat(b, 1, 1)
+    mask[:, 1:, 1:] = reach
+    mask[:, 1:, 0] = keep
+    return TreeBatch(tokens, parents, keep, depths, mask)
 
 
 def greedy_tree_accept(tree: TokenTree, target_logits: torch.Tensor) -> tuple[list[int], int]:
