@@ -120,11 +120,12 @@ def test_sliders_take_their_ranges_from_config_and_limits(demo):
 
 
 def _layer(parts: list[str]) -> str:
-    """A module's layer: its folder under specdemo/, except that the engine's decoding loop (engine.loop, and the
-    package, which exports it) sits above drafters/, whose seam (drafters.base) it imports."""
+    """A module's layer: its folder under specdemo/, except that the engine's decoding loop (engine.loop, its
+    on-device step engine.device_step, and the package, which exports it) sits above drafters/, whose seam
+    (drafters.base) it imports."""
     if len(parts) < 2:
         return "__init__"
-    if parts[1] == "engine" and (len(parts) == 2 or parts[2] in ("loop", "__init__")):
+    if parts[1] == "engine" and (len(parts) == 2 or parts[2] in ("loop", "device_step", "__init__")):
         return "engine.loop"
     return parts[1]
 
