@@ -93,11 +93,11 @@ def test_device_trees_under_auto_cut_as_the_host_and_are_lossless(eagle3_target,
     assert len(set(sizes)) > 1  # the cut acted, not the same on every step
 
 
-@pytest.mark.parametrize("one_read", ["never", "always"])
-def test_a_device_tree_is_read_once(eagle3_target, tiny_tok, head, one_read, monkeypatch):
+@pytest.mark.parametrize("one_read,tree", [("never", "8"), ("always", "8"), ("always", "auto")])
+def test_a_device_tree_is_read_once(eagle3_target, tiny_tok, head, one_read, tree, load_time_costs, monkeypatch):
     """Under the static runner, however deep, a step's tree comes back in one read (_read's), and the verdict in
     another; verified on the device (one_read), the tree and the verdict come back together: the step's one read of
-    the device."""
+    the device. Under --tree auto, whose cut sizes the pass, the tree is read first even then."""
     graphs.attach(eagle3_target, "on")
     per_step, step = [], loop._spec_step
 
@@ -108,14 +108,16 @@ def test_a_device_tree_is_read_once(eagle3_target, tiny_tok, head, one_read, mon
         return out
 
     monkeypatch.setattr(loop, "_spec_step", counting)
-    config = GenerationConfig(max_new_tokens=24, num_draft_tokens=4, tree="8")
+    config = GenerationConfig(max_new_tokens=24, num_draft_tokens=4, tree=tree)
+    costs = {n: 1.0 + 0.02 * n for n in range(1, 17)}
     try:
-        drafting = run(eagle3_target, tiny_tok, head, PROMPTS[:2], config, "always", one_read=one_read)[3]
+        drafting = run(eagle3_target, tiny_tok, head, PROMPTS[:2], config, "always", one_read=one_read,
+                       pass_costs=costs)[3]
     finally:
         graphs.detach(eagle3_target)
     drafted = per_step[:drafting]  # the last step may have nothing to draft: its verdicts alone
     assert drafting > 5 and all(len(r) == 1 for r in per_step[drafting:])
-    if one_read == "always":
+    if (one_read, tree) == ("always", "8"):
         assert all(r == ["verify_trees_on_device"] for r in drafted), per_step
     else:
         assert all(r == ["_read", "greedy_tree_accept_batch"] for r in drafted), per_step

@@ -4,16 +4,16 @@ nodes a row (the chain's, then the most probable others, chosen by a stable sort
 captured on CUDA (eagle3_static.HeadRunner.tree_level), with positions and ancestry masks built on the device; nodes
 that eagle3_tree would not grow (past a row's k, after an end of sequence, rows drafting no tree) are carried as
 dead. The tree is then cut on the device as eagle3_tree cuts its own (_cut: its _proposal's choice, tree_budget's
-under --tree auto) and read back once, or left there for the engine to verify and read with its verdict
-(device_trees; no cost cut then: that pass is the budget's width whatever is kept). Under a node budget the proposal
-is eagle3_tree's node for node; under --tree auto every depth feeds FRONTIER nodes whatever the cut keeps (on a GPU a
-wider level costs no more). Used where the head's runner captures (DEVICE_TREES). Knows the head drafter's state,
-not the engine.
+under --tree auto) and read back once, or, under a node budget, left there for the engine to verify and read with its
+verdict (device_trees: that pass is the budget's width, so a cost cut, which sizes the pass, needs the first read).
+Under a node budget the proposal is eagle3_tree's node for node; under --tree auto every depth feeds FRONTIER nodes
+whatever the cut keeps (on a GPU a wider level costs no more). Used where the head's runner captures (DEVICE_TREES).
+Knows the head drafter's state, not the engine.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -99,9 +99,10 @@ def draft_device_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: t
 
 def device_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor) -> DeviceTrees:
     """The same trees left on the device, for the engine to verify there and read back with its verdict. Its pass
-    feeds every row the whole node budget whatever is kept, so no cost cut applies (--tree auto keeps the budget):
-    a node cut then would only lose tokens."""
-    kept = _cut(_pool(_grow(drafter, request, feature)), replace(request, tree_costs=None))
+    feeds every row the whole node budget, so only a fixed budget comes here (no cost cut: see
+    Eagle3Drafter.propose_on_device)."""
+    assert request.tree_costs is None, "a cost cut needs the pass sized after it: propose() serves --tree auto"
+    kept = _cut(_pool(_grow(drafter, request, feature)), request)
     return DeviceTrees(kept["tokens"], kept["parents"], kept["q"], kept["values"], kept["keep"])
 
 
