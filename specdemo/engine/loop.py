@@ -16,8 +16,7 @@ import torch
 from ..config import AUTO_TREE_NODES, MAX_K_ENGINE, GenerationConfig, SamplingConfig
 from ..drafters.base import DeviceTrees, Drafter, DraftRequest, Proposal, Verdict
 from . import graphs
-from .device_step import Verified as _Verified
-from .device_step import verify_chains_on_device, verify_trees_on_device
+from .device_step import Verified, verify_chains_on_device, verify_trees_on_device
 from .events import BatchEvent, Committer, StepEvent, check_request, eos_ids
 from .kv import check_cache, right_padded
 from .static import needed_capacity
@@ -78,7 +77,7 @@ def _choose(logits: torch.Tensor, sampling: SamplingConfig, gens) -> list[int]:
 
 
 def _verify(logits: torch.Tensor, tokens: torch.Tensor, drafted: list[list[int]], qs: list[torch.Tensor | None],
-            sampling: SamplingConfig, gens, inspect: bool) -> list[_Verified]:
+            sampling: SamplingConfig, gens, inspect: bool) -> list[Verified]:
     """Each row's acceptance of its chain from the verify pass: logits (B, W, V), tokens (B, W) = pending token +
     drafts, qs each row's draft distributions (None: a deterministic drafter)."""
     lengths = [len(d) for d in drafted]
@@ -96,11 +95,11 @@ def _verify(logits: torch.Tensor, tokens: torch.Tensor, drafted: list[list[int]]
             nxt.append(t)
     seen = [inspect_verify(logits[r, : n + 1], None if probs is None else probs[r, : n + 1], tokens[r, 1 : 1 + n])
             if inspect else None for r, n in enumerate(lengths)]
-    return [_Verified(list(range(a)), t, s) for a, t, s in zip(accepted, nxt, seen)]
+    return [Verified(list(range(a)), t, s) for a, t, s in zip(accepted, nxt, seen)]
 
 
 def _verify_trees(logits: torch.Tensor, tokens: torch.Tensor, trees: list[TokenTree], batch: TreeBatch,
-                  qs: list[torch.Tensor | None], sampling: SamplingConfig, gens, inspect: bool) -> list[_Verified]:
+                  qs: list[torch.Tensor | None], sampling: SamplingConfig, gens, inspect: bool) -> list[Verified]:
     """Each row's acceptance of its tree (a chain row's: its chain as a tree) from the verify pass: greedy, the
     longest path the target agrees with; sampling, recursive rejection sampling (engine.tree.tree_accept)."""
     if sampling.greedy:
@@ -113,7 +112,7 @@ def _verify_trees(logits: torch.Tensor, tokens: torch.Tensor, trees: list[TokenT
     seen = [inspect_verify(logits[r, : len(t) + 1], None if probs is None else probs[r, : len(t) + 1],
                            tokens[r, 1 : 1 + len(t)], list(t.parents)) if inspect else None
             for r, t in enumerate(trees)]
-    return [_Verified(p, t, s) for p, t, s in zip(paths, nxt, seen)]
+    return [Verified(p, t, s) for p, t, s in zip(paths, nxt, seen)]
 
 
 def _as_verified(p: Proposal, k: int, nodes: int
