@@ -240,7 +240,7 @@ open(sys.argv[2],'w').write(''.join(json.dumps(r)+'\n' for r in rows if r.get('c
       "${GB[@]}" --drafter ngram --k 4 --anchors --graphs "$g" --out "$R/graphs-$g/batch-lookup"
   done
   # issue 51's GPU target: the head's tree against its chain (>= 1.3x), where a wide pass is nearly free
-  stage bench_head_trees_graphs_on "$GC" "${G[@]}" --drafter model --k 3 --tree off,auto,16 --graphs on \
+  stage bench_head_trees_graphs_on "$GC" "${G[@]}" --drafter model --k 3 --tree off,auto,8,16 --graphs on \
     --out "$R/graphs-on/head-trees"
   stage bench_fp32_graphs "$GC" "${G[@]}" --limit 3 --drafter model --k 2 --dtype fp32 --graphs on \
     --out "$R/graphs-on/head-fp32"
