@@ -211,12 +211,12 @@ def test_a_batch_whose_rows_finish_captures_nothing_while_timed(tiny, tiny_tok, 
 
 @pytest.mark.skipif(TEST_DEVICE.type == "cuda", reason="a CPU stand-in for capture; on CUDA the runners capture")
 @pytest.mark.parametrize("temperature,rows", [(0.0, 1), (0.0, 4), (1.0, 4)])  # sampled, B = 1 drafts no tree here
-def test_a_heads_tree_levels_replay_their_graphs(tiny, tiny_tok, rows, temperature, monkeypatch):
-    """EAGLE-3 trees (8 nodes, 4 deep) under a captured head (the stand-in recorder): each level's pass replays a
-    graph captured in the warm-up, nothing is captured while timed, every tree and token is the uncaptured run's, and
-    a greedy tree, grown on the device (eagle3_device_tree) and verified there with the captured target
-    (engine.device_step), reads it once a step with its verdict, where the uncaptured run grew it on the host a level
-    at a time."""
+def test_a_heads_trees_replay_their_graphs(tiny, tiny_tok, rows, temperature, monkeypatch):
+    """EAGLE-3 trees (8 nodes, 4 deep) under a captured head (the stand-in recorder), every tree and token the
+    uncaptured run's and nothing captured while timed: a sampled tree's level passes replay graphs captured in the
+    warm-up; a greedy tree grows in one graph (eagle3_device_tree, HeadRunner.tree; captured in the warm-up at each
+    k up to 4) and is cut on the device, verified on the device with the captured target (engine.device_step) and
+    read once a step with its verdict, where the uncaptured run grew it on the host a level at a time."""
     models = (tiny.eagle3_target,)
     graphs.attach(tiny.eagle3_target, "on")
     try:
@@ -241,9 +241,12 @@ def test_a_heads_tree_levels_replay_their_graphs(tiny, tiny_tok, rows, temperatu
         assert any(p is not None for e in events for s in e.steps for p in [s.parents])  # trees were drafted
         first = order.index("clock")
         assert [o for o in order[first:] if o.startswith("capture")] == []
-        level_graphs = {id(g.graph) for k, g in drafter.kv.storage.graphs.items() if len(k) == 3}
-        assert level_graphs and sum(id(g) in level_graphs for g in levels) > 0
+        kind = 3 if temperature else 4  # a level's key (b, t, True); a whole tree's (b, k, E, min_confidence)
+        used = {id(g.graph) for key, g in drafter.kv.storage.graphs.items() if len(key) == kind}
+        assert used and sum(id(g) in used for g in levels) > 0
         if not temperature:
+            trees = sorted((key[0], key[1]) for key in drafter.kv.storage.graphs if len(key) == 4)
+            assert trees == sorted((b, k) for b in graphs.rungs(rows) for k in range(1, 5))
             drafting = sum(e.kind == "spec" and e.k > 0 for e in events)
             assert not [r for r in reads if r[0].endswith(("eagle3_tree.py", "eagle3_device_tree.py"))]
             assert len([r for r in reads if r[0].endswith("device_step.py")]) == drafting

@@ -78,9 +78,10 @@ def test_device_trees_under_auto_cut_as_the_host_and_are_lossless(eagle3_target,
                         rows)
     cut, sizes = eagle3_device_tree._cut, []
 
-    def checked(pool, request):
-        kept = cut(pool, request)
-        assert eagle3_device_tree._read(kept) == eagle3_device_tree.host_cut(pool, request)
+    def checked(pool, limits, n, costs=None, scale=1.0):
+        kept = cut(pool, limits, n, costs, scale)
+        assert costs is not None and scale == 0.6
+        assert eagle3_device_tree._read(kept) == eagle3_device_tree.host_cut(pool, limits.tolist(), costs, scale)
         sizes.extend(int(n) for n in kept["keep"].sum(1).tolist())
         return kept
 

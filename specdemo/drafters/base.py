@@ -172,9 +172,10 @@ class Drafter(ABC):
     def begin(self, prompts: Sequence[list[int]], target_hidden: Sequence[torch.Tensor] | None = None) -> None:
         """Start a batch (drops all state); target_hidden[r] is (len(prompts[r]), W) for drafters that read it."""
 
-    def warm(self, prompts: Sequence[list[int]]) -> None:
+    def warm(self, prompts: Sequence[list[int]], request: DraftRequest | None = None) -> None:
         """Before a decode of these prompts is timed (begin comes next): capture the passes its proposals will run,
-        where a graph runner serves the drafter's model. Nothing for most drafters."""
+        where a graph runner serves the drafter's model; `request`: what the decode's first step will ask (its k,
+        tree budget and cut), for passes shaped by it. Nothing for most drafters."""
 
     @abstractmethod
     def propose(self, request: DraftRequest) -> list[Proposal]:

@@ -20,7 +20,7 @@ from ..models import kernels
 from ..models.eagle3 import locate_eagle3, recorded_k
 from ..models.eagle3_head import load_head
 from .base import Chains, DeviceChains, DeviceTrees, Drafter, DraftRequest, Proposal
-from .eagle3_device_tree import device_trees, draft_device_trees, grows_on_device
+from .eagle3_device_tree import device_trees, draft_device_trees, grows_on_device, warm_trees
 from .eagle3_static import StaticHeadKV, attach, new_head_kv
 from .eagle3_tree import draft_sampled_trees, draft_trees
 
@@ -145,13 +145,16 @@ class Eagle3Drafter(Drafter):
             self.kv.release()
         self.kv = new_head_kv(self.head, prompts) or EagerHeadKV(self.head, len(prompts), self.device)
 
-    def warm(self, prompts) -> None:
+    def warm(self, prompts, request: DraftRequest | None = None) -> None:
         """Capture the greedy draft step and the catch-up widths (HeadRunner.warm) for this batch's padded size and
-        the smaller rungs, over the storage begin(prompts) takes next; nothing without capture."""
+        the smaller rungs, over the storage begin(prompts) takes next, and the greedy tree growth the request asks for
+        (eagle3_device_tree.warm_trees); nothing without capture."""
         runner = graphs.runner_of(self.head)
         if runner is not None and runner.capture:
             self._new_cache(prompts)
             runner.warm(self.kv, len(prompts))
+            if request is not None and any(request.nodes(r) for r in range(len(prompts))):
+                warm_trees(self, request)
 
     @property
     def cache_length(self) -> int:

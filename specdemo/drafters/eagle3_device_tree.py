@@ -1,24 +1,26 @@
 """An EAGLE-3 head's greedy draft tree grown on the device: eagle3_tree's dynamic tree (EAGLE-2's expansion) in fixed
-shapes, so that a step reads the device once for the whole tree instead of once a depth. Each depth feeds FRONTIER
-nodes a row (the chain's, then the most probable others, chosen by a stable sort) through the head's tree level,
-captured on CUDA (eagle3_static.HeadRunner.tree_level), with positions and ancestry masks built on the device; nodes
-that eagle3_tree would not grow (past a row's k, after an end of sequence, rows drafting no tree) are carried as
-dead. The tree is then cut on the device as eagle3_tree cuts its own (_cut: its _proposal's choice, tree_budget's
-under --tree auto) and read back once, or, under a node budget, left there for the engine to verify and read with its
-verdict (device_trees: that pass is the budget's width, so a cost cut, which sizes the pass, needs the first read).
-Under a node budget the proposal is eagle3_tree's node for node; under --tree auto every depth feeds FRONTIER nodes
-whatever the cut keeps (on a GPU a wider level costs no more). Used where the head's runner captures (DEVICE_TREES).
-Knows the head drafter's state, not the engine.
+shapes, with no host read or copy while it grows, so that the whole growth is one CUDA graph per batch size and k
+where the head's runner captures (eagle3_static.HeadRunner.tree, captured in the warm-up) and a step reads the device
+once for the tree instead of once a depth. Each depth feeds FRONTIER nodes a row (the chain's, then the most probable
+others, chosen by a stable sort) through the head's static storage, with positions and ancestry masks built on the
+device; nodes that eagle3_tree would not grow (past a row's k, after an end of sequence, rows drafting no tree) are
+carried as dead. The tree is then cut on the device as eagle3_tree cuts its own (_cut: its _proposal's choice,
+tree_budget's under --tree auto) and read back once, or, under a node budget, left there for the engine to verify
+and read with its verdict (device_trees: that pass is the budget's width, so a cost cut, which sizes the pass, needs
+the first read). Under a node budget the proposal is eagle3_tree's node for node; under --tree auto every depth feeds
+FRONTIER nodes whatever the cut keeps (on a GPU a wider level costs no more). Used where the head's runner captures
+(DEVICE_TREES). Knows the head drafter's state, not the engine.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..config import MAX_K_ENGINE
+from ..engine.graphs import rungs
 from .base import DeviceTrees, DraftRequest, Proposal
 from .eagle3_static import StaticHeadKV
 from .eagle3_tree import FRONTIER, TOP, _proposal, _Row
@@ -59,22 +61,22 @@ class _Nodes:
     ancestry: torch.Tensor
 
 
-def _children(drafter: Eagle3Drafter, outs: torch.Tensor, fed: _Nodes, index: torch.Tensor,
+def _children(head, min_confidence: float, outs: torch.Tensor, fed: _Nodes, index: torch.Tensor,
               peak_ok: bool) -> _Nodes:
     """The TOP candidates after each fed entry's output outs (B, W, H), most probable first: fed holds the fed
     nodes (B, W) and `index` their indices in the whole tree; `peak_ok` False: the first child of a chain node stays
     on the chain only if the head is confident enough (min_confidence), as eagle3_tree's _Row.add decides."""
     b, w = fed.tokens.shape
-    q = torch.softmax(drafter.head.logits(outs).float(), -1)  # (B, W, S)
+    q = torch.softmax(head.logits(outs).float(), -1)  # (B, W, S)
     top = q.topk(min(TOP, q.shape[-1]), dim=-1)
     n = top.values.shape[-1]
     p = top.values.double()  # (B, W, n)
     first = torch.zeros(n, dtype=torch.bool, device=p.device)
     first[0] = True
-    sure = p[:, :, :1] >= drafter.min_confidence if not peak_ok else torch.ones_like(p[:, :, :1], dtype=torch.bool)
+    sure = p[:, :, :1] >= min_confidence if not peak_ok else torch.ones_like(p[:, :, :1], dtype=torch.bool)
     flat = (b, w * n)
     return _Nodes(
-        tokens=drafter.head.subset[top.indices].reshape(flat),
+        tokens=head.subset[top.indices].reshape(flat),
         values=(fed.values[:, :, None] * p).reshape(flat),
         q=p.reshape(flat),
         chain=(fed.chain[:, :, None] & first & sure).reshape(flat),
@@ -91,10 +93,61 @@ def _gather(x: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
     return x.gather(1, sel.view(*sel.shape, *([1] * (x.dim() - 2))).expand(*sel.shape, *x.shape[2:]))
 
 
+@dataclass
+class TreeInputs:
+    """What a tree's growth reads, on the device: the catch-up's output (B, H), each row's k, whether it grows a tree,
+    its node budget (B,) each, and the end-of-sequence ids (E,). A captured growth reads them from static copies
+    (eagle3_static.HeadRunner.tree)."""
+
+    feature: torch.Tensor
+    ks: torch.Tensor
+    grow: torch.Tensor
+    limits: torch.Tensor
+    eos: torch.Tensor
+
+    def blank(self, rows: int) -> TreeInputs:
+        """Zeroed inputs of the same kinds for `rows` rows (the static copies a captured growth reads)."""
+        return TreeInputs(*(torch.zeros(x.shape if name == "eos" else (rows, *x.shape[1:]), dtype=x.dtype,
+                                        device=x.device) for name, x in vars(self).items()))
+
+    def load(self, inputs: TreeInputs) -> None:
+        """Hold `inputs` (as many rows or fewer: the rest get k 0, no tree, no budget), copied without waiting."""
+        b = inputs.ks.shape[0]
+        for name, x in vars(inputs).items():
+            mine = getattr(self, name)
+            if name == "eos":
+                mine.copy_(x, non_blocking=True)
+            else:
+                mine[b:].zero_()
+                mine[:b].copy_(x, non_blocking=True)
+
+
+def tree_inputs(request: DraftRequest, feature: torch.Tensor) -> TreeInputs:
+    """The request's TreeInputs, copied to the feature's device without waiting."""
+    rows, device = len(request.ids), feature.device
+    return TreeInputs(
+        feature=feature,
+        ks=torch.tensor(list(request.ks)).to(device, non_blocking=True),
+        grow=torch.tensor([request.ks[r] > 0 and request.nodes(r) > 0 for r in range(rows)]).to(device,
+                                                                                              non_blocking=True),
+        limits=torch.tensor([min(request.nodes(r), MAX_K_ENGINE) for r in range(rows)]).to(device, non_blocking=True),
+        eos=torch.tensor(sorted(request.eos_token_ids), dtype=torch.long).to(device, non_blocking=True))
+
+
+def node_count(head, request: DraftRequest, k: int) -> int:
+    """How many entries a row's kept tree has (padding after its nodes): its budget, at most what k deep grows."""
+    top = min(TOP, len(head.subset))
+    return min(max(min(request.nodes(r), MAX_K_ENGINE) for r in range(len(request.ids))),
+               top + (k - 1) * FRONTIER * top)
+
+
 def draft_device_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor) -> list[Proposal]:
-    """Each row's dynamic tree after the catch-up (feature (B, H)), grown and cut on the device (_grow, _cut), read
-    back once."""
-    return _read(_cut(_pool(_grow(drafter, request, feature)), request))
+    """Each row's dynamic tree after the catch-up (feature (B, H)), grown and cut on the device (_grown, _cut, with
+    --tree auto's cost cut), read back once."""
+    pool, inputs = _grown(drafter, request, feature)
+    kept = _cut(pool, inputs.limits, node_count(drafter.head, request, max(request.ks)), request.tree_costs,
+                request.tree_extra_scale)
+    return _read(kept)
 
 
 def device_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor) -> DeviceTrees:
@@ -102,30 +155,72 @@ def device_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.T
     feeds every row the whole node budget, so only a fixed budget comes here (no cost cut: see
     Eagle3Drafter.propose_on_device)."""
     assert request.tree_costs is None, "a cost cut needs the pass sized after it: propose() serves --tree auto"
-    kept = _cut(_pool(_grow(drafter, request, feature)), request)
+    pool, inputs = _grown(drafter, request, feature)
+    kept = _cut(pool, inputs.limits, node_count(drafter.head, request, max(request.ks)))
     return DeviceTrees(kept["tokens"], kept["parents"], kept["q"], kept["values"], kept["keep"])
 
 
-def _grow(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor) -> list[_Nodes]:
-    """Each row's dynamic tree after the catch-up (feature (B, H)), depth by depth, as eagle3_tree grows it (the
-    nodes it would not grow carried as dead). Every depth writes FRONTIER entries a row into the head's cache past its
-    true entries (cut at the next verdict, as a chain's drafted entries are)."""
-    rows, k, device = len(request.ids), max(request.ks), feature.device
-    kv = drafter.kv
-    width = (k - 1) * FRONTIER  # the tree's columns in the head's cache, past each row's true entries
-    capacity, start = kv.tree_columns(width)
-    ks = torch.tensor(list(request.ks)).to(device, non_blocking=True)
-    grow = torch.tensor([request.ks[r] > 0 and request.nodes(r) > 0 for r in range(rows)]).to(device,
-                                                                                             non_blocking=True)
-    first = torch.tensor(start).to(device, non_blocking=True)  # (B,): each row's true entries end here
+POOL = ("tokens", "parents", "values", "q", "chain", "dead")  # what a grown tree gives, (B, C) each
+
+
+def _grown(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor
+           ) -> tuple[dict[str, torch.Tensor], TreeInputs]:
+    """The request's trees grown (_pool of _grow) in one CUDA graph per padded batch and k where the head's runner
+    captures (HeadRunner.tree), else the same code eagerly; the head's cache then holds the growth's entries past
+    each row's true ones (StaticHeadKV.drafted). Returns (the grown nodes, the inputs)."""
+    kv, k = drafter.kv, max(request.ks)
+    kv.reserve((k - 1) * FRONTIER)
+    inputs = tree_inputs(request, feature)
+    grown = kv.runner.tree(kv.storage, (k, len(inputs.eos), drafter.min_confidence), inputs,
+                           lambda storage, x: grow(drafter.head, storage, x, k, drafter.min_confidence))
+    kv.drafted((k - 1) * FRONTIER)
+    return dict(zip(POOL, grown)), inputs
+
+
+def warm_trees(drafter: Eagle3Drafter, request: DraftRequest) -> None:
+    """Capture the growth _grown will replay for this request's batch and each smaller rung of the ladder, at its k
+    and each smaller one (the last steps draft less), before the decode is timed; the drafter's cache holds the
+    storage its begin takes next. Greedy requests only."""
+    if not grows_on_device(drafter, request):
+        return
+    kv, rows = drafter.kv, len(request.ids)
+    for b in rungs(rows):
+        for k in range(1, max(request.ks) + 1):
+            asked = replace(request.row(0, k), ids=[request.ids[0]] * b, ks=[k] * b, generators=[None] * b,
+                            tree_nodes=[request.nodes(0)] * b)
+            feature = torch.zeros(b, drafter.head.c.hidden_size, dtype=drafter.dtype, device=drafter.device)
+            kv.reserve((k - 1) * FRONTIER)
+            kv.runner.tree(kv.storage, (k, len(asked.eos_token_ids), drafter.min_confidence),
+                           tree_inputs(asked, feature),
+                           lambda storage, x, k=k: grow(drafter.head, storage, x, k, drafter.min_confidence))
+
+
+def grow(head, storage, inputs: TreeInputs, k: int, min_confidence: float) -> tuple:
+    """Every row's grown nodes (POOL's fields, (B, C) each) over the head's static storage: device code only, with
+    no host read or copy, so a CUDA graph can hold it whole."""
+    pool = _pool(_grow(head, storage, inputs, k, min_confidence))
+    return tuple(pool[f] for f in POOL)
+
+
+def _grow(head, storage, inputs: TreeInputs, k: int, min_confidence: float) -> list[_Nodes]:
+    """Each row's dynamic tree after the catch-up (inputs.feature (B, H)), depth by depth, as eagle3_tree grows it
+    (the nodes it would not grow carried as dead). Depth d's FRONTIER entries a row are written into the head's
+    storage at the row's length plus (d - 1) * FRONTIER (HeadStorage.run's offset; the caller moves the lengths after:
+    StaticHeadKV.drafted), past its true entries (cut at the next verdict, as a chain's drafted entries are). Device
+    code only: every input is a tensor there."""
+    feature, ks, eos = inputs.feature, inputs.ks, inputs.eos
+    rows, device = feature.shape[0], feature.device
+    width, capacity = (k - 1) * FRONTIER, storage.capacity  # the tree's columns past each row's true entries
+    first = storage.lengths[:rows]  # (B,): each row's true entries end here
     columns = first[:, None] + torch.arange(width, device=device)  # (B, M)
-    visible = kv.visible()  # (B, capacity): the true entries
-    eos = torch.tensor(sorted(request.eos_token_ids), dtype=torch.long).to(device, non_blocking=True)
+    visible = storage.slots[None, :] < first[:, None]  # (B, capacity): the true entries
     root = _Nodes(tokens=torch.zeros(rows, 1, dtype=torch.long, device=device),
                   values=torch.ones(rows, 1, dtype=torch.float64, device=device), q=None,
-                  chain=torch.ones(rows, 1, dtype=torch.bool, device=device), dead=~grow[:, None], parents=None,
-                  slot=None, outs=None, ancestry=torch.zeros(rows, 1, width, dtype=torch.bool, device=device))
-    levels = [_children(drafter, feature[:, None], root, torch.full((rows, 1), -1, device=device), True)]
+                  chain=torch.ones(rows, 1, dtype=torch.bool, device=device), dead=~inputs.grow[:, None],
+                  parents=None, slot=None, outs=None,
+                  ancestry=torch.zeros(rows, 1, width, dtype=torch.bool, device=device))
+    levels = [_children(head, min_confidence, feature[:, None], root, torch.full((rows, 1), -1, device=device),
+                        True)]
     offset = 0
     for depth in range(1, k):
         nodes = levels[-1]
@@ -141,9 +236,9 @@ def _grow(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor) 
         mask.scatter_(2, columns[:, None, :].expand(rows, FRONTIER, width), fed.ancestry)
         hidden = _gather(nodes.outs, nodes.slot.gather(1, sel))  # each fed node's parent's output
         positions = (first + depth - 1)[:, None].expand(rows, FRONTIER)
-        real = torch.ones(rows, FRONTIER, dtype=torch.bool)  # the host's: every row writes FRONTIER entries
-        outs = drafter._pass(hidden.to(drafter.dtype), fed.tokens, real, positions, mask[:, None])  # (B, F, H)
-        levels.append(_children(drafter, outs, fed, offset + sel, False))
+        outs = storage.run(hidden.to(storage.keys.dtype), fed.tokens, positions, mask[:, None],
+                           offset=(depth - 1) * FRONTIER)  # (B, F, H)
+        levels.append(_children(head, min_confidence, outs, fed, offset + sel, False))
         offset += nodes.tokens.shape[1]
     return levels
 
@@ -151,27 +246,25 @@ def _grow(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor) 
 def _pool(levels: list[_Nodes]) -> dict[str, torch.Tensor]:
     """Every depth's nodes side by side, (B, C) each, in eagle3_tree's order (depth by depth, fed node by fed
     node)."""
-    return {f: torch.cat([getattr(n, f) for n in levels], 1)
-            for f in ("tokens", "parents", "values", "q", "chain", "dead")}
+    return {f: torch.cat([getattr(n, f) for n in levels], 1) for f in POOL}
 
 
-def _cut(pool: dict[str, torch.Tensor], request: DraftRequest) -> dict[str, torch.Tensor]:
+def _cut(pool: dict[str, torch.Tensor], limits: torch.Tensor, n: int, costs: dict[int, float] | None = None,
+         scale: float = 1.0) -> dict[str, torch.Tensor]:
     """The tree eagle3_tree's _proposal keeps (drafters.trees.branch_out), chosen on the device: the chain's nodes,
     then the others best value first (a node is worth no more than its parent, so its parent is in first), at most
-    the row's node budget; under --tree auto the others only up to tree_budget's count. Returns the kept nodes (B, N)
-    in _proposal's order (the chain's, then the rest as they were grown): token, parent (among the kept; -1 the
-    root), value, q, and whether a row's entry holds a node."""
+    the row's node budget (limits (B,); n: the widest); with `costs` (--tree auto) the others only up to
+    tree_budget's count, their values weighed by `scale`. Returns the kept nodes (B, n) in _proposal's order (the
+    chain's, then the rest as they were grown): token, parent (among the kept; -1 the root), value, q, and whether a
+    row's entry holds a node."""
     dead, chain, values = pool["dead"], pool["chain"], pool["values"]
     b, c = dead.shape
-    limits = torch.tensor([min(request.nodes(r), MAX_K_ENGINE) for r in range(b)]).to(values.device,
-                                                                                       non_blocking=True)
-    n = min(max(min(request.nodes(r), MAX_K_ENGINE) for r in range(b)), c)
     best = torch.where(dead, float("-inf"), values + CHAIN_FIRST * chain).sort(dim=1, descending=True, stable=True)
     rank = torch.arange(n, device=values.device)
     keep = (best.values[:, :n] > float("-inf")) & (rank < limits[:, None])  # (B, N), best first
     chosen = best.indices[:, :n]
-    if request.tree_costs is not None:
-        keep &= rank < _budget(values.gather(1, chosen), chain.gather(1, chosen) & keep, keep, request)[:, None]
+    if costs is not None:
+        keep &= rank < _budget(values.gather(1, chosen), chain.gather(1, chosen) & keep, keep, costs, scale)[:, None]
     index = torch.arange(c, device=values.device)
     order = torch.where(keep, index[chosen] - c * chain.gather(1, chosen), 2 * c).sort(dim=1).indices
     kept, keep = chosen.gather(1, order), keep.gather(1, order)
@@ -181,12 +274,11 @@ def _cut(pool: dict[str, torch.Tensor], request: DraftRequest) -> dict[str, torc
                 values=values.gather(1, kept), q=pool["q"].gather(1, kept), keep=keep)
 
 
-def _budget(values: torch.Tensor, chain: torch.Tensor, keep: torch.Tensor, request: DraftRequest) -> torch.Tensor:
+def _budget(values: torch.Tensor, chain: torch.Tensor, keep: torch.Tensor, costs: dict[int, float],
+            scale: float) -> torch.Tensor:
     """drafters.trees.tree_budget on the device, for every row: how many of a row's kept nodes (values (B, N), best
-    first, the chain's first) to verify, its chain's and then the others' that pay for the wider pass by
-    request.tree_costs (shifted past the chain's, as branch_out shifts them), their values weighed by
-    request.tree_extra_scale."""
-    costs = request.tree_costs
+    first, the chain's first) to verify, its chain's and then the others' that pay for the wider pass by `costs`
+    (shifted past the chain's, as branch_out shifts them), their values weighed by `scale`."""
     top = max(costs, default=0)
     table = torch.tensor([1.0] + [costs.get(n, 1.0) for n in range(1, top + 1)], dtype=torch.float64)
     table = table.to(values.device, non_blocking=True)  # (top + 1,): n nodes verified -> cost
@@ -194,7 +286,7 @@ def _budget(values: torch.Tensor, chain: torch.Tensor, keep: torch.Tensor, reque
     start = 1.0 + (values * chain).sum(1)
     b, n = values.shape
     m = torch.arange(1, n + 1, device=values.device)  # extras kept
-    extra = torch.where(keep & ~chain, values * request.tree_extra_scale, 0.0)
+    extra = torch.where(keep & ~chain, values * scale, 0.0)
     # the extras, best first, after the chain: shift each row's so that its first extra is column 0
     shift = (length[:, None] + m[None, :] - 1).clamp(max=n - 1)
     gains = torch.cat([start[:, None], extra.gather(1, shift)], 1).cumsum(1)[:, 1:]  # (B, N): tokens with m extras
@@ -217,9 +309,10 @@ def _read(kept: dict[str, torch.Tensor]) -> list[Proposal]:
     return out
 
 
-def host_cut(pool: dict[str, torch.Tensor], request: DraftRequest) -> list[Proposal]:
-    """The same tree (_pool's) read whole and cut on the host by eagle3_tree's _proposal: what _cut must equal (the
-    tests)."""
+def host_cut(pool: dict[str, torch.Tensor], limits: list[int], costs: dict[int, float] | None = None,
+             scale: float = 1.0) -> list[Proposal]:
+    """The same tree (_pool's) read whole and cut on the host by eagle3_tree's _proposal (each row's budget from
+    `limits`, and `costs` and `scale` as _cut's): what _cut must equal (the tests)."""
     read = torch.stack([pool[f].double() for f in ("tokens", "parents", "values", "q", "chain", "dead")], -1).tolist()
     out = []
     for r, row in enumerate(read):
@@ -234,5 +327,5 @@ def host_cut(pool: dict[str, torch.Tensor], request: DraftRequest) -> list[Propo
             tree.parents.append(at[int(parent)] if parent >= 0 else -1)
             tree.values.append(value)
             tree.q.append(q)
-        out.append(_proposal(tree, request.nodes(r), request.tree_costs, request.tree_extra_scale))
+        out.append(_proposal(tree, limits[r], costs, scale))
     return out

@@ -7,6 +7,7 @@ not the drafter's bookkeeping (drafters.eagle3)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,6 +18,8 @@ from ..engine.graphs import Captured, Runner, padded_batch
 from ..engine.static import CAPACITY_STEP, StaticRows, rounded_capacity
 from ..models.eagle3_head import Eagle3Head
 from .eagle3_tree import FRONTIER
+
+log = logging.getLogger(__name__)
 
 CATCH_UP_WIDTH = 17  # the widest catch-up pass captured (a verdict's accepted tokens and the pending one, k <= 16)
 LEVEL_WIDTH = FRONTIER  # the widest tree level captured (eagle3_tree feeds at most FRONTIER nodes a row per depth)
@@ -55,6 +58,7 @@ class HeadStorage:
         self.level_positions = torch.zeros(rows, LEVEL_WIDTH, dtype=torch.long, device=self.device)
         self.level_mask = torch.zeros(rows, 1, LEVEL_WIDTH, capacity, dtype=torch.bool, device=self.device)
         self.level_mask[:, 0, range(LEVEL_WIDTH), range(LEVEL_WIDTH)] = True
+        self.trees: dict = {}  # (b, E) -> a tree growth's static inputs (HeadRunner.tree)
         self.busy = False  # held by one drafter at a time
         self.graphs: dict = {}  # (b,) -> engine.graphs.Captured: the step at that padded batch size
 
@@ -68,12 +72,13 @@ class HeadStorage:
         self.values[:rows, :, :n] = other.values[:rows, :, :n]
 
     def run(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-            mask: torch.Tensor | None = None) -> torch.Tensor:
+            mask: torch.Tensor | None = None, offset: int = 0) -> torch.Tensor:
         """A head pass of the first b rows: hidden (b, T, H), tokens (b, T), right-padded; row r's j-th entry is
-        written at slot lengths[r] + j, at that position and seeing the slots up to it unless `positions` (b, T) and
-        `mask` (b, 1, T, capacity) say otherwise (a draft tree's). The pre-norm outputs (b, T, H); lengths stay."""
+        written at slot lengths[r] + offset + j, at that position and seeing the slots up to it unless `positions`
+        (b, T) and `mask` (b, 1, T, capacity) say otherwise (a draft tree's). The pre-norm outputs (b, T, H); lengths
+        stay."""
         b, t = tokens.shape
-        write = self.lengths[:b, None] + self.slots[None, :t]  # (b, T)
+        write = self.lengths[:b, None] + offset + self.slots[None, :t]  # (b, T)
         positions = write if positions is None else positions
         if mask is None:
             mask = (self.slots[None, None, :] <= write[:, :, None])[:, None]  # (b, 1, T, capacity)
@@ -145,6 +150,31 @@ class HeadRunner(Runner):
         storage.level_mask[:b, :, :t].copy_(mask, non_blocking=True)
         done = self._captured(storage, (padded_batch(b), t, True)) if self.capture else None
         return storage.level(b, t) if done is None else done.replay(b)[0]
+
+    def tree(self, storage: HeadStorage, key: tuple, inputs, grow) -> tuple:
+        """grow(storage, inputs) (eagle3_device_tree.grow: device code only, outputs (b, C) each) as one CUDA graph
+        per padded batch size and `key` (k, how many end-of-sequence ids, the confidence stop) where this runner
+        captures, its inputs copied into static ones (padding rows grow nothing); else eagerly. A growth that will not
+        capture runs eagerly from then on, with one log line, and the head's other graphs stay."""
+        b = inputs.ks.shape[0]
+        if not self.capture:
+            return grow(storage, inputs)
+        bp = padded_batch(b)
+        static = storage.trees.get((bp, len(inputs.eos)))
+        if static is None:
+            static = storage.trees[(bp, len(inputs.eos))] = inputs.blank(bp)
+        static.load(inputs)
+        full = (bp, *key)
+        if full not in storage.graphs:
+            try:
+                storage.graphs[full] = self.record(storage.device, lambda: grow(storage, static),
+                                                   f"the head's {bp}-row tree, {key[0]} deep")
+            except Exception as exc:  # noqa: BLE001 - the same code runs eagerly
+                storage.graphs[full] = None
+                log.warning("graph runner: the head's tree grows eagerly: it did not capture (%s: %s)",
+                            type(exc).__name__, exc)
+        done = storage.graphs[full]
+        return grow(storage, inputs) if done is None else done.replay(b)
 
     def warm(self, kv: StaticHeadKV, rows: int, widths: Sequence[int] = (1,), layers=None) -> float:
         """Capture the draft step, the catch-up widths and the tree levels' for `rows` rows and each smaller rung of
@@ -218,6 +248,11 @@ class StaticHeadKV(StaticRows):
             peaks.append(peak)
         self.counts = [c + k - 1 for c in self.counts]
         return torch.stack(tokens, 1), torch.stack(peaks, 1)
+
+    def drafted(self, width: int) -> None:
+        """Every row's length grows by `width`: the entries a tree's growth wrote on the device past each row's length
+        (eagle3_device_tree; cut at the next verdict)."""
+        self._advance([width] * self.rows)
 
     def visible(self) -> torch.Tensor:
         """(B, capacity) bool: the slots each row holds now (a draft tree's pass sees these and its ancestors)."""

@@ -82,8 +82,8 @@ class HybridDrafter(Drafter):
     def begin(self, prompts, target_hidden=None) -> None:
         self.model.begin(prompts, target_hidden)
 
-    def warm(self, prompts) -> None:
-        self.model.warm(prompts)
+    def warm(self, prompts, request=None) -> None:
+        self.model.warm(prompts, request)
         self.lookup.begin(prompts)
 
     def propose(self, request: DraftRequest) -> list[Proposal]:

@@ -46,7 +46,7 @@ class ModelDrafter(Drafter):
     def begin(self, prompts, target_hidden=None) -> None:
         self._new_cache(prompts)
 
-    def warm(self, prompts) -> None:
+    def warm(self, prompts, request=None) -> None:
         """Capture the one-token drafting pass and the catch-up widths after a verdict (1 and 2) for this batch,
         over the storage that begin(prompts) takes next; nothing without capture."""
         runner = graphs.runner_of(self.model)

@@ -219,7 +219,10 @@ class _Run:
         if runner is not None:
             runner.warm(self.kv, len(self.rows), widths, self.layers)
         if self.drafter is not None:
-            self.drafter.warm(prompts)
+            k, nodes = self.config.num_draft_tokens, self.tree.nodes
+            costs = self.costs.costs() if self.costs is not None else None
+            self.drafter.warm(prompts, DraftRequest(prompts, [k] * len(prompts), self.sampling, self.rows.gens,
+                                                    self.eos, [nodes] * len(prompts), costs))
 
     def retire(self) -> bool:
         """Let finished rows leave the batch (the cache, the drafter, the pending tokens); False when none is left."""
