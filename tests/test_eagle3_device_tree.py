@@ -55,8 +55,8 @@ def test_device_trees_are_the_hosts(eagle3_target, eagle3_runner, tiny_tok, head
     """Under a node budget the device's tree is eagle3_tree's: the same nodes, parents and q at every step of a whole
     run (rejections, rows finishing), and the same output; read back alone, or verified on the device and read with
     the verdict (one_read), over the target's eager or static cache."""
-    if TEST_DEVICE.type == "cuda" and (k, nodes) != (4, 8):
-        pytest.skip("on CUDA one budget: each run captures its graphs anew")
+    if TEST_DEVICE.type == "cuda" and ((k, nodes) != (4, 8) or rows == 1 or eagle3_runner == "eager"):
+        pytest.skip("on CUDA one case a path: each run captures its graphs anew")
     config = GenerationConfig(max_new_tokens=32, num_draft_tokens=k, tree=str(nodes))
     host = run(eagle3_target, tiny_tok, head, PROMPTS[:rows], config, "never", min_confidence)
     device = run(eagle3_target, tiny_tok, head, PROMPTS[:rows], config, "always", min_confidence, one_read=one_read)
@@ -74,6 +74,8 @@ def test_device_trees_under_auto_cut_as_the_host_and_are_lossless(eagle3_target,
     """Under --tree auto (every depth feeds FRONTIER nodes) the device's cut of each step's tree (drafters.trees'
     tree_budget on the device, by the step costs and the run's extra scale) is the host's cut of the same tree, and
     the output is the target's own greedy output; a gentle and a steep cost slope keep more and fewer nodes."""
+    if TEST_DEVICE.type == "cuda" and (rows == 1 or slope > 0.1):
+        pytest.skip("on CUDA one case a path: each run captures its graphs anew")
     plain = row_outputs(list(decode(eagle3_target, tiny_tok, PROMPTS[:rows], GenerationConfig(max_new_tokens=32))),
                         rows)
     cut, sizes = eagle3_device_tree._cut, []
