@@ -130,15 +130,19 @@ def tree_inputs(request: DraftRequest, feature: torch.Tensor) -> TreeInputs:
         ks=torch.tensor(list(request.ks)).to(device, non_blocking=True),
         grow=torch.tensor([request.ks[r] > 0 and request.nodes(r) > 0 for r in range(rows)]).to(device,
                                                                                               non_blocking=True),
-        limits=torch.tensor([min(request.nodes(r), MAX_K_ENGINE) for r in range(rows)]).to(device, non_blocking=True),
+        limits=torch.tensor(_limits(request)).to(device, non_blocking=True),
         eos=torch.tensor(sorted(request.eos_token_ids), dtype=torch.long).to(device, non_blocking=True))
+
+
+def _limits(request: DraftRequest) -> list[int]:
+    """Each row's node budget, at most the engine's widest tree."""
+    return [min(request.nodes(r), MAX_K_ENGINE) for r in range(len(request.ids))]
 
 
 def node_count(head, request: DraftRequest, k: int) -> int:
     """How many entries a row's kept tree has (padding after its nodes): its budget, at most what k deep grows."""
     top = min(TOP, len(head.subset))
-    return min(max(min(request.nodes(r), MAX_K_ENGINE) for r in range(len(request.ids))),
-               top + (k - 1) * FRONTIER * top)
+    return min(max(_limits(request)), top + (k - 1) * FRONTIER * top)
 
 
 def draft_device_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor) -> list[Proposal]:
@@ -168,13 +172,21 @@ def _grown(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor
     """The request's trees grown (_pool of _grow) in one CUDA graph per padded batch and k where the head's runner
     captures (HeadRunner.tree), else the same code eagerly; the head's cache then holds the growth's entries past
     each row's true ones (StaticHeadKV.drafted). Returns (the grown nodes, the inputs)."""
-    kv, k = drafter.kv, max(request.ks)
-    kv.reserve((k - 1) * FRONTIER)
+    k = max(request.ks)
     inputs = tree_inputs(request, feature)
-    grown = kv.runner.tree(kv.storage, (k, len(inputs.eos), drafter.min_confidence), inputs,
-                           lambda storage, x: grow(drafter.head, storage, x, k, drafter.min_confidence))
-    kv.drafted((k - 1) * FRONTIER)
+    grown = _growth(drafter, inputs, k)
+    drafter.kv.drafted((k - 1) * FRONTIER)
     return dict(zip(POOL, grown)), inputs
+
+
+def _growth(drafter: Eagle3Drafter, inputs: TreeInputs, k: int) -> tuple:
+    """grow over the drafter's static cache, k deep, through its runner (HeadRunner.tree: one graph per padded batch
+    and this key where it captures, captured on first use), with room for the growth's entries. The head's lengths
+    are not moved."""
+    kv = drafter.kv
+    kv.reserve((k - 1) * FRONTIER)
+    return kv.runner.tree(kv.storage, (k, len(inputs.eos), drafter.min_confidence), inputs,
+                          lambda storage, x: grow(drafter.head, storage, x, k, drafter.min_confidence))
 
 
 def warm_trees(drafter: Eagle3Drafter, request: DraftRequest) -> None:
@@ -183,16 +195,12 @@ def warm_trees(drafter: Eagle3Drafter, request: DraftRequest) -> None:
     storage its begin takes next. Greedy requests only."""
     if not grows_on_device(drafter, request):
         return
-    kv, rows = drafter.kv, len(request.ids)
-    for b in rungs(rows):
+    for b in rungs(len(request.ids)):
         for k in range(1, max(request.ks) + 1):
-            asked = replace(request.row(0, k), ids=[request.ids[0]] * b, ks=[k] * b, generators=[None] * b,
+            asked = replace(request, ids=[request.ids[0]] * b, ks=[k] * b, generators=[None] * b,
                             tree_nodes=[request.nodes(0)] * b)
             feature = torch.zeros(b, drafter.head.c.hidden_size, dtype=drafter.dtype, device=drafter.device)
-            kv.reserve((k - 1) * FRONTIER)
-            kv.runner.tree(kv.storage, (k, len(asked.eos_token_ids), drafter.min_confidence),
-                           tree_inputs(asked, feature),
-                           lambda storage, x, k=k: grow(drafter.head, storage, x, k, drafter.min_confidence))
+            _growth(drafter, tree_inputs(asked, feature), k)
 
 
 def grow(head, storage, inputs: TreeInputs, k: int, min_confidence: float) -> tuple:

@@ -279,6 +279,28 @@ def _ar_step(run: _Run) -> BatchEvent:
     return run.event("ar", done, verify_seconds=run.clock.stop())
 
 
+def _verify_on_host(run: _Run, ids: list[list[int]], drafted: list[list[int]], trees: list[TokenTree | None],
+                    qs: list[torch.Tensor | None]) -> tuple:
+    """Drafts the host holds, verified in one target pass (B x (n+1) positions, padded for rows that drafted fewer):
+    chains keep the pending token and the accepted drafts and roll back the rest; trees (chain rows as one-branch
+    trees) feed each entry at its depth under the ancestry mask and keep the accepted path's entries. Returns (width,
+    features, verified)."""
+    tokens, real = right_padded([[row[-1]] + d for row, d in zip(ids, drafted)], run.device)
+    width, fed = tokens.shape[1], [1 + len(d) for d in drafted]  # fed: nothing to read back from the device
+    if all(t is None for t in trees):
+        before = list(run.kv.counts)
+        logits, features = run.kv.forward(tokens, real, width, run.layers, fed=fed)  # (B, W, V)
+        verified = _verify(logits, tokens, drafted, qs, run.sampling, run.rows.gens, run.inspect)
+        run.kv.keep([n + 1 + v.num_accepted for n, v in zip(before, verified)])
+    else:
+        as_trees = [t if t is not None else TokenTree.chain(d) for t, d in zip(trees, drafted)]
+        batch = TreeBatch.stack(as_trees, width - 1, run.device)
+        logits, features = run.kv.forward(tokens, real, width, run.layers, tree=batch, fed=fed)  # (B, W, V)
+        verified = _verify_trees(logits, tokens, as_trees, batch, qs, run.sampling, run.rows.gens, run.inspect)
+        run.kv.keep_entries([[0] + [j + 1 for j in v.path] for v in verified])
+    return width, features, verified
+
+
 def _spec_step(run: _Run, k_policy: KPolicy | None) -> BatchEvent:
     """Draft up to k per row (a tree of up to run.tree.nodes nodes where allowed), verify every row's drafts in one
     target pass (B x (n+1) positions, padded for rows that drafted fewer), keep each row's agreed prefix (a tree's
@@ -306,22 +328,8 @@ def _spec_step(run: _Run, k_policy: KPolicy | None) -> BatchEvent:
         width, features, drafted, token_probs, verified = verify_chains_on_device(run, ids, on_device)
         trees, values = [None] * len(ids), [None] * len(ids)
         proposals = [Proposal(d, token_probs=q) for d, q in zip(drafted, token_probs)]
-    elif all(t is None for t in trees):  # chains: the pending token and the accepted drafts stay, the rest rolls back
-        tokens, real = right_padded([[row[-1]] + d for row, d in zip(ids, drafted)], run.device)
-        width, fed = tokens.shape[1], [1 + len(d) for d in drafted]  # fed: nothing to read back from the device
-        before = list(run.kv.counts)
-        logits, features = run.kv.forward(tokens, real, width, run.layers, fed=fed)  # (B, W, V)
-        verified = _verify(logits, tokens, drafted, qs, run.sampling, rows.gens, run.inspect)
-        run.kv.keep([n + 1 + v.num_accepted for n, v in zip(before, verified)])
-    else:  # trees (chain rows as one-branch trees): each entry at its depth under the ancestry mask; the accepted
-        # path's entries stay
-        tokens, real = right_padded([[row[-1]] + d for row, d in zip(ids, drafted)], run.device)
-        width, fed = tokens.shape[1], [1 + len(d) for d in drafted]
-        as_trees = [t if t is not None else TokenTree.chain(d) for t, d in zip(trees, drafted)]
-        batch = TreeBatch.stack(as_trees, width - 1, run.device)
-        logits, features = run.kv.forward(tokens, real, width, run.layers, tree=batch, fed=fed)  # (B, W, V)
-        verified = _verify_trees(logits, tokens, as_trees, batch, qs, run.sampling, rows.gens, run.inspect)
-        run.kv.keep_entries([[0] + [j + 1 for j in v.path] for v in verified])
+    else:  # drafts the host holds
+        width, features, verified = _verify_on_host(run, ids, drafted, trees, qs)
     new = [[d[j] for j in v.path] + [v.next_token] for d, v in zip(drafted, verified)]
     drafter.update([Verdict(v.num_accepted, row + n, _path_features(features, r, v.path, tree),
                             None if tree is None else v.path)
