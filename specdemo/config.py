@@ -196,8 +196,9 @@ DRAFTER_DEFAULTS: tuple[DrafterDefault, ...] = (
     DrafterDefault("suffix", 8, Evidence("bench/suffix/cost-aware/rep-suffix-f2-k8", "2026-12-03 04:06-04:12 UTC",
                                          "repetitive.jsonl", rivals=("bench/suffix/cost-aware/rep-suffix-f2-k16-ca",
                                                                      "bench/suffix/cost-aware/rep2-suffix-f2-k16-ca")),
-                   tree="off", tree_evidence=Evidence("bench/trees/suffix-k8-off-2", _TREES, "repetitive.jsonl",
-                                                      rivals=("bench/trees/suffix-k8-auto-2",))),
+                   # trees from every match: 8 nodes the fastest of off, auto, 8 and 16 in two paired rounds
+                   tree="8", tree_evidence=Evidence("bench/trees/suffix-forest-k8-1", "2026-12-05 06:04-06:09 UTC",
+                                                    "repetitive.jsonl", rivals=("bench/trees/suffix-forest-k8-2",))),
 )
 
 

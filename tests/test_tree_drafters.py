@@ -1,14 +1,17 @@
 """Tree drafts from the model-free drafters (drafters/trees.py): prompt lookup's matches as branches (one branch is the
-chain), suffix decoding's subtree of its match (a branchless history gives the chain's draft), and the node budget
+chain), suffix decoding's subtrees of its matches merged (a branchless history gives the chain's draft; a shorter match
+adds what the longer one never saw), and the node budget
 chosen from pass costs (flat costs keep the tree, steep ones fall back to less or nothing)."""
 
 import random
 
+import pytest
 import torch
 
-from specdemo.config import SuffixConfig
+from specdemo.config import SamplingConfig, SuffixConfig
+from specdemo.drafters.base import DraftRequest
 from specdemo.drafters.ngram import NgramDrafter
-from specdemo.drafters.suffix import SuffixTree
+from specdemo.drafters.suffix import SuffixCache, SuffixDrafter, SuffixTree
 from specdemo.drafters.trees import (
     best_subtree,
     branch_out,
@@ -17,8 +20,10 @@ from specdemo.drafters.trees import (
     lookup_matches,
     lookup_tree,
     lookup_values,
+    match_subtrees,
+    merge,
     shifted_costs,
-    suffix_subtree,
+    suffix_forest,
     tree_budget,
 )
 from specdemo.engine.tree import TokenTree, greedy_tree_accept
@@ -68,23 +73,55 @@ def test_a_lookup_tree_accepts_where_the_chain_fails():
     assert greedy_tree_accept(chain, picks([9, 0, 0], 10)) == ([], 9)
 
 
-def test_suffix_subtree_grows_its_match_best_first():
+def test_match_subtrees_grow_each_match_best_first():
     """After "1 2" (4 times): 3 4 1 2 twice (0.5 each), then the 0.25s in the order they were reached: the 5 under
     the match, 3 and 5 after "1 2" again, 6 under the first 5; each node's probability is its path's product of
-    count ratios, and min_token_prob cuts the rarer branches."""
+    count ratios, and min_token_prob cuts the rarer branches. "2" occurs where "1 2" does: its subtree is the same,
+    grown only when a depth limit does not say so."""
     seq = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 5, 6, 1, 2]
     tree = SuffixTree(24)
     tree.extend(0, seq)
-    draft, probs, m = suffix_subtree(tree, seq, 8, SuffixConfig(max_spec_factor=8))
-    assert draft == TokenTree((3, 4, 1, 2, 5, 3, 5, 6), (-1, 0, 1, 2, -1, 3, 3, 4)) and m == 2
-    assert probs == [0.5] * 4 + [0.25] * 4
-    cut = suffix_subtree(tree, seq, 8, SuffixConfig(max_spec_factor=8, min_token_prob=0.3))[0]
-    assert cut == draft.select(range(4)) == TokenTree.chain([3, 4, 1, 2])
-    assert suffix_subtree(tree, seq, 8, SuffixConfig(max_spec_factor=1))[0] == TokenTree.chain([3, 4])
+    want = TokenTree((3, 4, 1, 2, 5, 3, 5, 6), (-1, 0, 1, 2, -1, 3, 3, 4))
+    assert match_subtrees(tree, seq, 8, SuffixConfig(), max_depth=8) == [(want, [0.5] * 4 + [0.25] * 4)]
+    both = match_subtrees(tree, seq, 8, SuffixConfig())
+    assert len(both) == 2 and both[0] == both[1] and suffix_forest(both) == both[0]
+    cut = match_subtrees(tree, seq, 8, SuffixConfig(min_token_prob=0.3), max_depth=8)
+    assert [t for t, _ in cut] == [want.select(range(4))] == [TokenTree.chain([3, 4, 1, 2])]
 
 
-def test_suffix_subtree_without_branches_is_the_chain():
-    """A history with one continuation of each match: the tree draft is speculate's chain draft."""
+def test_suffix_forest_adds_what_a_shorter_match_saw():
+    """ "1 2" was followed by 3 once; "2" alone was followed by 7 three times: arctic's one best subtree drafts the
+    longer match's 3 or the shorter one's 7 first, the forest drafts both, longest match first, and a node both
+    matches reach keeps the higher probability."""
+    seq = [1, 2, 3, 0, 9, 2, 7, 0, 8, 2, 7, 0, 6, 2, 7, 0, 1, 2]
+    tree = SuffixTree(24)
+    tree.extend(0, seq)
+    parts = match_subtrees(tree, seq, 4, SuffixConfig(), max_depth=2)
+    assert [t.tokens for t, _ in parts] == [(3, 0), (7, 0, 3, 0)]
+    forest, values = suffix_forest(parts)
+    assert forest == TokenTree((3, 0, 7, 0), (-1, 0, -1, 2))
+    assert values == pytest.approx([0.5, 0.5, 0.6, 0.6])  # "2": 5 times, 3 of them before 7 (and 1 before 3: 0.2)
+    merged, merged_values = merge(forest, values, TokenTree((3, 5), (-1, 0)), [0.9, 0.1])
+    assert merged == TokenTree((3, 0, 7, 0, 5), (-1, 0, -1, 2, 0))
+    assert merged_values == pytest.approx([0.9, 0.5, 0.6, 0.6, 0.1])
+
+
+def test_a_suffix_tree_draft_holds_every_match_of_both_trees():
+    """The chain (here the earlier answer's "1 2 4 4", the best score) comes first; the row's own "1 2" and "2"
+    matches hang beside it: every continuation either tree saw after "1 2" or "2" is one of the root's children."""
+    drafter = SuffixDrafter(SuffixCache())
+    drafter.begin([[40]])
+    drafter.propose(DraftRequest([[40, 1, 2, 4, 4]], [2], SamplingConfig(), [None]))  # an earlier answer
+    prompt = [1, 2, 3, 0, 9, 2, 7, 0, 8, 2, 7, 0, 6, 2, 7, 0, 1, 2]
+    drafter.begin([prompt])
+    tree = drafter.propose(DraftRequest([prompt], [2], SamplingConfig(), [None], frozenset(), [8]))[0]
+    assert (tree.tokens, tree.parents, tree.source) == ([4, 4, 3, 0, 7, 0], [-1, 0, -1, 2, -1, 4], "earlier")
+    assert tree.values == pytest.approx([1.0, 1.0, 0.5, 0.5, 0.6, 0.6])
+    assert drafter.propose(DraftRequest([prompt], [2], SamplingConfig(), [None]))[0].tokens == [4, 4]
+
+
+def test_suffix_forest_without_branches_is_the_chain():
+    """A history with one continuation of each match: the tree draft is a chain, speculate's chain draft first."""
     rng = random.Random(1)
     config = SuffixConfig(max_spec_factor=2)
     for _ in range(30):
@@ -93,9 +130,9 @@ def test_suffix_subtree_without_branches_is_the_chain():
         tree = SuffixTree(24)
         tree.extend(0, seq)
         chain = tree.speculate(seq, 6, config)
-        draft, probs, m = suffix_subtree(tree, seq, 6, config)
-        assert len(draft) >= 2 and (draft, m) == (TokenTree.chain(chain.tokens), chain.match_len)
-        assert probs == chain.probs
+        draft, probs = suffix_forest(match_subtrees(tree, seq, 6, config, max_depth=6))
+        assert len(chain.tokens) >= 2 and draft.is_chain()
+        assert draft.tokens[: len(chain.tokens)] == tuple(chain.tokens) and probs[: len(chain.tokens)] == chain.probs
 
 
 COSTS = {1: 1.1, 2: 1.3, 3: 1.6, 4: 2.0}

@@ -157,7 +157,7 @@ class SuffixTree:
                 min_match: int = 1) -> Iterator[tuple[int, object, int]]:
         """(m, the match's node, the most tokens it may draft: min(max_tokens, max_spec_factor * m)) for each match
         length m >= min_match of context's suffix that the tree holds (m < len(context)), shortest first; arctic's
-        loop over match lengths, which speculate and a tree draft (drafters.trees.suffix_subtree) both walk."""
+        loop over match lengths, which speculate and a tree draft (drafters.trees.match_subtrees) both walk."""
         context = list(context[-self.max_depth :])
         n = len(context)
         factor = _f32(config.max_spec_factor)
@@ -272,13 +272,14 @@ class SuffixCache:
         with self._lock:
             return self._tree.speculate(context, max_tokens, config, min_match)
 
-    def subtree(self, context: Sequence[int], max_tokens: int, config: SuffixConfig, min_match: int = 1,
-                max_depth: int | None = None):
-        """drafters.trees.suffix_subtree over the earlier answers: (TokenTree, each node's probability, match)."""
-        from .trees import suffix_subtree  # trees builds on this module
+    def subtrees(self, context: Sequence[int], max_tokens: int, config: SuffixConfig, min_match: int = 1,
+                 max_depth: int | None = None):
+        """drafters.trees.match_subtrees over the earlier answers: each match's (TokenTree, its nodes'
+        probabilities)."""
+        from .trees import match_subtrees  # trees builds on this module
 
         with self._lock:
-            return suffix_subtree(self._tree, context, max_tokens, config, min_match, max_depth)
+            return match_subtrees(self._tree, context, max_tokens, config, min_match, max_depth)
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -368,26 +369,25 @@ class SuffixDrafter(Drafter):
 
     def _tree(self, row: _Row, ids: Sequence[int], k: int, nodes: int, costs: dict[int, float] | None,
               scale: float = 1.0) -> Proposal:
-        """A tree draft: the chain draft (_draft's, cost-aware cut included) as its first branch, grafted with the
-        better-scoring subtree of the row's and the cache's matches (drafters.trees.suffix_subtree, at most k deep
+        """A tree draft: the chain draft (_draft's, cost-aware cut included) as its first branch, merged with the
+        subtrees of every match in the row's and the cache's trees (drafters.trees.suffix_forest, each at most k deep
         and `nodes` nodes, cut after an EOS), whose other nodes are kept by estimated probability, cut by pass costs
         when asked (branch_out)."""
-        from .trees import branch_out, cut_after, graft, suffix_subtree  # trees builds on this module
+        from .trees import branch_out, cut_after, graft, match_subtrees, suffix_forest  # trees builds on this module
 
         chain, values = self._draft(row, ids, min(k, nodes), with_values=True)
         if self.cost_aware and self.pass_costs and not chain.tokens:
             return chain  # drafting does not pay here
         context = list(ids[-self.config.max_tree_depth :])
-        own = suffix_subtree(row.tree, context, nodes, self.config, self.min_match, k)
-        earlier = self.cache.subtree(context, nodes, self.config, self.min_match, k)
-        (tree, probs, _), source = (own, None) if sum(own[1]) >= sum(earlier[1]) else (earlier, "earlier")
+        own = match_subtrees(row.tree, context, nodes, self.config, self.min_match, k)
+        tree, probs = suffix_forest(own + self.cache.subtrees(context, nodes, self.config, self.min_match, k))
         tree, keep = cut_after(tree, self._eos)
         tree, values = graft(chain.tokens, values, tree, [probs[j] for j in keep])
         if not len(tree):
             return chain
         tree, kept = branch_out(tree, values, costs, nodes, len(chain.tokens) or None, scale)
-        return Proposal(list(tree.tokens), parents=list(tree.parents), source=chain.source or source,
-                        values=[values[j] for j in kept])
+        return Proposal(list(tree.tokens), parents=list(tree.parents), source=chain.source or (
+            None if own else "earlier"), values=[values[j] for j in kept])
 
     @staticmethod
     def _where(row: _Row, draft: Draft) -> str:

@@ -1,5 +1,5 @@
 """Draft trees from the model-free drafters, as pure functions of the context: prompt lookup's earlier matches as
-branches, suffix decoding's subtree of its match; and the node budget a tree gets from the target's pass costs.
+branches, suffix decoding's subtrees of its matches; and the node budget a tree gets from the target's pass costs.
 
 Knows token ids, the drafters' parameters and their trees; not the engine's loop. Every tree here is deterministic
 (one-hot q: engine/tree.py's tree_accept with draft_probs None), siblings distinct.
@@ -59,20 +59,37 @@ def lookup_tree(drafter: NgramDrafter, ids: Sequence[int], k: int, branches: int
     return tree, support
 
 
-def suffix_subtree(tree: SuffixTree, context: Sequence[int], max_tokens: int, config: SuffixConfig,
-                   min_match: int = 1, max_depth: int | None = None) -> tuple[TokenTree, list[float], int]:
-    """Suffix decoding's tree draft (arctic_inference's _speculate_tree): for each match length m of context's
-    suffix, grow from the match's node best-first by estimated probability (the product of count ratios down from
-    it), children below min_token_prob (or deeper than max_depth) left out, at most min(max_tokens, max_spec_factor *
-    m) nodes; the match whose nodes' probabilities sum highest wins (ties to the longer). Returns (tree, each node's
-    probability, m)."""
-    best: tuple[float, TokenTree, list[float], int] = (0.0, TokenTree((), ()), [], 0)
+def match_subtrees(tree: SuffixTree, context: Sequence[int], max_tokens: int, config: SuffixConfig,
+                   min_match: int = 1, max_depth: int | None = None) -> list[tuple[TokenTree, list[float]]]:
+    """The subtree below each match length m of context's suffix, longest match first, each grown as arctic_inference's
+    _speculate_tree grows its match's (best-first by estimated probability, the product of count ratios down from
+    the match; children below min_token_prob or deeper than max_depth left out) to max_tokens nodes: (tree, each
+    node's probability). Arctic keeps one match's subtree of at most max_spec_factor * m nodes; suffix_forest merges
+    them all. A match that occurs exactly as often as the next longer one occurs at the same places, so grows the
+    same subtree (when max_depth leaves both room), and is left out."""
+    found = list(tree.matches(context, max_tokens, config, min_match))
     min_prob = _f32(config.min_token_prob)
-    for m, node, limit in tree.matches(context, max_tokens, config, min_match):
-        tokens, parents, probs, score = _grow(node, limit, min_prob, max_depth)
-        if tokens and score >= best[0]:
-            best = (score, TokenTree(tokens, parents), probs, m)
-    return best[1], best[2], best[3]
+    parts, longer = [], None  # longer: (count, m) of the last match grown
+    for m, node, _ in reversed(found):
+        if longer and node.count == longer[0] and max_depth is not None and longer[1] + max_depth <= tree.max_depth:
+            continue
+        tokens, parents, probs, _ = _grow(node, max_tokens, min_prob, max_depth)
+        longer = (node.count, m)
+        if tokens:
+            parts.append((TokenTree(tokens, parents), probs))
+    return parts
+
+
+def suffix_forest(parts: Sequence[tuple[TokenTree, Sequence[float]]]) -> tuple[TokenTree, list[float]]:
+    """Suffix decoding's tree draft: the subtrees of every match (match_subtrees of a row's own tree, then of the
+    earlier answers'), merged by common prefix in that order, each node valued at the highest probability a match
+    gives it. Where arctic's one best subtree branches little, the shorter matches add the continuations the longer
+    ones never saw (on the repetitive workload: docs/notes/trees-cpu-2026-12-04.md); its size is the node budget's
+    and the cost cut's (branch_out), not max_spec_factor's."""
+    merged, values = TokenTree((), ()), []
+    for tree, probs in parts:
+        merged, values = merge(merged, values, tree, probs)
+    return merged, values
 
 
 def _grow(match, limit: int, min_prob: float, max_depth: int | None = None
@@ -168,24 +185,31 @@ def branch_out(tree: TokenTree, values: Sequence[float], pass_costs: dict[int, f
     return tree.select(kept), kept
 
 
-def graft(chain: Sequence[int], chain_values: Sequence[float], tree: TokenTree,
-          values: Sequence[float]) -> tuple[TokenTree, list[float]]:
-    """A chain as the first branch of a tree, the tree's nodes merged into it by prefix (a node on a chain prefix is
-    that chain node, valued the higher of the two). Returns (tree, each node's value)."""
-    tokens, parents, merged = list(chain), list(range(-1, len(chain) - 1)), list(chain_values)
+def merge(tree: TokenTree, values: Sequence[float], other: TokenTree,
+          other_values: Sequence[float]) -> tuple[TokenTree, list[float]]:
+    """other merged into tree by common prefix: tree's nodes first, in their order; a node of other on a path tree
+    holds is that node (valued the higher of the two), the rest hang where their parents went. Returns (tree, each
+    node's value)."""
+    tokens, parents, merged = list(tree.tokens), list(tree.parents), list(values)
     index = {(a, t): j for j, (a, t) in enumerate(zip(parents, tokens))}  # (parent, token) -> node
-    at: list[int] = []  # the tree's node j -> its merged node
-    for j, (a, t) in enumerate(zip(tree.parents, tree.tokens)):
+    at: list[int] = []  # other's node j -> its merged node
+    for j, (a, t) in enumerate(zip(other.parents, other.tokens)):
         key = (at[a] if a >= 0 else -1, t)
         if key in index:
-            merged[index[key]] = max(merged[index[key]], values[j])
+            merged[index[key]] = max(merged[index[key]], other_values[j])
         else:
             index[key] = len(tokens)
             tokens.append(t)
             parents.append(key[0])
-            merged.append(values[j])
+            merged.append(other_values[j])
         at.append(index[key])
     return TokenTree(tuple(tokens), tuple(parents)), merged
+
+
+def graft(chain: Sequence[int], chain_values: Sequence[float], tree: TokenTree,
+          values: Sequence[float]) -> tuple[TokenTree, list[float]]:
+    """A chain as the first branch of a tree, the tree merged into it (merge)."""
+    return merge(TokenTree.chain(chain), chain_values, tree, values)
 
 
 def lookup_values(tree: TokenTree, support: Sequence[int]) -> list[float]:
