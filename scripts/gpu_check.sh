@@ -244,6 +244,10 @@ open(sys.argv[2],'w').write(''.join(json.dumps(r)+'\n' for r in rows if r.get('c
     --out "$R/graphs-on/head-trees"
   stage bench_fp32_graphs "$GC" "${G[@]}" --limit 3 --drafter model --k 2 --dtype fp32 --graphs on \
     --out "$R/graphs-on/head-fp32"
+  # deeper and wider trees, last as the least needed (on the CPU, 10 dev prompts: 2.58 / 2.72 tokens per pass at
+  # 16 / 32 nodes, k = 6; the chain 1.81)
+  stage bench_head_wide_trees_graphs_on "$GC" "${G[@]}" --drafter model --k 6 --tree 16,32 --graphs on \
+    --out "$R/graphs-on/head-wide-trees"
   exit 0
 fi
 # --- end stage: graphs ---

@@ -127,9 +127,9 @@ def pruned(tree, rows):
     return kept_tree, rows[kept]
 
 
-CASES = {"budget 5, k 2": (5, 2, 0.0, None, SamplingConfig(1.0)),
+CASES = {"budget 6, k 2": (6, 2, 0.0, None, SamplingConfig(1.0)),
          "budget 4, k 3, unsure nodes stop, top-p": (4, 3, 0.45, None, SamplingConfig(0.7, top_p=0.9)),
-         "auto's cost cut, k 2": (6, 2, 0.0, MILD, SamplingConfig(1.0))}
+         "auto's cost cut, k 2": (8, 2, 0.0, MILD, SamplingConfig(1.0))}
 
 
 @pytest.mark.parametrize("case", list(CASES))
