@@ -43,7 +43,7 @@ def run(target, tok, head, prompts, config, device_trees: str, min_confidence: f
         graphs.detach(head)
     steps = [(s.drafted, s.parents) for e in events for s in e.steps if e.kind == "spec"]
     q = [s.draft_token_probs for e in events for s in e.steps if e.kind == "spec"]
-    return steps, q, row_outputs(events, len(prompts)), sum(e.kind == "spec" and e.k > 0 for e in events)
+    return steps, q, row_outputs(events, len(prompts)), sum(e.kind == "spec" and e.k > 0 for e in events), events
 
 
 @pytest.mark.parametrize("rows", [1, 4])
@@ -100,7 +100,7 @@ def test_device_trees_under_auto_cut_as_the_host_and_are_lossless(eagle3_target,
 def test_a_device_tree_is_read_once(eagle3_target, tiny_tok, head, one_read, tree, load_time_costs, monkeypatch):
     """Under the static runner, however deep, a step's tree comes back in one read (_read's), and the verdict in
     another; verified on the device (one_read), the tree and the verdict come back together: the step's one read of
-    the device. Under --tree auto, whose cut sizes the pass, the tree is read first even then."""
+    the device, under --tree auto too (its pass sized by the trees read before: loop.auto_width)."""
     graphs.attach(eagle3_target, "on")
     per_step, step = [], loop._spec_step
 
@@ -120,10 +120,29 @@ def test_a_device_tree_is_read_once(eagle3_target, tiny_tok, head, one_read, tre
         graphs.detach(eagle3_target)
     drafted = per_step[:drafting]  # the last step may have nothing to draft: its verdicts alone
     assert drafting > 5 and all(len(r) == 1 for r in per_step[drafting:])
-    if (one_read, tree) == ("always", "8"):
+    if one_read == "always":
         assert all(r == ["verify_trees_on_device"] for r in drafted), per_step
     else:
         assert all(r == ["_read", "greedy_tree_accept_batch"] for r in drafted), per_step
+
+
+def test_auto_sizes_each_pass_by_the_trees_it_last_read(eagle3_target, tiny_tok, head, load_time_costs):
+    """Verified on the device under --tree auto, a step's pass is sized before its tree is read: the budget at
+    first, then what the previous step's widest tree kept, or twice the width after a tree that filled it
+    (loop.auto_width); every tree fits its pass, and the output is the target's own greedy output."""
+    assert (loop.auto_width(16, 3, 16), loop.auto_width(3, 3, 16), loop.auto_width(12, 12, 16),
+            loop.auto_width(4, 0, 16)) == (3, 6, 16, 1)
+    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=4, tree="auto")
+    plain = row_outputs(list(decode(eagle3_target, tiny_tok, PROMPTS[:2], GenerationConfig(max_new_tokens=40))), 2)
+    costs = {n: 1.0 + 0.1 * n for n in range(1, 17)}
+    *_, outputs, _, events = run(eagle3_target, tiny_tok, head, PROMPTS[:2], config, "always", pass_costs=costs,
+                                 one_read="always")
+    assert outputs == plain
+    steps = [(e.width - 1, max(len(s.drafted) for s in e.steps)) for e in events if e.kind == "spec" and e.k > 0]
+    assert steps[0][0] == 16 and all(kept <= nodes for nodes, kept in steps)
+    assert all(after == loop.auto_width(nodes, kept, 16) for (nodes, kept), (after, _) in zip(steps, steps[1:]))
+    widths = [nodes for nodes, _ in steps]
+    assert min(widths) < 16 and any(b > a for a, b in zip(widths, widths[1:]))  # it narrows, and widens again
 
 
 def test_device_trees_grow_nothing_after_an_end_of_sequence(eagle3_target, tiny_tok, head, monkeypatch):

@@ -82,12 +82,13 @@ def test_a_greedy_step_reads_the_device_once(tiny, tiny_tok, kind, rows, monkeyp
 
 
 @pytest.mark.skipif(TEST_DEVICE.type != "cuda", reason="CUDA's sync debug mode: scripts/gpu_check.sh (GRAPH_TESTS=1)")
-@pytest.mark.parametrize("kind,tree", [("model", "off"), ("eagle3", "off"), ("eagle3", "8")])
+@pytest.mark.parametrize("kind,tree", [("model", "off"), ("eagle3", "off"), ("eagle3", "8"), ("eagle3", "auto")])
 def test_a_captured_greedy_step_synchronises_once(tiny, tiny_tok, kind, tree):
     """Under CUDA graphs (the default: loop.ONE_READ = "capture") every speculative step after the first few
     synchronises the host with the device once, by CUDA's own count (torch.cuda.set_sync_debug_mode); a failure
     lists where the others happen. A head's greedy draft tree of a fixed budget grows on the device
-    (eagle3_device_tree) and comes back with the verdict, as a chain does."""
+    (eagle3_device_tree) and comes back with the verdict, as a chain does; under --tree auto too (cut there, its
+    pass sized by the trees read before: loop.auto_width)."""
     import warnings
 
     import torch
@@ -96,6 +97,8 @@ def test_a_captured_greedy_step_synchronises_once(tiny, tiny_tok, kind, tree):
     for model in models:
         graphs.attach(model, "on")
     target, drafter = case(kind).build(tiny)
+    if tree == "auto":  # pass costs to size the trees by (auto drafts chains without)
+        drafter.pass_costs = {n: 1.0 + 0.02 * n for n in range(1, 17)}
     config = GenerationConfig(max_new_tokens=24, num_draft_tokens=4, tree=tree)
     syncs = []
     try:

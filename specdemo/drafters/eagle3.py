@@ -262,15 +262,15 @@ class Eagle3Drafter(Drafter):
         return chains.proposals()
 
     def propose_on_device(self, request: DraftRequest) -> DeviceChains | DeviceTrees | None:
-        """Greedy chains over the static cache, or trees of a fixed node budget where they grow on the device
-        (eagle3_device_tree), left there (_device_chains, device_trees) for the engine to verify and read back with
-        its verdict; None where propose() drafts (sampling, host-grown trees, trees cut by cost: --tree auto sizes the
-        pass by the tree, so it reads the tree first; the eager cache; nothing to draft). `confidences` stays empty:
-        nothing is read."""
+        """Greedy chains over the static cache, or trees where they grow on the device (eagle3_device_tree; under
+        --tree auto cut by cost there, within the node budget the engine's pass is sized for), left there
+        (_device_chains, device_trees) for the engine to verify and read back with its verdict; None where propose()
+        drafts (sampling, host-grown trees, the eager cache, nothing to draft). `confidences` stays empty: nothing is
+        read."""
         rows = len(request.ids)
         trees = any(request.nodes(r) for r in range(rows))
         if (not request.sampling.greedy or not isinstance(self.kv, StaticHeadKV) or max(request.ks, default=0) <= 0
-                or (trees and (request.tree_costs is not None or not grows_on_device(self, request)))):
+                or (trees and not grows_on_device(self, request))):
             return None
         self.confidences = [[] for _ in range(rows)]
         self._drop_drafted()

@@ -5,11 +5,11 @@ once for the tree instead of once a depth. Each depth feeds FRONTIER nodes a row
 others, chosen by a stable sort) through the head's static storage, with positions and ancestry masks built on the
 device; nodes that eagle3_tree would not grow (past a row's k, after an end of sequence, rows drafting no tree) are
 carried as dead. The tree is then cut on the device as eagle3_tree cuts its own (_cut: its _proposal's choice,
-tree_budget's under --tree auto) and read back once, or, under a node budget, left there for the engine to verify
-and read with its verdict (device_trees: that pass is the budget's width, so a cost cut, which sizes the pass, needs
-the first read). Under a node budget the proposal is eagle3_tree's node for node; under --tree auto every depth feeds
-FRONTIER nodes whatever the cut keeps (on a GPU a wider level costs no more). Used where the head's runner captures
-(DEVICE_TREES). Knows the head drafter's state, not the engine.
+tree_budget's under --tree auto) and read back once, or left there for the engine to verify and read with its
+verdict (device_trees: that pass is the budget's width; under --tree auto the engine sizes the budget by the trees it
+last read, loop.auto_width). Under a node budget the proposal is eagle3_tree's node for node; under --tree auto
+every depth feeds FRONTIER nodes whatever the cut keeps (on a GPU a wider level costs no more). Used where the head's
+runner captures (DEVICE_TREES). Knows the head drafter's state, not the engine.
 """
 
 from __future__ import annotations
@@ -156,11 +156,11 @@ def draft_device_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: t
 
 def device_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor) -> DeviceTrees:
     """The same trees left on the device, for the engine to verify there and read back with its verdict. Its pass
-    feeds every row the whole node budget, so only a fixed budget comes here (no cost cut: see
-    Eagle3Drafter.propose_on_device)."""
-    assert request.tree_costs is None, "a cost cut needs the pass sized after it: propose() serves --tree auto"
+    feeds every row the whole node budget (under --tree auto the engine sizes the budget by the trees it last read:
+    loop.auto_width), the cost cut's dropped nodes as padding."""
     pool, inputs = _grown(drafter, request, feature)
-    kept = _cut(pool, inputs.limits, node_count(drafter.head, request, max(request.ks)))
+    kept = _cut(pool, inputs.limits, node_count(drafter.head, request, max(request.ks)), request.tree_costs,
+                request.tree_extra_scale)
     return DeviceTrees(kept["tokens"], kept["parents"], kept["q"], kept["values"], kept["keep"])
 
 

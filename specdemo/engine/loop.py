@@ -9,7 +9,7 @@ StepEvents. No UI, no metrics beyond per-step timings.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -182,6 +182,14 @@ def tree_plan(config: GenerationConfig, drafter: Drafter | None, takes_trees: bo
                                  f"(--tree auto)")
 
 
+def auto_width(width: int, kept: int, budget: int) -> int:
+    """Under --tree auto with trees verified on the device and read back once with the verdicts, how many nodes the
+    next step's pass verifies: it is sized before its tree is read, so it follows auto's cut a step late, at what
+    this step's widest tree kept (at least 1), or, where the cut filled the width (it may have kept more), at twice
+    the width, up to the budget."""
+    return min(budget, 2 * width) if kept >= width else max(1, kept)
+
+
 def auto_costs(drafter: Drafter, rows: int, config: GenerationConfig) -> StepCosts:
     """The step costs that size this drafter's trees under --tree auto at this batch size, k and sampling: its pass
     costs timed at load, corrected by its runs' steps (engine.timing.StepCosts)."""
@@ -211,6 +219,7 @@ class _Run:
                          and (ONE_READ == "always" or (ONE_READ == "capture" and getattr(runner, "capture", False))))
         # under --tree auto: what steps cost by width, as this drafter's runs have measured them so far
         self.costs = auto_costs(drafter, len(prompts), config) if self.tree.by_cost else None
+        self.width = self.tree.nodes  # under --tree auto with one read a step: the next pass's nodes (auto_width)
 
     def warm(self, widths: Sequence[int], prompts: Sequence[list[int]]) -> None:
         """Capture the target's passes of these widths and the drafter's (Drafter.warm) before the clock runs, where
@@ -313,7 +322,10 @@ def _spec_step(run: _Run, k_policy: KPolicy | None) -> BatchEvent:
     nodes = [run.tree.nodes if k > 0 else 0 for k in ks]
     costs, scale = (run.costs.costs(), run.costs.extra_scale()) if run.costs is not None else (None, 1.0)
     request = DraftRequest(ids, ks, run.sampling, rows.gens, run.eos, nodes, costs, scale)
-    on_device = drafter.propose_on_device(request) if run.one_read and max(ks) > 0 else None
+    on_device = None
+    if run.one_read and max(ks) > 0:  # under --tree auto the pass is sized before the tree is read: run.width
+        capped = [min(n, run.width) for n in nodes] if costs is not None else nodes
+        on_device = drafter.propose_on_device(replace(request, tree_nodes=capped))
     if on_device is None:
         proposals = drafter.propose(request) if max(ks) > 0 else [Proposal([]) for _ in ks]
         trees, drafted, qs, token_probs, values = map(list, zip(*(_as_verified(p, k, n)
@@ -323,6 +335,8 @@ def _spec_step(run: _Run, k_policy: KPolicy | None) -> BatchEvent:
     run.clock.start()
     if isinstance(on_device, DeviceTrees):  # greedy trees verified on the device and read back with the verdicts
         width, features, proposals, trees, verified = verify_trees_on_device(run, ids, on_device)
+        if costs is not None:
+            run.width = auto_width(run.width, max(len(p.tokens) for p in proposals), run.tree.nodes)
         drafted, token_probs, values = ([getattr(p, f) for p in proposals] for f in ("tokens", "token_probs", "values"))
     elif on_device is not None:  # greedy chains verified on the device and read back with the verdicts, once
         width, features, drafted, token_probs, verified = verify_chains_on_device(run, ids, on_device)
