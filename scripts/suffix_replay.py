@@ -12,6 +12,10 @@ with pass costs from timing.verify_costs_for on this machine (draft logic and ve
 are under 1 % of a step for these drafters). The bench then times the chosen settings once.
 
     python scripts/suffix_replay.py --prompts specdemo/data/prompts/repetitive.jsonl --out /tmp/replay.json
+
+With --trees 8,16 it replays suffix decoding's draft trees of those budgets too (the accepted path: the longest that
+follows the answer), and the ceiling of any suffix tree (`suffix oracle`). The oracle's passes are costed as if its
+tree were a chain of the accepted length.
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdemo.config import GenerationConfig, SamplingConfig, SuffixConfig  # noqa: E402
 from specdemo.drafters import NgramDrafter  # noqa: E402
-from specdemo.drafters.base import DraftRequest, Verdict  # noqa: E402
-from specdemo.drafters.suffix import SuffixCache, SuffixDrafter  # noqa: E402
+from specdemo.drafters.base import DraftRequest, Proposal, Verdict  # noqa: E402
+from specdemo.drafters.suffix import SuffixCache, SuffixDrafter, SuffixTree  # noqa: E402
 from specdemo.engine import autoregressive, encode_prompt, eos_ids, generated_ids  # noqa: E402
 from specdemo.engine.timing import verify_costs_for  # noqa: E402
+from specdemo.engine.tree import TokenTree  # noqa: E402
 from specdemo.models.loading import load_model  # noqa: E402
 
 
@@ -46,8 +51,9 @@ def answers(loaded, prompts: list[str], max_new_tokens: int) -> list[tuple[list[
     return out
 
 
-def replay(drafter, pairs, k: int, eos: frozenset[int]) -> list[list[tuple[int, int]]]:
-    """Per prompt, each step's (drafted, accepted)."""
+def replay(drafter, pairs, k: int, eos: frozenset[int], nodes: int = 0) -> list[list[tuple[int, int]]]:
+    """Per prompt, each step's (drafted, accepted); with `nodes`, the drafter may propose trees of that many nodes,
+    and the accepted path is the longest one that follows the answer (greedy tree verification)."""
     sampling = SamplingConfig()
     steps_all = []
     for prompt, answer in pairs:
@@ -56,14 +62,47 @@ def replay(drafter, pairs, k: int, eos: frozenset[int]) -> list[list[tuple[int, 
         while pos < len(answer):
             left = len(answer) - pos
             want = min(k, left - 1)  # the engine never drafts past the length
-            draft = drafter.propose(DraftRequest([ids], [want], sampling, [None], eos))[0].tokens if want > 0 else []
-            accepted = 0
-            while accepted < len(draft) and draft[accepted] == answer[pos + accepted]:
-                accepted += 1
-            steps.append((len(draft), accepted))
-            ids += answer[pos:pos + accepted + 1]
-            pos += accepted + 1
-            drafter.update([Verdict(accepted, list(ids))])
+            request = DraftRequest([ids], [want], sampling, [None], eos, [nodes] if nodes else ())
+            draft = drafter.propose(request)[0] if want > 0 else Proposal([])
+            tree = TokenTree(draft.tokens, draft.parents or range(-1, len(draft.tokens) - 1))
+            path, node = [], -1
+            while len(path) < left - 1:
+                node = next((c for c in tree.children(node) if tree.tokens[c] == answer[pos + len(path)]), None)
+                if node is None:
+                    break
+                path.append(node)
+            steps.append((len(tree), len(path)))
+            ids += answer[pos:pos + len(path) + 1]
+            pos += len(path) + 1
+            drafter.update([Verdict(len(path), list(ids), path=None if draft.parents is None else path)])
+        steps_all.append(steps)
+    return steps_all
+
+
+def oracle(pairs, k: int, config: SuffixConfig) -> list[list[tuple[int, int]]]:
+    """The ceiling of any suffix tree draft: each step accepts the longest continuation of the answer (up to k) that
+    either tree (the request's, the earlier answers') holds after some match of the context's suffix; drafted is
+    reported as that length."""
+    earlier, steps_all = SuffixTree(config.max_tree_depth), []
+    for n, (prompt, answer) in enumerate(pairs):
+        own = SuffixTree(config.max_tree_depth)
+        own.extend(0, prompt)
+        ids, pos, steps = list(prompt), 0, []
+        while pos < len(answer):
+            best = 0
+            for tree in (own, earlier):
+                for _, node, _ in tree.matches(ids, k, config):
+                    length = 0
+                    while length < min(k, len(answer) - pos - 1) and node.children and \
+                            answer[pos + length] in node.children:
+                        node = node.children[answer[pos + length]]
+                        length += 1
+                    best = max(best, length)
+            steps.append((best, best))
+            own.extend(0, answer[pos:pos + best + 1])
+            ids += answer[pos:pos + best + 1]
+            pos += best + 1
+        earlier.extend(n, answer)
         steps_all.append(steps)
     return steps_all
 
@@ -86,6 +125,8 @@ def main() -> None:
     ap.add_argument("--prompts", default="specdemo/data/prompts/repetitive.jsonl")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--k-max", type=int, default=32, help="widest pass to time and the largest k to replay")
+    ap.add_argument("--trees", default="", help="node budgets of draft trees to replay too (e.g. 8,16), with the "
+                    "ceiling any suffix tree could reach (oracle)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -108,6 +149,12 @@ def main() -> None:
         cache = SuffixCache(config.max_tree_depth, config.max_cached_requests)
         rows.append({"drafter": "suffix", "k": k, "max_spec_factor": factor, "min_token_prob": prob}
                     | predict(replay(SuffixDrafter(cache, config), pairs, k, eos), costs))
+    for k in (8, 16) if args.trees else ():
+        for nodes in (0, *map(int, args.trees.split(","))):
+            cache = SuffixCache(SuffixConfig.max_tree_depth, SuffixConfig.max_cached_requests)
+            rows.append({"drafter": "suffix", "k": k, "tree": nodes or "off"}
+                        | predict(replay(SuffixDrafter(cache), pairs, k, eos, nodes), costs))
+        rows.append({"drafter": "suffix oracle", "k": k} | predict(oracle(pairs, k, SuffixConfig()), costs))
     for row in rows:
         print({key: (round(v, 3) if isinstance(v, float) else v) for key, v in row.items()
                if key != "per_prompt_speedup"})
