@@ -207,8 +207,10 @@ def same_run(config: dict, other: dict) -> bool:
 def tree_disagreements(d: DrafterDefault) -> list[str]:
     """What a default's tree evidence contradicts: the winning report ran another drafter, prompt set or tree setting,
     or a rival (another tree setting, same drafter, k and prompts, same sitting) was not slower. A report that ran
-    several settings in one paired run (bench --tree a,b,..., by_tree) wins when the default's setting was the
-    fastest in it, and its rivals are more such rounds, each of which it must win too."""
+    several settings in one paired run (bench --tree a,b,..., by_tree), with its rivals as more such rounds, backs
+    auto where auto beat the chains in every round, and chains where they beat auto in every round: a default is one
+    of the two, since a fixed budget, however fast on the bundled pair, would not follow another target's or
+    machine's pass costs (a steep one makes a wide tree lose)."""
     win = report(d.tree_evidence.report)
     c = win["config"]
     problems = []
@@ -220,10 +222,9 @@ def tree_disagreements(d: DrafterDefault) -> list[str]:
             if not same_run(r["config"], c):
                 problems.append(f"{folder} is not the same drafter, prompts and k as {d.tree_evidence.report}")
             speedups = {setting: by_k[str(c["k"][0])]["speedup"] for setting, by_k in r["by_tree"].items()}
-            best = max(speedups, key=speedups.get)
-            if len(speedups) < 2 or best != d.tree:
-                problems.append(f"{d.kind} starts with --tree {d.tree}; {folder} measured --tree {best} best "
-                                f"({speedups})")
+            other = {"auto": "off", "off": "auto"}.get(d.tree)
+            if other is None or not {d.tree, other} <= set(speedups) or speedups[d.tree] <= speedups[other]:
+                problems.append(f"{d.kind} starts with --tree {d.tree}; {folder} measured {speedups}")
         return problems
     if c["tree"]["setting"] != d.tree:
         problems.append(f"{d.kind} starts with --tree {d.tree}; {d.tree_evidence.report} ran {c['tree']['setting']}")
@@ -241,12 +242,13 @@ def tree_disagreements(d: DrafterDefault) -> list[str]:
 
 @pytest.mark.parametrize("d", [d for d in DRAFTER_DEFAULTS if d.tree_evidence], ids=lambda d: d.kind)
 def test_each_tree_default_is_what_its_report_measured_best(d):
-    """Each kind's --tree default (chains for most kinds on this CPU, 8-node trees for suffix decoding) is the
-    setting its report measured best in the same sitting; another setting as the default fails, and so does the
-    evidence swapped with its rival."""
+    """Each kind's --tree default (chains for most kinds on this CPU, auto for suffix decoding) is the setting its
+    report measured best in the same sitting (of auto and chains); another setting as the default fails, and so does
+    the evidence swapped with its rival."""
     assert tree_disagreements(d) == []
-    flipped = replace(d, tree="off" if d.tree != "off" else "auto")
-    assert any("starts with --tree" in p for p in tree_disagreements(flipped))
+    for other in ("off", "auto", "8"):
+        if other != d.tree:
+            assert any("starts with --tree" in p for p in tree_disagreements(replace(d, tree=other)))
     if not report(d.tree_evidence.report).get("by_tree"):
         swapped = replace(d, tree_evidence=replace(d.tree_evidence, report=d.tree_evidence.rivals[0],
                                                    rivals=(d.tree_evidence.report,)))
@@ -283,4 +285,4 @@ def test_generate_and_bench_start_each_drafter_with_its_tree_default(capsys):
         with pytest.raises(SystemExit):
             main(command) if command[0] == "generate" else bench_main(command[1:])
         out = " ".join(capsys.readouterr().out.split())
-        assert "model off, ngram off, hybrid off, suffix 8" in out
+        assert "model off, ngram off, hybrid off, suffix auto" in out
