@@ -146,22 +146,25 @@ def node_count(head, request: DraftRequest, k: int) -> int:
 
 
 def draft_device_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor) -> list[Proposal]:
-    """Each row's dynamic tree after the catch-up (feature (B, H)), grown and cut on the device (_grown, _cut, with
-    --tree auto's cost cut), read back once."""
-    pool, inputs = _grown(drafter, request, feature)
-    kept = _cut(pool, inputs.limits, node_count(drafter.head, request, max(request.ks)), request.tree_costs,
-                request.tree_extra_scale)
-    return _read(kept)
+    """Each row's dynamic tree after the catch-up (feature (B, H)), grown and cut on the device (_kept), read back
+    once."""
+    return _read(_kept(drafter, request, feature))
 
 
 def device_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor) -> DeviceTrees:
     """The same trees left on the device, for the engine to verify there and read back with its verdict. Its pass
     feeds every row the whole node budget (under --tree auto the engine sizes the budget by the trees it last read:
     loop.auto_width), the cost cut's dropped nodes as padding."""
-    pool, inputs = _grown(drafter, request, feature)
-    kept = _cut(pool, inputs.limits, node_count(drafter.head, request, max(request.ks)), request.tree_costs,
-                request.tree_extra_scale)
+    kept = _kept(drafter, request, feature)
     return DeviceTrees(kept["tokens"], kept["parents"], kept["q"], kept["values"], kept["keep"])
+
+
+def _kept(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The request's trees grown (_grown) and cut (_cut: the row's budget, and --tree auto's cost cut) on the
+    device."""
+    pool, inputs = _grown(drafter, request, feature)
+    return _cut(pool, inputs.limits, node_count(drafter.head, request, max(request.ks)), request.tree_costs,
+                request.tree_extra_scale)
 
 
 POOL = ("tokens", "parents", "values", "q", "chain", "dead")  # what a grown tree gives, (B, C) each
@@ -321,7 +324,7 @@ def host_cut(pool: dict[str, torch.Tensor], limits: list[int], costs: dict[int, 
              scale: float = 1.0) -> list[Proposal]:
     """The same tree (_pool's) read whole and cut on the host by eagle3_tree's _proposal (each row's budget from
     `limits`, and `costs` and `scale` as _cut's): what _cut must equal (the tests)."""
-    read = torch.stack([pool[f].double() for f in ("tokens", "parents", "values", "q", "chain", "dead")], -1).tolist()
+    read = torch.stack([pool[f].double() for f in POOL], -1).tolist()  # each node: POOL's fields, in order
     out = []
     for r, row in enumerate(read):
         tree, at = _Row(), {}
