@@ -77,7 +77,8 @@ def test_replay_reveals_events_at_their_measured_times():
 
 
 def test_summary_says_how_the_hybrid_drafted_and_why():
-    """The hybrid's line names the model's cap and the measured verify costs it came from; other drafters have none."""
+    """The hybrid's line names the model's cap and the measured verify costs it came from; other drafters have none.
+    The outputs line names the draft, or a model-free drafter's kind (suffix decoding is not prompt lookup)."""
     result = {"speedup": 1.5, "identical": True, "target": "t", "device": "cpu", "dtype": "float32", "k": 8,
               "dynamic_k": False, "drafter": "hybrid", "draft": "d", "ar": {"tokens_per_s": 20.0},
               "sd": {"seconds": 1.0, "draft_seconds": 0.1, "verify_seconds": 0.8, "tokens_per_s": 30.0,
@@ -88,6 +89,9 @@ def test_summary_says_how_the_hybrid_drafted_and_why():
     assert "a drafted token 0.07×" in capped
     uncapped = HybridCalibration(None, {1: 1.0, 2: 1.0, 3: 1.01}, None).as_dict()
     assert "up to k tokens per step" in final_stats_markdown({**result, **uncapped})
+    assert "drafter hybrid (d), k=8" in final_stats_markdown(result)
+    for kind, named in (("ngram", "prompt lookup"), ("suffix", "suffix decoding")):  # no draft: the kind's name
+        assert f"drafter {kind} ({named}), k=8" in final_stats_markdown({**result, "drafter": kind, "draft": None})
 
 
 def test_sweep_table_has_a_line_per_k_and_the_fit():

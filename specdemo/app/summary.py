@@ -3,6 +3,7 @@ in words, the drift warning, the k sweep's table."""
 
 from __future__ import annotations
 
+from ..drafters.registry import get
 from ..measure.tune_k import Sweep
 from ..models.placement import placement_line
 
@@ -31,7 +32,7 @@ def final_stats_markdown(result: dict, c: float | None = None, verify_cost: floa
     if c is not None and verify_cost is not None:
         lines.append(f"- {cost_line(c, verify_cost)}")
     lines.append(f"- outputs: {same}; {result['target']} on {result['device']} ({result['dtype']}), "
-                 f"drafter {result['drafter']} ({result['draft'] or 'prompt lookup'}), k={result['k']}"
+                 f"drafter {result['drafter']} ({result['draft'] or get(result['drafter']).label}), k={result['k']}"
                  + (" (dynamic)" if result["dynamic_k"] else ""))
     if result.get("placement"):
         lines.append(f"- placement: {placement_line(result['placement'])}")
