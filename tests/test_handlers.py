@@ -67,6 +67,16 @@ def test_the_preset_handler_fills_the_settings_and_custom_leaves_them():
     assert h.apply_best_k(3) == {"k": 3}
 
 
+def test_picking_a_drafter_moves_k_to_its_starting_k():
+    """A drafter picked on the page starts at the k it starts at from the CLI (its measured best on the bundled
+    pair); an unknown kind leaves k alone. Wired to the radio's input event, which a preset's change does not fire."""
+    h = Handlers(OUTPUTS)
+    for kind in ("ngram", "suffix", "model", "hybrid"):
+        assert h.apply_drafter_k(kind, "smollm2-135m", "") == {"k": drafter_default(kind).k}, kind
+    assert len({h.apply_drafter_k(kind, "smollm2-135m", "")["k"] for kind in ("ngram", "suffix", "model")}) > 1
+    assert h.apply_drafter_k("nope", "smollm2-135m", "") == {"k": handlers_module.gr.skip()}
+
+
 def test_an_out_of_memory_error_is_a_status_message_and_releases_the_hardware(monkeypatch, tiny_tok):
     """torch's OutOfMemoryError from the compute step becomes a readable status; the next run can take the lock."""
     monkeypatch.setattr(race, "load_tokenizer", lambda name, runtime: (tiny_tok, 256))

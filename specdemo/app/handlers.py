@@ -364,6 +364,16 @@ class Handlers:
             return {out.target: gr.skip()}
         return dict(zip((out.target, out.drafter, out.draft), values)) | {out.k: preset_k(label, self.runtime)}
 
+    def apply_drafter_k(self, kind: str, target: str, draft: str) -> dict:
+        """Picking a drafter moves k to the k that drafter starts at for the target (resolve.starting_k: its measured
+        best on the bundled pair, as generate and bench take it); an unknown kind leaves k alone (the run says why)."""
+        out = self.outputs.settings
+        try:
+            k = starting_k(str(kind), str(target or "") or None, str(draft or "") or None, self.runtime)[0]
+        except ValueError:
+            return {out.k: gr.skip()}
+        return {out.k: k}
+
     def apply_best_k(self, best) -> dict:
         """Set k to the sweep's best measured k (and the Tree setting to its tree setting, when the sweep ran more
         than one)."""

@@ -179,6 +179,8 @@ def build_demo(limits: AppLimits = AppLimits(), runtime: Runtime = Runtime(),
         h = Handlers(Outputs(race, tune, settings), limits, runtime, gpu)
 
         preset.change(h.apply_preset, preset, [target, drafter, draft, k], api_name=False)
+        # a drafter the user picks starts at its own k (.input: a preset's change of drafter sets k itself)
+        drafter.input(h.apply_drafter_k, [drafter, target, draft], k, api_name=False, queue=False)
         # greedy decoding has one rule, so the choice is shown only while sampling
         temperature.change(rule_control, temperature, verification, api_name=False, queue=False)
         inputs = [prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max_new_tokens]
