@@ -13,9 +13,9 @@ are under 1 % of a step for these drafters). The bench then times the chosen set
 
     python scripts/suffix_replay.py --prompts specdemo/data/prompts/repetitive.jsonl --out /tmp/replay.json
 
-With --trees 8,16 it replays suffix decoding's draft trees of those budgets too (the accepted path: the longest that
-follows the answer), and the ceiling of any suffix tree (`suffix oracle`). The oracle's passes are costed as if its
-tree were a chain of the accepted length.
+With --trees 8,16 it replays suffix decoding's draft trees of those budgets and --tree auto's too, with and without
+the cost-aware cut (the accepted path: the longest that follows the answer), and the ceiling of any suffix tree
+(`suffix oracle`). The oracle's passes are costed as if its tree were a chain of the accepted length.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from specdemo.drafters import NgramDrafter  # noqa: E402
 from specdemo.drafters.base import DraftRequest, Proposal, Verdict  # noqa: E402
 from specdemo.drafters.suffix import SuffixCache, SuffixDrafter, SuffixTree  # noqa: E402
 from specdemo.engine import autoregressive, encode_prompt, eos_ids, generated_ids  # noqa: E402
-from specdemo.engine.timing import verify_costs_for  # noqa: E402
+from specdemo.engine.timing import StepCosts, verify_costs_for  # noqa: E402
 from specdemo.engine.tree import TokenTree  # noqa: E402
 from specdemo.models.loading import load_model  # noqa: E402
 
@@ -51,10 +51,13 @@ def answers(loaded, prompts: list[str], max_new_tokens: int) -> list[tuple[list[
     return out
 
 
-def replay(drafter, pairs, k: int, eos: frozenset[int], nodes: int = 0) -> list[list[tuple[int, int]]]:
+def replay(drafter, pairs, k: int, eos: frozenset[int], nodes: int = 0,
+           costs: dict[int, float] | None = None) -> list[list[tuple[int, int]]]:
     """Per prompt, each step's (drafted, accepted); with `nodes`, the drafter may propose trees of that many nodes,
-    and the accepted path is the longest one that follows the answer (greedy tree verification)."""
-    sampling = SamplingConfig()
+    and the accepted path is the longest one that follows the answer (greedy tree verification); with `costs` ({n:
+    an (n+1)-token pass over a 1-token one}) they are cut as --tree auto cuts them, their branches weighed by what
+    branches gave (StepCosts.extra_scale, as the engine keeps it)."""
+    sampling, scale = SamplingConfig(), StepCosts(costs or {})
     steps_all = []
     for prompt, answer in pairs:
         drafter.begin([prompt])
@@ -62,7 +65,8 @@ def replay(drafter, pairs, k: int, eos: frozenset[int], nodes: int = 0) -> list[
         while pos < len(answer):
             left = len(answer) - pos
             want = min(k, left - 1)  # the engine never drafts past the length
-            request = DraftRequest([ids], [want], sampling, [None], eos, [nodes] if nodes else ())
+            request = DraftRequest([ids], [want], sampling, [None], eos, [nodes] if nodes else (), costs,
+                                   scale.extra_scale())
             draft = drafter.propose(request)[0] if want > 0 else Proposal([])
             tree = TokenTree(draft.tokens, draft.parents or range(-1, len(draft.tokens) - 1))
             path, node = [], -1
@@ -71,6 +75,8 @@ def replay(drafter, pairs, k: int, eos: frozenset[int], nodes: int = 0) -> list[
                 if node is None:
                     break
                 path.append(node)
+            if draft.parents is not None and draft.values is not None:
+                scale.add_extras(*tree.off_chain(draft.values, path))
             steps.append((len(tree), len(path)))
             ids += answer[pos:pos + len(path) + 1]
             pos += len(path) + 1
@@ -135,8 +141,9 @@ def main() -> None:
     t0 = time.perf_counter()
     pairs = answers(loaded, prompts, args.max_new_tokens)
     print(f"answers: {sum(len(a) for _, a in pairs)} tokens in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    ratios = verify_costs_for(loaded.model, [p for p, _ in pairs[:3]], k_max=args.k_max)
-    costs = {1: 1.0} | {k + 1: r for k, r in ratios.items()}
+    # one prompt at a time (B = 1, as the replay decodes), the mean over the first three
+    timed = [verify_costs_for(loaded.model, [p], k_max=args.k_max) for p, _ in pairs[:3]]
+    costs = {1: 1.0} | {k + 1: sum(t[k] for t in timed) / len(timed) for k in timed[0]}
     eos = frozenset(eos_ids(loaded.model, loaded.tokenizer))
 
     rows = []
@@ -149,12 +156,17 @@ def main() -> None:
         cache = SuffixCache(config.max_tree_depth, config.max_cached_requests)
         rows.append({"drafter": "suffix", "k": k, "max_spec_factor": factor, "min_token_prob": prob}
                     | predict(replay(SuffixDrafter(cache, config), pairs, k, eos), costs))
-    for k in (8, 16) if args.trees else ():
-        for nodes in (0, *map(int, args.trees.split(","))):
+    ratios = {n: costs[n + 1] for n in range(1, args.k_max + 1)}  # {drafted: pass cost}, as the drafters take them
+    for k, aware in itertools.product((8, 16) if args.trees else (), (False, True)):
+        for nodes in (0, "auto", *map(int, args.trees.split(","))):
             cache = SuffixCache(SuffixConfig.max_tree_depth, SuffixConfig.max_cached_requests)
-            rows.append({"drafter": "suffix", "k": k, "tree": nodes or "off"}
-                        | predict(replay(SuffixDrafter(cache), pairs, k, eos, nodes), costs))
-        rows.append({"drafter": "suffix oracle", "k": k} | predict(oracle(pairs, k, SuffixConfig()), costs))
+            drafter = SuffixDrafter(cache, pass_costs=ratios, cost_aware=aware)
+            steps = replay(drafter, pairs, k, eos, min(16, args.k_max) if nodes == "auto" else nodes,
+                           ratios if nodes == "auto" else None)
+            rows.append({"drafter": "suffix", "k": k, "cost_aware": aware, "tree": nodes or "off"}
+                        | predict(steps, costs))
+        if aware:
+            rows.append({"drafter": "suffix oracle", "k": k} | predict(oracle(pairs, k, SuffixConfig()), costs))
     for row in rows:
         print({key: (round(v, 3) if isinstance(v, float) else v) for key, v in row.items()
                if key != "per_prompt_speedup"})

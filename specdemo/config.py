@@ -117,8 +117,9 @@ class SuffixConfig:
     max_spec_factor: float = 2.0  # vLLM's 1.0 drafted less than pays on the measured workload
     min_token_prob: float = 0.1
     # ours, not vLLM's: cut each draft where its expected accepted tokens stop paying for a wider verify pass (pass
-    # costs measured on the target at load, acceptance learned per cache; drafters.draft_value.DraftValue)
-    cost_aware: bool = False
+    # costs measured on the target at load, acceptance learned per cache; drafters.draft_value.DraftValue); on by
+    # default since it ran ahead in each of five paired rounds (DRAFTER_DEFAULTS' suffix options)
+    cost_aware: bool = True
 
     def validate(self) -> None:
         """vLLM's checks, with its messages' option names."""
@@ -177,6 +178,9 @@ class DrafterDefault:
 # export read them (drafters.resolve.starting_k); docs/benchmarks.md#defaults lists them with their reports.
 _ONE_ENGINE = "2026-12-02 15:23-15:37 UTC"  # the sitting of the README's figures on the one engine
 _TREES = "2026-12-04 20:40-21:07 UTC"  # trees against chains, paired (bench/trees, docs/trees.md)
+_SUFFIX_CA = "2026-12-05 08:14-08:33 UTC"  # suffix decoding with and without the cost-aware cut, five rounds each
+_CA_ROUNDS = tuple(f"bench/trees/suffix-k8-ca-{n}" for n in range(1, 6))
+_PLAIN_ROUNDS = tuple(f"bench/trees/suffix-k8-plain-{n}" for n in range(1, 6))
 DRAFTER_DEFAULTS: tuple[DrafterDefault, ...] = (
     DrafterDefault("model", 3, Evidence("bench/eagle3/eagle3-k1-3", _ONE_ENGINE, "dev.jsonl"),
                    # chains: auto measured level with them in the CLI (1.00x and 1.08x, bench/trees/head-k3-*), and the
@@ -196,10 +200,14 @@ DRAFTER_DEFAULTS: tuple[DrafterDefault, ...] = (
     DrafterDefault("suffix", 8, Evidence("bench/suffix/cost-aware/rep-suffix-f2-k8", "2026-12-03 04:06-04:12 UTC",
                                          "repetitive.jsonl", rivals=("bench/suffix/cost-aware/rep-suffix-f2-k16-ca",
                                                                      "bench/suffix/cost-aware/rep2-suffix-f2-k16-ca")),
-                   # trees from every match: auto ahead of chains in two paired rounds (8 nodes a little further
-                   # ahead on this pair, but a fixed budget would not follow another target's pass costs)
-                   tree="auto", tree_evidence=Evidence("bench/trees/suffix-forest-k8-1", "2026-12-05 06:04-06:09 UTC",
-                                                    "repetitive.jsonl", rivals=("bench/trees/suffix-forest-k8-2",))),
+                   # the cost-aware cut: each of five rounds with it (chains and auto trees pooled) ahead of all
+                   # five without it, 1.376x against 1.316x on average
+                   options=Evidence(_CA_ROUNDS[0], _SUFFIX_CA, "repetitive.jsonl", rivals=_PLAIN_ROUNDS),
+                   # trees from every match, cost-aware: auto 1.015x the chains over five rounds (ahead in four; 8
+                   # nodes a little further ahead without the cut, but a fixed budget would not follow another
+                   # target's pass costs)
+                   tree="auto", tree_evidence=Evidence(_CA_ROUNDS[0], _SUFFIX_CA, "repetitive.jsonl",
+                                                    rivals=_CA_ROUNDS[1:])),
 )
 
 

@@ -74,14 +74,15 @@ def disagreements(d: DrafterDefault, suffix: SuffixConfig = SuffixConfig(), hybr
     if k != d.k:
         problems.append(f"{d.kind} starts at k = {d.k}; {d.evidence.report} measured k = {k} best")
     problems += beaten(d.evidence, d.kind, speedup)
-    if d.kind == "suffix":
+    if d.kind == "suffix":  # its options are those of the options report, else of the k report
+        folder = (d.options or d.evidence).report
         # reports made before bench recorded cost_aware ran without --suffix-cost-aware unless their folder ends -ca
-        ran = {"cost_aware": d.evidence.report.endswith("-ca"), **(c.get("suffix") or {})}
+        ran = {"cost_aware": folder.endswith("-ca"), **(report(folder)["config"].get("suffix") or {})}
         if {name: ran.get(name) for name in suffix.as_dict()} != suffix.as_dict():
-            problems.append(f"suffix options {suffix.as_dict()} are not those {d.evidence.report} ran: {ran}")
-    if d.options is not None:  # the hybrid's lookup
+            problems.append(f"suffix options {suffix.as_dict()} are not those {folder} ran: {ran}")
+    if d.options is not None:  # the hybrid's lookup, suffix decoding's options: beat the rivals of their sitting
         options = report(d.options.report)
-        if lookup_of(options) != hybrid_lookup:
+        if d.kind == "hybrid" and lookup_of(options) != hybrid_lookup:
             problems.append(f"{d.options.report} measured the hybrid with {lookup_of(options)}, not {hybrid_lookup}")
         problems += beaten(d.options, d.kind, best_measured(options)[1])
     return problems
@@ -101,7 +102,10 @@ def test_a_default_that_disagrees_with_its_report_fails():
         assert disagreements(replace(d, k=d.k + 1)), d.kind
     suffix = drafter_default("suffix")
     assert disagreements(suffix, suffix=VLLM_SUFFIX)
-    assert disagreements(suffix, suffix=SuffixConfig(cost_aware=True))
+    assert disagreements(suffix, suffix=SuffixConfig(cost_aware=False))
+    rounds = suffix.options.rivals  # the cost-aware cut's rivals, without it: citing one as the winner is caught
+    assert disagreements(replace(suffix, options=replace(suffix.options, report=rounds[0], rivals=(
+        suffix.options.report, *rounds[1:]))), suffix=SuffixConfig(cost_aware=False))
     rival = suffix.evidence.rivals[0]  # the cost-aware run at k = 16 it beat: citing it as the winner is caught
     assert disagreements(replace(suffix, k=16, evidence=replace(suffix.evidence, report=rival,
                                                                  rivals=(suffix.evidence.report,))),
@@ -208,23 +212,27 @@ def tree_disagreements(d: DrafterDefault) -> list[str]:
     """What a default's tree evidence contradicts: the winning report ran another drafter, prompt set or tree setting,
     or a rival (another tree setting, same drafter, k and prompts, same sitting) was not slower. A report that ran
     several settings in one paired run (bench --tree a,b,..., by_tree), with its rivals as more such rounds, backs
-    auto where auto beat the chains in every round, and chains where they beat auto in every round: a default is one
-    of the two, since a fixed budget, however fast on the bundled pair, would not follow another target's or
-    machine's pass costs (a steep one makes a wide tree lose)."""
+    chains where they beat auto in every round, and otherwise auto (the issue's default) where its mean over the
+    rounds beat the chains': a default is one of the two, since a fixed budget, however fast on the bundled pair,
+    would not follow another target's or machine's pass costs (a steep one makes a wide tree lose)."""
     win = report(d.tree_evidence.report)
     c = win["config"]
     problems = []
     if c["drafter"] != d.kind or Path(c["prompts"]).name != d.tree_evidence.prompts:
         problems.append(f"{d.tree_evidence.report} is not a {d.kind} run on {d.tree_evidence.prompts}")
     if win.get("by_tree"):
+        rounds = []
         for folder in (d.tree_evidence.report, *d.tree_evidence.rivals):
             r = report(folder)
             if not same_run(r["config"], c):
                 problems.append(f"{folder} is not the same drafter, prompts and k as {d.tree_evidence.report}")
-            speedups = {setting: by_k[str(c["k"][0])]["speedup"] for setting, by_k in r["by_tree"].items()}
-            other = {"auto": "off", "off": "auto"}.get(d.tree)
-            if other is None or not {d.tree, other} <= set(speedups) or speedups[d.tree] <= speedups[other]:
-                problems.append(f"{d.kind} starts with --tree {d.tree}; {folder} measured {speedups}")
+            rounds.append({setting: by_k[str(c["k"][0])]["speedup"] for setting, by_k in r["by_tree"].items()})
+        if d.tree not in ("auto", "off") or not all({"auto", "off"} <= set(s) for s in rounds):
+            return problems + [f"{d.kind} starts with --tree {d.tree}; the rounds measured {rounds}"]
+        chains_won = all(s["off"] > s["auto"] for s in rounds)
+        auto_ahead = sum(s["auto"] for s in rounds) > sum(s["off"] for s in rounds)
+        if (d.tree == "off") != chains_won or (d.tree == "auto" and not auto_ahead):
+            problems.append(f"{d.kind} starts with --tree {d.tree}; the rounds measured {rounds}")
         return problems
     if c["tree"]["setting"] != d.tree:
         problems.append(f"{d.kind} starts with --tree {d.tree}; {d.tree_evidence.report} ran {c['tree']['setting']}")

@@ -111,9 +111,10 @@ def test_suffix_maps_to_vllms_suffix_method_with_its_option_names(capsys):
     assert "--speculative-algorithm SUFFIX --speculative-num-draft-tokens 17" in out["sglang"]
     assert cli_main(["serve-config", "--drafter", "suffix", "--suffix-max-spec-factor", "-1"]) == 2
     assert "suffix_decoding_max_spec_factor=-1.0 must be >= 0" in capsys.readouterr().err
-    # our cost-aware cut has no vLLM option: the config is the same, and a note says so
+    # our cost-aware cut (on by default) has no vLLM option: the config is the same either way, and a note says so
+    assert any("no cost-aware cut" in note for note in out["notes"]), out
     assert cli_main(["serve-config", "--drafter", "suffix", "--k", "16", "--suffix-min-token-prob", "0.2",
-                     "--suffix-cost-aware", "--json"]) == 0
-    aware = json.loads(capsys.readouterr().out)
-    assert aware["speculative_config"] == out["speculative_config"]
-    assert any("no cost-aware cut" in note for note in aware["notes"]), aware
+                     "--no-suffix-cost-aware", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["speculative_config"] == out["speculative_config"]
+    assert not any("no cost-aware cut" in note for note in plain["notes"]), plain

@@ -185,7 +185,7 @@ def test_options_are_checked_with_vllms_names():
         "suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_cached_requests": 10000,
         "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1}
     assert SuffixConfig().as_dict() == {**VLLM_SUFFIX.vllm_options(), "suffix_decoding_max_spec_factor": 2.0,
-                                        "cost_aware": False}
+                                        "cost_aware": True}
 
 
 def test_the_cost_aware_cut_keeps_the_length_its_estimated_acceptance_pays_for():

@@ -279,4 +279,4 @@ register(DrafterKind(
              "drafted token (suffix_decoding_min_token_prob; default %(default)s)"),
         Flag("--suffix-cost-aware", "cost_aware", "--drafter suffix: cut each draft where its expected accepted "
              "tokens stop paying for a wider verify pass (pass costs timed at load, acceptance learned as it runs; "
-             "ours, not vLLM's)"))))
+             "ours, not vLLM's; default on)"))))

@@ -153,8 +153,8 @@ BLOCK_NOTE = ("vLLM runs rejection_sample_method 'block' in its Model Runner V2 
               "greedy ones are unchanged. The SGLang line verifies token-wise: specdemo knows no SGLang flag for block")
 
 
-COST_AWARE_NOTE = ("vLLM's suffix method has no cost-aware cut (--suffix-cost-aware is ours): it drafts at the "
-                   "other settings shown")
+COST_AWARE_NOTE = ("vLLM's suffix method has no cost-aware cut (ours, on unless --no-suffix-cost-aware): it "
+                   "drafts at the other settings shown")
 
 
 def suffix_note(suffix: SuffixConfig) -> str | None:
@@ -166,7 +166,7 @@ def suffix_note(suffix: SuffixConfig) -> str | None:
         return None
     measured = drafter_default("suffix")
     ours_by_default = ours == SuffixConfig().vllm_options()
-    where = f"; specdemo's defaults, measured best in {measured.options or measured.evidence}" if (
+    where = f"; specdemo's defaults, measured best in {measured.evidence}" if (
         measured and ours_by_default) else ""
     return f"set explicitly above, as vLLM's defaults differ: {', '.join(differ)}{where}"
 
