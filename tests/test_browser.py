@@ -20,6 +20,7 @@ from test_app_client import ROOT, SERVER_CPU, pinned, running_app, server  # noq
 
 from specdemo.app.race import preset_k
 from specdemo.app.ui import EXAMPLES, default_preset
+from specdemo.config import drafter_default
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -122,6 +123,14 @@ def set_number(page, label: str, value: int) -> None:
         except PlaywrightTimeout:
             if attempt == 5:
                 raise
+
+
+def pick_drafter(page, label: str, kind: str) -> None:
+    """Choose a drafter by its radio button: k moves to the k it starts at (config.DRAFTER_DEFAULTS, as generate
+    takes it) before anything else is set."""
+    page.get_by_label(label).check()
+    page.wait_for_function(VISIBLE_SLIDER_HOLDS, arg=["k (draft tokens per step)", drafter_default(kind).k],
+                           timeout=10_000)
 
 
 def run(page, timeout: float = 300_000) -> list[dict]:
@@ -242,7 +251,7 @@ def test_a_run_shows_every_kind_of_token_and_replays_without_computing(fresh):
     rejected drafts re-renders the panel; Replay race races again without computing anything."""
     page = fresh
     page.locator("#prompt textarea").fill(JSON_PROMPT)
-    page.get_by_label("prompt lookup").check()
+    pick_drafter(page, "prompt lookup", "ngram")
     set_number(page, "max new tokens", 24)
     run(page)
     sd = page.locator("#sd-panel")
@@ -269,7 +278,7 @@ def test_stop_ends_a_run_and_the_next_run_is_served(fresh):
     """Stop while the race streams: the status says Stopped, stays so, and the panel stopped short of the length;
     the next Run finishes normally."""
     page = fresh
-    page.get_by_label("prompt lookup").check()
+    pick_drafter(page, "prompt lookup", "ngram")
     set_number(page, "max new tokens", 256)
     page.evaluate(RECORDER)
     page.locator("#run").click()
@@ -288,7 +297,7 @@ def test_stop_ends_a_run_and_the_next_run_is_served(fresh):
 def test_use_best_k_after_a_sweep_sets_k(fresh):
     """Tune k sweeps k = 1..2 on a short run; the button then carries the best measured k and sets the k slider."""
     page = fresh
-    page.get_by_label("prompt lookup").check()
+    pick_drafter(page, "prompt lookup", "ngram")
     set_number(page, "max new tokens", 8)
     set_number(page, "k (draft tokens per step)", 7)
     page.get_by_role("tab", name="Tune k").click()

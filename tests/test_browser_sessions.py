@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from test_app_client import server  # noqa: F401  (the shared app.py)
-from test_browser import STATUS, browser, run, set_number  # noqa: F401  (browser: one chromium)
+from test_browser import STATUS, browser, pick_drafter, run, set_number  # noqa: F401  (browser: one chromium)
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -25,7 +25,7 @@ def visit(chromium, url: str):
     page = chromium.new_context(viewport={"width": 1400, "height": 1000}).new_page()
     page.goto(url, wait_until="load")
     page.wait_for_selector("#run")
-    page.get_by_label("suffix decoding").check()
+    pick_drafter(page, "suffix decoding", "suffix")
     set_number(page, "k (draft tokens per step)", 8)
     set_number(page, "max new tokens", TOKENS)
     return page
