@@ -223,14 +223,32 @@ def test_a_cost_aware_drafter_cuts_drafts_its_cache_learned_are_rejected():
     plain.begin([prompt])
     first, full = drafter.propose(request)[0].tokens, plain.propose(request)[0].tokens
     assert full[:3] == [3, 4, 5] and first and full[: len(first)] == first
-    for _ in range(30):  # the target rejects every draft, committing its own token 9 instead (not appended here)
+    drafts = []
+    for _ in range(3 * DraftValue.EXPLORE):  # the target rejects every draft, committing its own token 9 instead
         drafter.update([Verdict(0, list(prompt))])
-        drafter.propose(request)
+        drafts.append(drafter.propose(request)[0].tokens)
     tried = sum(t for _, t in cache.value.counts.values())
-    assert 1 < tried < 31 and all(a == 0 for a, _ in cache.value.counts.values())  # it stopped drafting on the way
-    assert drafter.propose(request)[0].tokens == []
+    assert all(a == 0 for a, _ in cache.value.counts.values())
+    # it stopped drafting on the way, and tries its first token again every EXPLORE-th time the cut stops before it
+    assert drafts[-DraftValue.EXPLORE:].count([]) == DraftValue.EXPLORE - 1 and tried < 20
+    assert all(d == full[:1] for d in drafts[DraftValue.EXPLORE:] if d)
     cache.clear()
-    assert cache.value.counts == {}
+    assert cache.value.counts == {} and cache.value.cut == {}
+
+
+def test_a_kind_the_cut_stopped_is_tried_again_and_kept_once_the_target_takes_it():
+    """Every EXPLORE-th time the cut stops before a kind, it keeps that token too; once the target accepts such
+    tokens, their estimate rises and the cut keeps them without exploring."""
+    costs = {1: 1.1, 2: 1.2}
+    value = DraftValue()
+    kinds = DraftValue.kinds("earlier", 3, [1.0])
+    for _ in range(40):
+        value.record(kinds, 0)
+    lengths = [value.length(kinds, [1.0], costs) for _ in range(2 * DraftValue.EXPLORE)]
+    assert lengths.count(1) == 2 and lengths[DraftValue.EXPLORE - 1] == lengths[-1] == 1
+    for _ in range(60):  # the workload changed: the target takes them now
+        value.record(kinds, 1)
+    assert [value.length(kinds, [1.0], costs) for _ in range(5)] == [1] * 5
 
 
 REQUESTS = ("Convert to JSON: name=Ann, age=31, city=Oslo.", "Convert to JSON: name=Bob, age=45, city=Rome.")

@@ -14,13 +14,17 @@ class DraftValue:
 
     A kind is (source, match length, position in the draft, the token's frequency ratio), each bucketed; until a kind
     has been tried, its estimate is the tree's own ratio, which the counts overstate (deep nodes seen once give 1.0),
-    and PRIOR tries of evidence move it toward what the target actually accepted.
+    and PRIOR tries of evidence move it toward what the target actually accepted. A kind the cut keeps cutting would
+    never be tried again, whatever the workload became: every EXPLORE-th time the cut stops before a kind, the draft
+    keeps that token too, so its estimate follows the target (deterministic, as the drafter is).
     """
 
     PRIOR = 4.0
+    EXPLORE = 32
 
     def __init__(self):
         self.counts: dict[tuple, list[int]] = {}  # kind -> [accepted, tried]
+        self.cut: dict[tuple, int] = {}  # kind -> times the cut stopped before it since it was last explored
 
     @staticmethod
     def kinds(source: str, match_len: int, ratios: Sequence[float]) -> list[tuple]:
@@ -41,6 +45,12 @@ class DraftValue:
             value = expected / pass_costs[min(i + 1, widest)]
             if value > best:
                 best, keep = value, i + 1
+        if keep < len(kinds):
+            after = kinds[keep]
+            self.cut[after] = self.cut.get(after, 0) + 1
+            if self.cut[after] >= self.EXPLORE:
+                self.cut[after] = 0
+                return keep + 1
         return keep
 
     def record(self, kinds: Sequence[tuple], num_accepted: int) -> None:
