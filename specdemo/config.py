@@ -178,7 +178,7 @@ class DrafterDefault:
 # export read them (drafters.resolve.starting_k); docs/benchmarks.md#defaults lists them with their reports.
 _ONE_ENGINE = "2026-12-02 15:23-15:37 UTC"  # the sitting of the README's figures on the one engine
 _TREES = "2026-12-04 20:40-21:07 UTC"  # trees against chains, paired (bench/trees, docs/trees.md)
-_SUFFIX_CA = "2026-12-05 08:14-08:33 UTC"  # suffix decoding with and without the cost-aware cut, five rounds each
+_SUFFIX_CA = "2026-12-05 08:58-09:13 UTC"  # suffix decoding with and without the cost-aware cut, five rounds each
 _CA_ROUNDS = tuple(f"bench/trees/suffix-k8-ca-{n}" for n in range(1, 6))
 _PLAIN_ROUNDS = tuple(f"bench/trees/suffix-k8-plain-{n}" for n in range(1, 6))
 DRAFTER_DEFAULTS: tuple[DrafterDefault, ...] = (
@@ -200,12 +200,12 @@ DRAFTER_DEFAULTS: tuple[DrafterDefault, ...] = (
     DrafterDefault("suffix", 8, Evidence("bench/suffix/cost-aware/rep-suffix-f2-k8", "2026-12-03 04:06-04:12 UTC",
                                          "repetitive.jsonl", rivals=("bench/suffix/cost-aware/rep-suffix-f2-k16-ca",
                                                                      "bench/suffix/cost-aware/rep2-suffix-f2-k16-ca")),
-                   # the cost-aware cut: each of five rounds with it (chains and auto trees pooled) ahead of all
-                   # five without it, 1.376x against 1.316x on average
+                   # the cost-aware cut: ahead in each of five paired rounds (chains and auto trees pooled), 1.377x
+                   # against 1.330x on average
                    options=Evidence(_CA_ROUNDS[0], _SUFFIX_CA, "repetitive.jsonl", rivals=_PLAIN_ROUNDS),
-                   # trees from every match, cost-aware: auto 1.015x the chains over five rounds (ahead in four; 8
-                   # nodes a little further ahead without the cut, but a fixed budget would not follow another
-                   # target's pass costs)
+                   # trees from every match, cost-aware: auto ahead of the chains in each of five rounds, 1.034x on
+                   # average (8 nodes a little further ahead without the cut, in an earlier sitting, but a fixed
+                   # budget would not follow another target's pass costs)
                    tree="auto", tree_evidence=Evidence(_CA_ROUNDS[0], _SUFFIX_CA, "repetitive.jsonl",
                                                     rivals=_CA_ROUNDS[1:])),
 )
