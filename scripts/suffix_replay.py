@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specdemo.config import GenerationConfig, SamplingConfig, SuffixConfig  # noqa: E402
+from specdemo.config import AUTO_TREE_NODES, GenerationConfig, SamplingConfig, SuffixConfig  # noqa: E402
 from specdemo.drafters import NgramDrafter  # noqa: E402
 from specdemo.drafters.base import DraftRequest, Proposal, Verdict  # noqa: E402
 from specdemo.drafters.suffix import SuffixCache, SuffixDrafter, SuffixTree  # noqa: E402
@@ -157,16 +157,16 @@ def main() -> None:
         rows.append({"drafter": "suffix", "k": k, "max_spec_factor": factor, "min_token_prob": prob}
                     | predict(replay(SuffixDrafter(cache, config), pairs, k, eos), costs))
     ratios = {n: costs[n + 1] for n in range(1, args.k_max + 1)}  # {drafted: pass cost}, as the drafters take them
-    for k, aware in itertools.product((8, 16) if args.trees else (), (False, True)):
-        for nodes in (0, "auto", *map(int, args.trees.split(","))):
+    for k in (8, 16) if args.trees else ():
+        for aware, nodes in itertools.product((False, True), (0, "auto", *map(int, args.trees.split(",")))):
             cache = SuffixCache(SuffixConfig.max_tree_depth, SuffixConfig.max_cached_requests)
             drafter = SuffixDrafter(cache, pass_costs=ratios, cost_aware=aware)
-            steps = replay(drafter, pairs, k, eos, min(16, args.k_max) if nodes == "auto" else nodes,
-                           ratios if nodes == "auto" else None)
+            auto = nodes == "auto"  # as engine.loop.tree_plan sizes it: up to AUTO_TREE_NODES, cut by the costs
+            steps = replay(drafter, pairs, k, eos, min(AUTO_TREE_NODES, args.k_max) if auto else nodes,
+                           ratios if auto else None)
             rows.append({"drafter": "suffix", "k": k, "cost_aware": aware, "tree": nodes or "off"}
                         | predict(steps, costs))
-        if aware:
-            rows.append({"drafter": "suffix oracle", "k": k} | predict(oracle(pairs, k, SuffixConfig()), costs))
+        rows.append({"drafter": "suffix oracle", "k": k} | predict(oracle(pairs, k, SuffixConfig()), costs))
     for row in rows:
         print({key: (round(v, 3) if isinstance(v, float) else v) for key, v in row.items()
                if key != "per_prompt_speedup"})
