@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from test_app_client import ROOT, SERVER_CPU, pinned, running_app, server  # noqa: F401  (server: the shared app.py)
 
-from specdemo.app.race import preset_k
+from specdemo.app.race import AppLimits, matching_preset, preset_fields, preset_k
 from specdemo.app.ui import EXAMPLES, default_preset
 from specdemo.config import drafter_default
 
@@ -126,11 +126,16 @@ def set_number(page, label: str, value: int) -> None:
 
 
 def pick_drafter(page, label: str, kind: str) -> None:
-    """Choose a drafter by its radio button: k moves to the k it starts at (config.DRAFTER_DEFAULTS, as generate
-    takes it) before anything else is set."""
+    """Choose a drafter by its radio button on the default preset's page: k moves to the k it starts at
+    (config.DRAFTER_DEFAULTS, as generate takes it) and the Preset box to the preset the settings now are, before
+    anything else is set."""
     page.get_by_label(label).check()
     page.wait_for_function(VISIBLE_SLIDER_HOLDS, arg=["k (draft tokens per step)", drafter_default(kind).k],
                            timeout=10_000)
+    target, _, draft = preset_fields(default_preset())
+    preset = matching_preset(target, kind, draft, AppLimits())
+    page.wait_for_function("label => document.querySelector('input[aria-label=\"Preset pair\"]').value === label",
+                           arg=preset, timeout=10_000)
 
 
 def run(page, timeout: float = 300_000) -> list[dict]:

@@ -21,7 +21,7 @@ from specdemo.app.handlers import (
     SettingsOutputs,
     SweepOutputs,
 )
-from specdemo.app.race import AppLimits, Runs
+from specdemo.app.race import CUSTOM, AppLimits, Runs
 from specdemo.app.render import COMMITTED, KINDS
 from specdemo.app.summary import drift_warning
 from specdemo.app.ui import EXAMPLES
@@ -67,14 +67,22 @@ def test_the_preset_handler_fills_the_settings_and_custom_leaves_them():
     assert h.apply_best_k(3) == {"k": 3}
 
 
-def test_picking_a_drafter_moves_k_to_its_starting_k():
+def test_picking_a_drafter_moves_k_to_its_starting_k_and_the_preset_to_what_the_settings_are():
     """A drafter picked on the page starts at the k it starts at from the CLI (its measured best on the bundled
-    pair); an unknown kind leaves k alone. Wired to the radio's input event, which a preset's change does not fire."""
+    pair), and the Preset box shows the preset the settings now are (a model-free kind ignores the draft box), else
+    Custom; an unknown kind changes nothing. Wired to the radio's input event, which a preset's choice does not fire."""
     h = Handlers(OUTPUTS)
-    for kind in ("ngram", "suffix", "model", "hybrid"):
-        assert h.apply_drafter_k(kind, "smollm2-135m", "") == {"k": drafter_default(kind).k}, kind
-    assert len({h.apply_drafter_k(kind, "smollm2-135m", "")["k"] for kind in ("ngram", "suffix", "model")}) > 1
-    assert h.apply_drafter_k("nope", "smollm2-135m", "") == {"k": handlers_module.gr.skip()}
+    draft = "smollm2-135m-draft"
+    expected = {"ngram": "Bundled SmolLM2-135M + prompt lookup (offline)", "suffix": CUSTOM,
+                "model": "Bundled SmolLM2-135M + trained draft (offline)",
+                "hybrid": "Bundled SmolLM2-135M + trained draft + prompt lookup (offline)"}
+    for kind, preset in expected.items():
+        assert h.apply_drafter(kind, "smollm2-135m", draft) == {"k": drafter_default(kind).k, "preset": preset}, kind
+    assert len({h.apply_drafter(kind, "smollm2-135m", "")["k"] for kind in ("ngram", "suffix", "model")}) > 1
+    assert h.apply_drafter("model", "smollm2-135m", "other/draft")["preset"] == CUSTOM  # the preset's draft differs
+    assert h.apply_drafter("ngram", "org/other-target", "")["preset"] == CUSTOM
+    skip = handlers_module.gr.skip()
+    assert h.apply_drafter("nope", "smollm2-135m", "") == {"k": skip, "preset": skip}
 
 
 def test_an_out_of_memory_error_is_a_status_message_and_releases_the_hardware(monkeypatch, tiny_tok):

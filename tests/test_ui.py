@@ -10,8 +10,8 @@ import gradio as gr
 import pytest
 
 from specdemo.app.handlers import Handlers
-from specdemo.app.race import AppLimits
-from specdemo.app.ui import CUSTOM, build_demo, preset_choices, rule_control
+from specdemo.app.race import CUSTOM, AppLimits, preset_choices
+from specdemo.app.ui import build_demo, rule_control
 from specdemo.config import MAX_K, PRESETS, TREE_CHOICES, TREE_DEFAULT, TUNE_TREES, Runtime
 
 PACKAGE = Path(__file__).resolve().parent.parent / "specdemo"

@@ -38,6 +38,7 @@ from .race import (
     free_memory,
     friendly_error,
     make_request,
+    matching_preset,
     passes,
     points,
     preset_fields,
@@ -364,15 +365,17 @@ class Handlers:
             return {out.target: gr.skip()}
         return dict(zip((out.target, out.drafter, out.draft), values)) | {out.k: preset_k(label, self.runtime)}
 
-    def apply_drafter_k(self, kind: str, target: str, draft: str) -> dict:
+    def apply_drafter(self, kind: str, target: str, draft: str) -> dict:
         """Picking a drafter moves k to the k that drafter starts at for the target (resolve.starting_k: its measured
-        best on the bundled pair, as generate and bench take it); an unknown kind leaves k alone (the run says why)."""
+        best on the bundled pair, as generate and bench take it) and the Preset box to the preset the settings now
+        are, else Custom; an unknown kind changes nothing (the run says why)."""
         out = self.outputs.settings
+        target, draft = str(target or ""), str(draft or "")
         try:
-            k = starting_k(str(kind), str(target or "") or None, str(draft or "") or None, self.runtime)[0]
+            k = starting_k(str(kind), target or None, draft or None, self.runtime)[0]
         except ValueError:
-            return {out.k: gr.skip()}
-        return {out.k: k}
+            return {out.k: gr.skip(), out.preset: gr.skip()}
+        return {out.k: k, out.preset: matching_preset(target, kind, draft, self.limits)}
 
     def apply_best_k(self, best) -> dict:
         """Set k to the sweep's best measured k (and the Tree setting to its tree setting, when the sweep ran more

@@ -45,13 +45,14 @@ class SweepOutputs(OrderedOutputs):
 @dataclass(frozen=True)
 class SettingsOutputs:
     """The settings a preset fills (target, drafter, draft) and "Use best k" sets (k, and the Tree setting when the
-    sweep ran several)."""
+    sweep ran several); picking a drafter sets k and the preset shown."""
 
     target: Component
     drafter: Component
     draft: Component
     k: Component
     tree: Component = None
+    preset: Component = None
 
 
 @dataclass(frozen=True)

@@ -158,6 +158,25 @@ def check_model_id(name: str, limits: AppLimits) -> None:
                         f"and the bundled {BUNDLED_ID}.")
 
 
+CUSTOM = "Custom (type the ids below)"
+
+
+def preset_choices(limits: AppLimits) -> list[str]:
+    """Preset labels (bundled offline ones first, as in config.PRESETS) that the allowlist permits."""
+    ok = [p.label for p in PRESETS if allowed(p.target, limits) and (p.draft is None or allowed(p.draft, limits))]
+    return ok + [CUSTOM]
+
+
+def matching_preset(target: str, kind: str, draft: str, limits: AppLimits) -> str:
+    """The preset the settings are (its target and drafter kind, and its draft where the kind takes one), else
+    Custom: what the Preset box shows once a drafter is picked by hand."""
+    for label in preset_choices(limits)[:-1]:
+        t, k, d = preset_fields(label)
+        if (t, k) == (target, kind) and (d == (draft or "") or not get(kind).needs_draft):
+            return label
+    return CUSTOM
+
+
 def preset_fields(label: str) -> tuple[str, str, str] | None:
     """(target, drafter kind, draft id) of a preset; None for Custom."""
     preset = next((p for p in PRESETS if p.label == label), None)

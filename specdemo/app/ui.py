@@ -29,11 +29,9 @@ from ..drafters.resolve import trained_draft_path
 from ..measure import charts
 from .batch_tab import BATCH_NOTE, BATCH_SIZES, BatchHandlers, BatchOutputs
 from .handlers import Handlers, Outputs, RaceOutputs, SettingsOutputs, SweepOutputs
-from .race import AppLimits, allowed, preset_fields, preset_k
+from .race import AppLimits, preset_choices, preset_fields, preset_k
 from .render import CSS, INSPECTOR_JS, inspector_html, legend_html, segments_html
 from .summary import RULE_NAMES
-
-CUSTOM = "Custom (type the ids below)"
 
 TIMING_NOTE = (
     "**How the timing works.** After a short untimed warm-up, the autoregressive and the speculative run take turns "
@@ -60,12 +58,6 @@ EXAMPLES = [  # (category, prompt): prompts written for this app
     ("open chat", "What are some good habits for staying focused while working from home?"),
     ("creative", "Write a short poem about a lighthouse keeper who befriends a seagull."),
 ]
-
-
-def preset_choices(limits: AppLimits) -> list[str]:
-    """Preset labels (bundled offline ones first, as in config.PRESETS) that the allowlist permits."""
-    ok = [p.label for p in PRESETS if allowed(p.target, limits) and (p.draft is None or allowed(p.draft, limits))]
-    return ok + [CUSTOM]
 
 
 def default_preset() -> str:
@@ -175,12 +167,13 @@ def build_demo(limits: AppLimits = AppLimits(), runtime: Runtime = Runtime(),
         race = RaceOutputs(ar_html, sd_html, tokens_plot, speedup_plot, hist_plot, stats, status, result_json,
                            runs_state, timeline_plot, position_plot)
         tune = SweepOutputs(sweep_plot, sweep_md, best_state, apply_btn)
-        settings = SettingsOutputs(target, drafter, draft, k, tree)
+        settings = SettingsOutputs(target, drafter, draft, k, tree, preset)
         h = Handlers(Outputs(race, tune, settings), limits, runtime, gpu)
 
-        preset.change(h.apply_preset, preset, [target, drafter, draft, k], api_name=False)
-        # a drafter the user picks starts at its own k (.input: a preset's change of drafter sets k itself)
-        drafter.input(h.apply_drafter_k, [drafter, target, draft], k, api_name=False, queue=False)
+        # .input, not .change: each fires on the user's own choice only, so the preset a picked drafter shows does
+        # not apply itself again, and a preset's drafter does not set k twice
+        preset.input(h.apply_preset, preset, [target, drafter, draft, k], api_name=False)
+        drafter.input(h.apply_drafter, [drafter, target, draft], [k, preset], api_name=False, queue=False)
         # greedy decoding has one rule, so the choice is shown only while sampling
         temperature.change(rule_control, temperature, verification, api_name=False, queue=False)
         inputs = [prompt, target, drafter, draft, k, dynamic_k, temperature, top_p, max_new_tokens]
