@@ -22,7 +22,7 @@ from .kv import check_cache, right_padded
 from .static import needed_capacity
 from .timing import Clock, StepCosts, step_costs
 from .tree import TokenTree, TreeBatch, greedy_tree_accept_batch, tree_accept_batch
-from .verify import ACCEPT_RULES, greedy_accept_batch, inspect_verify, logits_to_probs
+from .verify import ACCEPT_RULES, greedy_accept_batch, inspect_verify, logits_to_probs, rejection_accept_batch
 
 KPolicy = Callable[[int], int]  # the current batch size -> k (0: no speculation this step)
 # when greedy drafts (chains, or trees where the drafter grows them there) stay on the device, verified there and
@@ -86,13 +86,15 @@ def _verify(logits: torch.Tensor, tokens: torch.Tensor, drafted: list[list[int]]
         probs = None
     else:
         probs = logits_to_probs(logits, sampling)  # (B, W, V)
-        accept = ACCEPT_RULES[sampling.verification]
-        accepted, nxt = [], []
-        for r, (n, q) in enumerate(zip(lengths, qs)):
-            q = q[:n].to(probs.device) if q is not None else None
-            a, t = accept(tokens[r, 1 : 1 + n], q, probs[r, : n + 1], gens[r])
-            accepted.append(a)
-            nxt.append(t)
+        if sampling.verification == "token":  # every row at once on the device, read back once
+            accepted, nxt = rejection_accept_batch(tokens[:, 1:], lengths, qs, probs, gens)
+        else:  # block verification, row by row
+            accepted, nxt = [], []
+            for r, (n, q) in enumerate(zip(lengths, qs)):
+                q = q[:n].to(probs.device) if q is not None else None
+                a, t = ACCEPT_RULES[sampling.verification](tokens[r, 1 : 1 + n], q, probs[r, : n + 1], gens[r])
+                accepted.append(a)
+                nxt.append(t)
     seen = [inspect_verify(logits[r, : n + 1], None if probs is None else probs[r, : n + 1], tokens[r, 1 : 1 + n])
             if inspect else None for r, n in enumerate(lengths)]
     return [Verified(list(range(a)), t, s) for a, t, s in zip(accepted, nxt, seen)]

@@ -87,34 +87,95 @@ def greedy_accept_chains(drafted: torch.Tensor, lengths: torch.Tensor, q: torch.
             [row[3 + k : 3 + k + m] for row, m in zip(read, n)])
 
 
+def sample_rows(probs: torch.Tensor, generators) -> torch.Tensor:
+    """One token id per row of (B, V) distributions, row r drawn from generators[r], left on the device: the
+    exponential race argmax(p / E), E ~ Exp(1), which is what torch.multinomial(p, 1) draws for one sample (the same
+    token from the same generator state) without its host-side check of p."""
+    races = torch.stack([torch.empty_like(row).exponential_(generator=g) for row, g in zip(probs, generators)])
+    return (probs / races).argmax(-1)
+
+
+def _uniforms(counts: list[int], width: int, generators, device: torch.device) -> torch.Tensor:
+    """(B, width) draws in [0, 1): row r's first counts[r] from generators[r], the rest 1.0 (past a row's drafts)."""
+    rows = [torch.rand(n, generator=g, device=device) for n, g in zip(counts, generators)]
+    return torch.stack([torch.cat([r, torch.ones(width - len(r), device=device)]) for r in rows])
+
+
+def rejection_accept_rows(drafted: torch.Tensor, lengths: torch.Tensor, draft_probs: torch.Tensor | None,
+                          target_probs: torch.Tensor, generators, draws: list[int]
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Leviathan et al. Alg. 1 for every row at once, on the device with nothing read back: accept x_i with
+    min(1, p/q); at the first rejection sample norm(max(0, p - q)); after a full acceptance, the bonus ~ p.
+
+    drafted (B, n) with lengths (B,) real drafts (a row's past its length are padding, never accepted); draft_probs
+    (B, n, V), or None for a deterministic drafter (q one-hot at the drafted token); target_probs (B, n + 1, V); row r
+    draws draws[r] >= its length uniforms, then its next token, from generators[r]. Returns (num_accepted (B,), next
+    token (B,))."""
+    rows, n = drafted.shape
+    p = target_probs
+    u = _uniforms(draws, n, generators, p.device)  # (B, n)
+    px = p[:, :n].gather(2, drafted[..., None])[..., 0]  # (B, n)
+    qx = torch.ones_like(px) if draft_probs is None else draft_probs.gather(2, drafted[..., None])[..., 0]
+    real = torch.arange(n, device=p.device)[None, :] < lengths[:, None]
+    accepted = ((u * qx <= px) & real).long().cumprod(1).sum(1)  # u < p/q accepts; no division, so q == 0 is safe
+    at = accepted[:, None, None].expand(rows, 1, p.shape[-1])
+    p_at = p.gather(1, at)[:, 0]  # (B, V): the row after the last accepted draft
+    if n == 0:
+        return accepted, sample_rows(p_at, generators)
+    at = at.clamp(max=n - 1)
+    if draft_probs is None:  # max(0, p - onehot) zeroes only the drafted token
+        residual = p_at.scatter(1, drafted.gather(1, at[:, :, 0]), 0.0)
+    else:
+        residual = (p_at - draft_probs.gather(1, at)[:, 0]).clamp(min=0)
+    # after a full acceptance the bonus comes from p; p == q up to rounding leaves no residual: any sample from p
+    from_p = (accepted == lengths) | (residual.sum(-1) <= 0)
+    residual = torch.where(from_p[:, None], p_at.to(residual.dtype), residual)
+    return accepted, sample_rows(residual / residual.sum(-1, keepdim=True), generators)
+
+
+def draft_rows(drafted: torch.Tensor, qs: list[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor | None:
+    """Each row's q as one (B, n, V) tensor for rejection_accept_rows, drafted (B, n): a drafter's own rows (zero past
+    them), one-hot at the drafted tokens for a deterministic row (which max(0, p - q) and min(1, p / q) treat as q =
+    None does); None when no row has its own. `like` gives the device and dtype."""
+    if all(q is None for q in qs):
+        return None
+    rows, n = drafted.shape
+    out = torch.nn.functional.one_hot(drafted, like.shape[-1]).to(like.dtype)
+    for r, q in enumerate(qs):
+        if q is not None:
+            m = min(len(q), n)
+            out[r, :m] = q[:m].to(like.device, like.dtype)
+            out[r, m:] = 0
+    return out
+
+
+def rejection_accept_batch(drafted: torch.Tensor, lengths: list[int], qs: list[torch.Tensor | None],
+                           target_probs: torch.Tensor, generators) -> tuple[list[int], list[int]]:
+    """rejection_accept for every row of a verify pass at once, read back in one copy: drafted (B, W-1) with
+    lengths[r] real drafts, qs each row's draft distributions (None: a deterministic drafter), target_probs (B, W, V).
+    Each row draws from its own generator what rejection_accept would draw for it alone."""
+    lengths_t = torch.tensor(lengths).to(target_probs.device, non_blocking=True)
+    verdicts = rejection_accept_rows(drafted, lengths_t, draft_rows(drafted, qs, target_probs), target_probs,
+                                     generators, lengths)
+    accepted, nxt = torch.stack(verdicts).tolist()
+    return accepted, nxt
+
+
 def rejection_accept(
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
     generator: torch.Generator | None,
 ) -> tuple[int, int]:
-    """Leviathan et al. Alg. 1: accept x_i with min(1, p/q); on rejection sample norm(max(0, p - q)); else bonus ~ p.
-
-    draft_tokens (k,); draft_probs (k, V) or None for a deterministic drafter (q is one-hot at the drafted token);
-    target_probs (k+1, V). Returns (num_accepted, next_token).
-    """
+    """rejection_accept_rows for one row, read back: draft_tokens (k,); draft_probs (k, V) or None for a
+    deterministic drafter; target_probs (k+1, V). Returns (num_accepted, next_token)."""
     k = draft_tokens.shape[0]
-    rows = torch.arange(k, device=target_probs.device)
-    p = target_probs[rows, draft_tokens]  # (k,)
-    q = draft_probs[rows, draft_tokens] if draft_probs is not None else torch.ones_like(p)
-    r = torch.rand(k, generator=generator, device=target_probs.device)
-    rejected = (r * q > p).nonzero()  # r < p/q accepts; written without division so q == 0 cannot blow up
-    if rejected.numel() == 0:
-        return k, sample(target_probs[k], generator)  # all accepted: the bonus token comes from p
-    i = int(rejected[0])
-    if draft_probs is not None:
-        residual = (target_probs[i] - draft_probs[i]).clamp(min=0)
-    else:
-        residual = target_probs[i].clone()
-        residual[draft_tokens[i]] = 0.0  # max(0, p - onehot) zeroes only the drafted token
-    if float(residual.sum()) <= 0:  # p == q up to rounding: any sample from p is exact
-        residual = target_probs[i]
-    return i, sample(residual / residual.sum(), generator)
+    lengths = torch.full((1,), k, device=target_probs.device)
+    q = None if draft_probs is None else draft_probs[None]
+    accepted, nxt = rejection_accept_rows(draft_tokens[None].to(target_probs.device), lengths, q, target_probs[None],
+                                          [generator], [k])
+    accepted, nxt = torch.stack([accepted, nxt]).tolist()
+    return accepted[0], nxt[0]
 
 
 def _draft_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, vocab: int) -> torch.Tensor:
