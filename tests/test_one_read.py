@@ -1,25 +1,25 @@
 """One read of the device per greedy speculative step (issue 49): a drafter's greedy chains stay on the device
 (Drafter.propose_on_device: the EAGLE-3 head's over its static cache, a draft LM's), the target verifies them there,
-and the verdicts and the chains come back in one copy (verify.greedy_accept_chains). On the CPU, with the path forced
+and the verdicts and the chains come back in one copy (verify.read_chains). On the CPU, with the path forced
 on (loop.ONE_READ = "always"; by default it runs under a graph-captured target): every step reads once, and the
 drafts, their q and the output are those of the usual path, which are the target's own greedy tokens."""
 
 import pytest
-from conftest import TEST_DEVICE, case
+from conftest import TEST_DEVICE, case, sampled_second_tokens, second_token_distribution
 from test_draft_graphs import HOST_READS, PROMPTS, counted_reads
 
-from specdemo.config import GenerationConfig
+from specdemo.config import GenerationConfig, SamplingConfig
 from specdemo.engine import decode, graphs, loop, row_outputs
 
 
-def run(tiny, tiny_tok, kind, rows, k, mode, monkeypatch, min_confidence=0.0):
+def run(tiny, tiny_tok, kind, rows, k, mode, monkeypatch, min_confidence=0.0, sampling=SamplingConfig()):
     """(each step's drafted tokens, accepted count and tokens; the drafts' q; the rows' outputs) of a fresh drafter's
-    greedy decode with loop.ONE_READ = mode."""
+    decode (greedy unless told) with loop.ONE_READ = mode."""
     monkeypatch.setattr(loop, "ONE_READ", mode)
     target, drafter = case(kind).build(tiny)
     if min_confidence:
         drafter.min_confidence = min_confidence
-    config = GenerationConfig(max_new_tokens=24, num_draft_tokens=k, tree="off")
+    config = GenerationConfig(max_new_tokens=24, num_draft_tokens=k, tree="off", sampling=sampling)
     events = list(decode(target, tiny_tok, PROMPTS[:rows], config, drafter))
     steps = [(s.drafted, s.num_accepted, s.tokens) for e in events for s in e.steps]
     q = [p for e in events for s in e.steps for p in (s.draft_token_probs or [])]
@@ -47,16 +47,19 @@ def test_chains_verified_on_the_device_are_the_usual_path(tiny, tiny_tok, tiny_r
     assert (max(lengths) == k or unsure) and (k == 1 or len(lengths) > 1 or name == "model")  # some stopped short
 
 
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("kind", ["model", "eagle3"])
-def test_a_greedy_step_reads_the_device_once(tiny, tiny_tok, kind, rows, monkeypatch):
+def test_a_step_reads_the_device_once(tiny, tiny_tok, kind, rows, sampled, monkeypatch):
     """Under the static runner every speculative step of a k = 4 decode (rejections, rows leaving, k shrinking at
-    the end) reads values back once in all: the verdicts and the chains together. The usual path reads twice (the
-    drafts, then the verdicts)."""
+    the end) reads values back once in all: the verdicts and the chains together, greedy or sampled (the draws made
+    on the device from each row's generator, rejection sampling there too). The usual path reads twice greedy (the
+    drafts, then the verdicts), and more sampled (a drafted token a read)."""
     models = (tiny.target, tiny.draft, tiny.eagle3_target)
     for model in models:
         graphs.attach(model, "on")
     per_step, step = [], loop._spec_step
+    sampling = SamplingConfig(temperature=1.0, top_p=0.9) if sampled else SamplingConfig()
 
     def counting(*args):
         with counted_reads() as reads:
@@ -68,27 +71,60 @@ def test_a_greedy_step_reads_the_device_once(tiny, tiny_tok, kind, rows, monkeyp
     try:
         for mode, reads in (("always", 1), ("never", 2)):
             per_step.clear()
-            run(tiny, tiny_tok, kind, rows, 4, mode, monkeypatch)
+            run(tiny, tiny_tok, kind, rows, 4, mode, monkeypatch, sampling=sampling)
             assert len(per_step) >= 3
             counts = [len(r) for r in per_step]  # the last step may have nothing to draft: its verdicts alone
+            if mode == "never" and sampled:
+                assert max(counts) > 2
+                continue
             assert set(counts) <= {1, reads} and counts.count(reads) >= len(counts) - 1, per_step
             if mode == "always":  # a step with nothing to draft (k = 0 at the end) reads its verdicts alone
                 names = [name for r in per_step for _, name in r]
-                assert set(names) <= {"greedy_accept_chains", "greedy_accept_batch"}
-                assert names.count("greedy_accept_chains") >= len(names) - 1
+                assert set(names) <= {"read_chains", "greedy_accept_batch", "rejection_accept_batch"}
+                assert names.count("read_chains") >= len(names) - 1
     finally:
         for model in models:
             graphs.detach(model)
 
 
+@pytest.mark.parametrize("kind", ["model", "eagle3"])
+def test_sampled_chains_verified_on_the_device_keep_the_targets_distribution(tiny, tiny_tok, kind, monkeypatch):
+    """Sampled chains drawn and verified on the device (the draft's draws from each row's generator, the head's over
+    its draft vocabulary; rejection sampling there) give the second token the target's distribution, far from the
+    draft's, as test_engine's check of every drafter does on the usual path (its bound and trials)."""
+    prompt = list(range(1, 16)) + [3]
+    models = (tiny.target, tiny.draft, tiny.eagle3_target)
+    for model in models:
+        graphs.attach(model, "on")
+    monkeypatch.setattr(loop, "ONE_READ", "always")
+    on_device, verify = [], loop.verify_chains_on_device
+    monkeypatch.setattr(loop, "verify_chains_on_device", lambda *a: on_device.append(1) or verify(*a))
+    try:
+        target = case(kind).build(tiny)[0]
+        config = GenerationConfig(max_new_tokens=3, num_draft_tokens=2, sampling=SamplingConfig(1.0))
+        counts, proposals = sampled_second_tokens(target, tiny_tok, lambda: case(kind).build(tiny)[1], prompt, config,
+                                                  2000)
+        expected, draft = second_token_distribution(target, prompt), second_token_distribution(tiny.draft, prompt)
+    finally:
+        for model in models:
+            graphs.detach(model)
+    empirical = counts / counts.sum()
+    assert counts.sum() > 0.9 * 2000 and proposals > 2000 // 4 and len(on_device) >= 50
+    assert 0.5 * float((empirical - expected).abs().sum()) < 0.06
+    if kind == "model":
+        assert 0.5 * float((draft - expected).abs().sum()) > 0.15
+
+
 @pytest.mark.skipif(TEST_DEVICE.type != "cuda", reason="CUDA's sync debug mode: scripts/gpu_check.sh (GRAPH_TESTS=1)")
-@pytest.mark.parametrize("kind,tree", [("model", "off"), ("eagle3", "off"), ("eagle3", "8"), ("eagle3", "auto")])
-def test_a_captured_greedy_step_synchronises_once(tiny, tiny_tok, kind, tree):
+@pytest.mark.parametrize("kind,tree,temperature", [("model", "off", 0.0), ("eagle3", "off", 0.0), ("eagle3", "8", 0.0),
+                                                   ("eagle3", "auto", 0.0), ("model", "off", 1.0),
+                                                   ("eagle3", "off", 1.0)])
+def test_a_captured_step_synchronises_once(tiny, tiny_tok, kind, tree, temperature):
     """Under CUDA graphs (the default: loop.ONE_READ = "capture") every speculative step after the first few
     synchronises the host with the device once, by CUDA's own count (torch.cuda.set_sync_debug_mode); a failure
     lists where the others happen. A head's greedy draft tree of a fixed budget grows on the device
     (eagle3_device_tree) and comes back with the verdict, as a chain does; under --tree auto too (cut there, its
-    pass sized by the trees read before: loop.auto_width)."""
+    pass sized by the trees read before: loop.auto_width). Sampled chains too: drawn and verified on the device."""
     import warnings
 
     import torch
@@ -99,7 +135,8 @@ def test_a_captured_greedy_step_synchronises_once(tiny, tiny_tok, kind, tree):
     target, drafter = case(kind).build(tiny)
     if tree == "auto":  # pass costs to size the trees by (auto drafts chains without)
         drafter.pass_costs = {n: 1.0 + 0.02 * n for n in range(1, 17)}
-    config = GenerationConfig(max_new_tokens=24, num_draft_tokens=4, tree=tree)
+    config = GenerationConfig(max_new_tokens=24, num_draft_tokens=4, tree=tree,
+                              sampling=SamplingConfig(temperature=temperature))
     syncs = []
     try:
         events = decode(target, tiny_tok, PROMPTS[:4], config, drafter)

@@ -80,17 +80,19 @@ class Proposal:
 
 @dataclass
 class DeviceChains:
-    """Greedy chains left on the device (Drafter.propose_on_device): tokens (B, k) as target ids, q (B, k) each
-    token's draft probability, lengths (B,) how many of each row's tokens it proposes (a row's tokens past its length
-    are padding, never accepted). Nothing of them has been read back to the host."""
+    """Chains left on the device (Drafter.propose_on_device): tokens (B, k) as target ids, q (B, k) each token's
+    draft probability, lengths (B,) how many of each row's tokens it proposes (a row's tokens past its length are
+    padding, never accepted), and when sampled, probs (B, k, V) the draft distributions they were drawn from, over the
+    target's vocabulary (what rejection sampling needs). Nothing of them has been read back to the host."""
 
     tokens: torch.Tensor
     q: torch.Tensor
     lengths: torch.Tensor
+    probs: torch.Tensor | None = None
 
     @classmethod
     def cut(cls, tokens: torch.Tensor, q: torch.Tensor, request: DraftRequest,
-            sure: torch.Tensor | None = None) -> DeviceChains:
+            sure: torch.Tensor | None = None, probs: torch.Tensor | None = None) -> DeviceChains:
         """Chains of max(ks) tokens per row, each row's length worked out on the device as Chains.add stops a row:
         at its own k, after an end of sequence, and (with `sure`, (B, k) bool) before its first unsure token."""
         import torch
@@ -103,7 +105,7 @@ class DeviceChains:
         if request.eos_token_ids:
             ended = torch.isin(tokens, torch.tensor(sorted(request.eos_token_ids)).to(device, non_blocking=True))
             kept &= (ended.long().cumsum(1) - ended.long()) == 0  # nothing after an end of sequence
-        return cls(tokens, q, kept.long().cumprod(1).sum(1))
+        return cls(tokens, q, kept.long().cumprod(1).sum(1), probs)
 
 
 @dataclass
@@ -182,10 +184,11 @@ class Drafter(ABC):
         """Up to request.ks[r] tokens continuing request.ids[r] for each row (fewer, or none, is allowed)."""
 
     def propose_on_device(self, request: DraftRequest) -> DeviceChains | DeviceTrees | None:
-        """Greedy chains (or, where the request allows trees, trees) for the request left on the device, for an
+        """Chains (or, greedy where the request allows trees, trees) for the request left on the device, for an
         engine that verifies them there and reads them back once with the target's verdict (one host synchronisation
-        per step; the engine asks only when greedy under a graph-captured target). None: propose() serves the
-        request, as for most drafters."""
+        per step; the engine asks only under a graph-captured target, when greedy or sampling with token-wise
+        verification). Sampled chains carry their draft distributions (DeviceChains.probs). None: propose() serves
+        the request, as for most drafters."""
         return None
 
     def update(self, verdicts: Sequence[Verdict]) -> None:

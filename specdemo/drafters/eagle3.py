@@ -15,7 +15,7 @@ import torch
 from ..config import Runtime
 from ..engine import graphs
 from ..engine.kv import PAD, Slots, gather_slots, left_padded, right_padded
-from ..engine.verify import generator_on, logits_to_probs
+from ..engine.verify import generator_on, logits_to_probs, sample_rows
 from ..models import kernels
 from ..models.eagle3 import locate_eagle3, recorded_k
 from ..models.eagle3_head import load_head
@@ -265,17 +265,19 @@ class Eagle3Drafter(Drafter):
         """Greedy chains over the static cache, or trees where they grow on the device (eagle3_device_tree; under
         --tree auto cut by cost there, within the node budget the engine's pass is sized for), left there
         (_device_chains, device_trees) for the engine to verify and read back with its verdict; None where propose()
-        drafts (sampling, host-grown trees, the eager cache, nothing to draft). `confidences` stays empty: nothing is
-        read."""
+        drafts (sampled or host-grown trees, the eager cache, nothing to draft). Sampled chains too
+        (_sampled_device_chains). `confidences` stays empty: nothing is read."""
         rows = len(request.ids)
         trees = any(request.nodes(r) for r in range(rows))
-        if (not request.sampling.greedy or not isinstance(self.kv, StaticHeadKV) or max(request.ks, default=0) <= 0
-                or (trees and not grows_on_device(self, request))):
+        if (not isinstance(self.kv, StaticHeadKV) or max(request.ks, default=0) <= 0
+                or (trees and (not request.sampling.greedy or not grows_on_device(self, request)))):
             return None
         self.confidences = [[] for _ in range(rows)]
         self._drop_drafted()
         feature = self._catch_up(request.ids, request.ks)
-        return device_trees(self, request, feature) if trees else self._device_chains(feature, request)
+        if trees:
+            return device_trees(self, request, feature)
+        return (self._device_chains if request.sampling.greedy else self._sampled_device_chains)(feature, request)
 
     def _device_chains(self, feature: torch.Tensor, request: DraftRequest) -> DeviceChains:
         """max(k) draft steps for every row, one fixed shape with no host synchronisation between them
@@ -287,6 +289,30 @@ class Eagle3Drafter(Drafter):
         sure = peaks >= self.min_confidence
         sure[:, 0] = True
         return DeviceChains.cut(tokens, peaks, request, sure)
+
+    def _sampled_device_chains(self, feature: torch.Tensor, request: DraftRequest) -> DeviceChains:
+        """max(k) sampled draft steps for every row with no host read between them: each row draws from its own
+        generator (verify.sample_rows) over the head's draft vocabulary, its q spread over the target's (zero
+        outside the subset, so rejection sampling stays exact), and the next step fed every row's token; lengths on
+        the device as the eager loop stops a row (DeviceChains.cut: k, an end of sequence, and before a step whose
+        distribution peaks under min_confidence, the first always drafted)."""
+        rows, subset, vocab = feature.shape[0], self.head.subset, self.head.c.vocab_size
+        gens = [generator_on(g, self.device) for g in request.generators]
+        every = torch.ones(rows, 1, dtype=torch.bool)  # real, on the host: every row feeds its token
+        tokens, q_tokens, peaks, dists = [], [], [], []  # per step: (B,), (B,), (B,), (B, V)
+        for i in range(max(request.ks)):
+            if i:
+                feature = self._pass(feature[:, None], tokens[-1][:, None], every)[:, -1]
+            q_sub = logits_to_probs(self.head.logits(feature), request.sampling)  # (B, S)
+            index = sample_rows(q_sub, gens)
+            tokens.append(subset[index])
+            q_tokens.append(q_sub.gather(1, index[:, None])[:, 0])
+            peaks.append(q_sub.max(-1).values)
+            dists.append(torch.zeros(rows, vocab, dtype=q_sub.dtype, device=q_sub.device).index_copy_(1, subset, q_sub))
+        sure = torch.stack(peaks, 1).double() >= self.min_confidence  # compared as the eager loop compares
+        sure[:, 0] = True
+        return DeviceChains.cut(torch.stack(tokens, 1), torch.stack(q_tokens, 1).double(), request, sure,
+                                torch.stack(dists, 1))
 
     def _fixed_chains(self, chains: DeviceChains) -> list[Proposal]:
         """Device chains read back in one copy of tokens, q and lengths, as proposals."""

@@ -8,7 +8,7 @@ import torch
 from ..engine import graphs
 from ..engine.kv import check_cache
 from ..engine.static import CAPACITY_STEP, needed_capacity
-from ..engine.verify import generator_on, logits_to_probs
+from ..engine.verify import generator_on, logits_to_probs, sample_rows
 from .base import Chains, DeviceChains, Drafter, DraftRequest, Proposal
 
 
@@ -20,7 +20,8 @@ class ModelDrafter(Drafter):
     never fed (the next verdict decides whether it stays). Greedy chains keep each pass's argmax on the device and
     feed it to the next pass, every row drafting max(k) tokens, and read tokens and q back once; what a row drafted
     past its stop (its k, an end of sequence) is dropped on the host, and its cache entries are cut at the next
-    verdict. Sampled chains draw each token on the host; a row that stopped feeds a hole.
+    verdict. Sampled chains draw each token on the host (propose: a row that stopped feeds a hole) or, left on the
+    device (propose_on_device), from each row's generator there, every row drafting max(k) as greedy chains do.
     """
 
     name = "model"
@@ -61,19 +62,21 @@ class ModelDrafter(Drafter):
             return [Proposal([]) for _ in ids]
         chains, logits = Chains(request), self._catch_up(ids)
         if request.sampling.greedy:
-            self._greedy(chains, logits, max(request.ks))
+            self._greedy(chains, logits, request)
         else:
             self._sampled(chains, logits, request)
         return chains.proposals()
 
     @torch.inference_mode()
     def propose_on_device(self, request: DraftRequest) -> DeviceChains | None:
-        """Greedy chains left on the device (_passes, lengths as Chains.add stops a row) for the engine to verify
-        and read back with its verdict; None when sampling or with nothing to draft. Every row's fed tokens are its
-        own chain, so a verdict's keep() cuts them right (no chain_counts)."""
-        if not request.sampling.greedy or max(request.ks, default=0) <= 0:
+        """Chains left on the device (_passes, lengths as Chains.add stops a row) for the engine to verify and read
+        back with its verdict: greedy, or sampled with each row's own generator (the target's device only: another
+        device's generator would be seeded by a read); None with nothing to draft. Every row's fed tokens are its own
+        chain, so a verdict's keep() cuts them right (no chain_counts)."""
+        if max(request.ks, default=0) <= 0 or (not request.sampling.greedy and self.device != self.target_device):
             return None
-        return DeviceChains.cut(*self._passes(self._catch_up(request.ids), max(request.ks)), request)
+        tokens, q, probs = self._passes(self._catch_up(request.ids), max(request.ks), request)
+        return DeviceChains.cut(tokens, q, request, probs=probs)
 
     def _catch_up(self, ids) -> torch.Tensor:
         """Feed each row what its cache lacks (after cutting what the last greedy proposal fed past its chain): the
@@ -81,24 +84,35 @@ class ModelDrafter(Drafter):
         self._cut()
         return self.kv.step([row[n:] for row, n in zip(ids, self.kv.counts)])
 
-    def _passes(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """k argmax tokens for every row, each pass fed the last one's on the device, with no host read between
-        them (a graph replay per pass where the runner captures): tokens (B, k) and their q (B, k), float64."""
-        tokens, q_tokens = [], []  # per pass, (B,)
+    def _passes(self, logits: torch.Tensor, k: int, request: DraftRequest
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """k tokens for every row, each pass fed the last one's on the device, with no host read between them (a
+        graph replay per pass where the runner captures): greedy the argmax, sampled a draw from each row's own
+        generator (verify.sample_rows). Returns tokens (B, k), their q (B, k) float64, and when sampled the
+        distributions drawn from (B, k, V), else None."""
+        sampling = request.sampling
+        gens = None if sampling.greedy else [generator_on(g, self.device) for g in request.generators]
+        tokens, q_tokens, rows = [], [], []  # per pass, (B,), (B,), (B, V)
         for i in range(k):
             if i:
                 x = tokens[-1][:, None]  # (B, 1): every row feeds one token
                 logits = self.kv.forward(x, torch.ones_like(x, dtype=torch.bool), 1, fed=[1] * len(x))[0][:, -1]
-            index = logits.argmax(-1)  # (B,)
+            if sampling.greedy:
+                probs = torch.softmax(logits.float(), -1)
+                index = logits.argmax(-1)  # (B,)
+            else:
+                probs = logits_to_probs(logits, sampling)
+                index = sample_rows(probs, gens)
+                rows.append(probs)
             tokens.append(index)
-            q_tokens.append(torch.softmax(logits.float(), -1).gather(1, index[:, None])[:, 0])
-        return torch.stack(tokens, 1), torch.stack(q_tokens, 1).double()
+            q_tokens.append(probs.gather(1, index[:, None])[:, 0])
+        return torch.stack(tokens, 1), torch.stack(q_tokens, 1).double(), torch.stack(rows, 1) if rows else None
 
-    def _greedy(self, chains: Chains, logits: torch.Tensor, k: int) -> None:
+    def _greedy(self, chains: Chains, logits: torch.Tensor, request: DraftRequest) -> None:
         """_passes, then one read of tokens and q, and each row keeps its chain up to its own k or end of sequence
         (Chains.add)."""
         start = list(self.kv.counts)
-        tokens, q = self._passes(logits, k)
+        tokens, q, _ = self._passes(logits, max(request.ks), request)
         chain_tokens, q = torch.stack([tokens.double(), q]).tolist()  # (B, k) each
         for r, (row_tokens, row_q) in enumerate(zip(chain_tokens, q)):
             for token, q_token in zip(row_tokens, row_q):

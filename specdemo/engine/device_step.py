@@ -1,7 +1,7 @@
-"""A greedy speculative step whose drafts stay on the device (Drafter.propose_on_device): chains or trees verified
-there, the target's argmax compared there, and the drafts and the verdicts read back in one copy, the step's one host
-synchronisation (what a graph-captured target needs to run at the chip's pace). The loop (engine.loop) chooses it;
-knows the caches' forward and keep, not the loop's rows.
+"""A speculative step whose drafts stay on the device (Drafter.propose_on_device): greedy chains or trees, or sampled
+chains, verified there (the target's argmax compared, or rejection sampling), and the drafts and the verdicts read
+back in one copy, the step's one host synchronisation (what a graph-captured target needs to run at the chip's
+pace). The loop (engine.loop) chooses it; knows the caches' forward and keep, not the loop's rows.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from ..drafters.base import DeviceChains, DeviceTrees, Proposal
 from .events import Inspection
 from .tree import TokenTree, device_tree_batch, greedy_tree_verdict
-from .verify import greedy_accept_chains, inspect_verify
+from .verify import greedy_verdicts, inspect_verify, logits_to_probs, read_chains, rejection_accept_rows
 
 FIELDS = ("tokens", "parents", "q", "values", "keep")  # what a device tree brings back, per node
 
@@ -38,20 +38,27 @@ def _feed(run, ids: list[list[int]], drafts: torch.Tensor) -> torch.Tensor:
     return torch.cat([pending, drafts.to(run.device)], 1)
 
 
-def verify_chains_on_device(run, ids: list[list[int]], chains: DeviceChains) -> tuple:
-    """Greedy chains still on the device: every row feeds its pending token and all k drafted positions (a row's past
-    its length are padding: each entry attends only to those before it, and none is accepted), the target's argmax is
-    compared there, the cache keeps the accepted entries, and the verdicts and the chains come back in one read
-    (verify.greedy_accept_chains). Returns (width, features, drafted, their q, verified)."""
+def verify_chains_on_device(run, ids: list[list[int]], chains: DeviceChains, ks: list[int]) -> tuple:
+    """Chains still on the device: every row feeds its pending token and all k drafted positions (a row's past its
+    length are padding: each entry attends only to those before it, and none is accepted), the verdicts are reached
+    there (greedy: the target's argmax compared; sampling: rejection_accept_rows against the chains' draft
+    distributions, row r drawing ks[r] uniforms from its own generator), the cache keeps the accepted entries, and the
+    verdicts and the chains come back in one read (verify.read_chains). Returns (width, features, drafted, their q,
+    verified)."""
     tokens = _feed(run, ids, chains.tokens)  # (B, k + 1)
     width, before = tokens.shape[1], list(run.kv.counts)
     real = torch.ones_like(tokens, dtype=torch.bool)
     logits, features = run.kv.forward(tokens, real, width, run.layers, fed=[width] * len(ids))  # (B, W, V)
-    accepted, nxt, drafted, q = greedy_accept_chains(tokens[:, 1:], chains.lengths.to(run.device),
-                                                     chains.q.to(run.device), logits)
+    lengths, probs = chains.lengths.to(run.device), None
+    if run.sampling.greedy:
+        verdicts = greedy_verdicts(tokens[:, 1:], lengths, logits)
+    else:
+        probs = logits_to_probs(logits, run.sampling)  # (B, W, V)
+        verdicts = rejection_accept_rows(tokens[:, 1:], lengths, chains.probs.to(run.device), probs, run.rows.gens, ks)
+    accepted, nxt, drafted, q = read_chains(*verdicts, tokens[:, 1:], lengths, chains.q.to(run.device))
     run.kv.keep([n + 1 + a for n, a in zip(before, accepted)])
-    seen = [inspect_verify(logits[r, : len(d) + 1], None, tokens[r, 1 : 1 + len(d)]) if run.inspect else None
-            for r, d in enumerate(drafted)]
+    seen = [inspect_verify(logits[r, : len(d) + 1], None if probs is None else probs[r, : len(d) + 1],
+                           tokens[r, 1 : 1 + len(d)]) if run.inspect else None for r, d in enumerate(drafted)]
     return width, features, drafted, q, [Verified(list(range(a)), t, s) for a, t, s in zip(accepted, nxt, seen)]
 
 

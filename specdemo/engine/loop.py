@@ -25,7 +25,8 @@ from .tree import TokenTree, TreeBatch, greedy_tree_accept_batch, tree_accept_ba
 from .verify import ACCEPT_RULES, greedy_accept_batch, inspect_verify, logits_to_probs, rejection_accept_batch
 
 KPolicy = Callable[[int], int]  # the current batch size -> k (0: no speculation this step)
-# when greedy drafts (chains, or trees where the drafter grows them there) stay on the device, verified there and
+# when drafts (greedy chains or trees where the drafter grows them there, sampled chains under token-wise
+# verification) stay on the device, verified there and
 # read back once a step (Drafter.propose_on_device, engine.device_step): "capture" where the target's passes are
 # graph-captured (every row then feeds all its entries: nothing more on a GPU, a wider pass on a CPU), "always" (the
 # tests), "never"
@@ -217,7 +218,7 @@ class _Run:
         self.row_k = [config.num_draft_tokens] * len(prompts)
         self.tree = tree_plan(config, drafter, self.kv.takes_trees)
         runner = getattr(self.kv, "runner", None)
-        self.one_read = (drafter is not None and self.sampling.greedy
+        self.one_read = (drafter is not None and (self.sampling.greedy or self.sampling.verification == "token")
                          and (ONE_READ == "always" or (ONE_READ == "capture" and getattr(runner, "capture", False))))
         # under --tree auto: what steps cost by width, as this drafter's runs have measured them so far
         self.costs = auto_costs(drafter, len(prompts), config) if self.tree.by_cost else None
@@ -340,8 +341,8 @@ def _spec_step(run: _Run, k_policy: KPolicy | None) -> BatchEvent:
         if costs is not None:
             run.width = auto_width(run.width, max(len(p.tokens) for p in proposals), run.tree.nodes)
         drafted, token_probs, values = ([getattr(p, f) for p in proposals] for f in ("tokens", "token_probs", "values"))
-    elif on_device is not None:  # greedy chains verified on the device and read back with the verdicts, once
-        width, features, drafted, token_probs, verified = verify_chains_on_device(run, ids, on_device)
+    elif on_device is not None:  # chains verified on the device and read back with the verdicts, once
+        width, features, drafted, token_probs, verified = verify_chains_on_device(run, ids, on_device, ks)
         trees, values = [None] * len(ids), [None] * len(ids)
         proposals = [Proposal(d, token_probs=q) for d, q in zip(drafted, token_probs)]
     else:  # drafts the host holds

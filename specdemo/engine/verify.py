@@ -54,7 +54,7 @@ def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     return num_accepted, int(target_choice[num_accepted])
 
 
-def _greedy_verdicts(drafted: torch.Tensor, lengths: torch.Tensor,
+def greedy_verdicts(drafted: torch.Tensor, lengths: torch.Tensor,
                      logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """On the device: (num_accepted (B,), next token (B,)) for drafted (B, W-1) with lengths (B,) real drafts."""
     choice = logits.argmax(-1)  # (B, W)
@@ -69,15 +69,14 @@ def greedy_accept_batch(drafted: torch.Tensor, lengths: torch.Tensor,
                         logits: torch.Tensor) -> tuple[list[int], list[int]]:
     """greedy_accept for every row at once: drafted (B, W-1) with lengths (B,) real drafts, logits (B, W, V)
     -> (num_accepted per row, next token per row)."""
-    accepted, nxt = torch.stack(_greedy_verdicts(drafted, lengths, logits)).tolist()  # one read back, not two
+    accepted, nxt = torch.stack(greedy_verdicts(drafted, lengths, logits)).tolist()  # one read back, not two
     return accepted, nxt
 
 
-def greedy_accept_chains(drafted: torch.Tensor, lengths: torch.Tensor, q: torch.Tensor, logits: torch.Tensor
-                         ) -> tuple[list[int], list[int], list[list[int]], list[list[float]]]:
-    """greedy_accept_batch for chains still on the device (drafters.base.DeviceChains), reading back in one copy
-    the verdicts and the chains themselves: (num_accepted, next token, each row's drafted tokens, their q)."""
-    accepted, nxt = _greedy_verdicts(drafted, lengths, logits)
+def read_chains(accepted: torch.Tensor, nxt: torch.Tensor, drafted: torch.Tensor, lengths: torch.Tensor,
+                q: torch.Tensor) -> tuple[list[int], list[int], list[list[int]], list[list[float]]]:
+    """The verdicts (B,) of chains still on the device (drafters.base.DeviceChains) read back in one copy with the
+    chains themselves: (num_accepted, next token, each row's drafted tokens, their q)."""
     table = torch.cat([torch.stack([accepted, nxt, lengths], 1), drafted], 1).double()  # ids are exact in float64
     k = drafted.shape[1]
     read = torch.cat([table, q.double()], 1).tolist()  # the step's one read back from the device
@@ -133,7 +132,8 @@ def rejection_accept_rows(drafted: torch.Tensor, lengths: torch.Tensor, draft_pr
     return accepted, sample_rows(residual / residual.sum(-1, keepdim=True), generators)
 
 
-def draft_rows(drafted: torch.Tensor, qs: list[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor | None:
+def _draft_rows_batch(drafted: torch.Tensor, qs: list[torch.Tensor | None],
+                      like: torch.Tensor) -> torch.Tensor | None:
     """Each row's q as one (B, n, V) tensor for rejection_accept_rows, drafted (B, n): a drafter's own rows (zero past
     them), one-hot at the drafted tokens for a deterministic row (which max(0, p - q) and min(1, p / q) treat as q =
     None does); None when no row has its own. `like` gives the device and dtype."""
@@ -155,7 +155,7 @@ def rejection_accept_batch(drafted: torch.Tensor, lengths: list[int], qs: list[t
     lengths[r] real drafts, qs each row's draft distributions (None: a deterministic drafter), target_probs (B, W, V).
     Each row draws from its own generator what rejection_accept would draw for it alone."""
     lengths_t = torch.tensor(lengths).to(target_probs.device, non_blocking=True)
-    verdicts = rejection_accept_rows(drafted, lengths_t, draft_rows(drafted, qs, target_probs), target_probs,
+    verdicts = rejection_accept_rows(drafted, lengths_t, _draft_rows_batch(drafted, qs, target_probs), target_probs,
                                      generators, lengths)
     accepted, nxt = torch.stack(verdicts).tolist()
     return accepted, nxt
