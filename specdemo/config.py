@@ -26,9 +26,12 @@ AUTO_K_MAX = 8  # the largest k that auto k (batches) considers
 GRAPH_MODES = ("auto", "on", "off")
 VERIFICATION_RULES = ("token", "block")  # when sampling: token-wise (Leviathan et al.) or block (Sun et al.)
 # draft trees (--tree): "auto" sizes each step's tree by the target's pass costs timed at load, "off" drafts chains,
-# N allows up to N nodes; auto considers at most AUTO_TREE_NODES nodes (the widest pass costs are timed for: MAX_K)
+# N allows up to N nodes; auto considers at most as many nodes as the widest pass costs are timed for at load
+# (auto_tree_nodes): MAX_K on a CPU; 32 on a GPU, where a 9-token pass cost 1.09-1.24x a 1-token one (H200) and the
+# head's trees still gain there (2.58 tokens per pass at 16 nodes, 2.72 at 32: docs/notes/trees-cpu-2026-12-04.md)
 TREE_MODES = ("auto", "off")
 AUTO_TREE_NODES = MAX_K
+AUTO_TREE_NODES_GPU = 32
 TREE_CHOICES = ("auto", "off", "4", "8", "16")  # the app's Tree setting offers these (any budget may be typed)
 TREE_DEFAULT = "default"  # the app's Tree setting meaning the drafter's measured default (tree_default)
 TUNE_TREES = ("off", "auto")  # the tree settings Tune k sweeps unless told others (few: each multiplies its runs)
@@ -391,3 +394,9 @@ def runtime_from_env(env: Mapping[str, str]) -> Runtime:
                    hub_offline=_flag(env.get("HF_HUB_OFFLINE"), False),
                    hub_endpoint=env.get("HF_ENDPOINT") or Runtime.hub_endpoint,
                    graphs=(env.get("SPECDEMO_GRAPHS") or Runtime.graphs).strip().lower())
+
+
+def auto_tree_nodes(device) -> int:
+    """The most nodes --tree auto considers for a target on `device` (a torch.device or its name): the widest pass
+    its costs are timed for at load."""
+    return AUTO_TREE_NODES_GPU if str(getattr(device, "type", device)).startswith("cuda") else AUTO_TREE_NODES

@@ -240,7 +240,7 @@ def test_trees_under_eager_attention(tiny_tok, static):
 
 def test_drafters_without_trees_and_plans_say_why(tiny_draft):
     """The plan in words: a chain drafter, --tree off, block verification and auto without pass costs give chains;
-    --tree N its budget; auto the costs' widest pass (at most 16 nodes)."""
+    --tree N its budget; auto the costs' widest pass (at most 32 nodes)."""
     greedy = GenerationConfig()
     assert tree_plan(greedy, ModelDrafter(tiny_draft)).nodes == 0
     assert tree_plan(GenerationConfig(tree="off"), NgramDrafter(pass_costs=FLAT)).why == "chains (--tree off)"
@@ -250,8 +250,33 @@ def test_drafters_without_trees_and_plans_say_why(tiny_draft):
     assert tree_plan(GenerationConfig(tree="5"), NgramDrafter()).nodes == 5
     plan = tree_plan(greedy, NgramDrafter(pass_costs={1: 1.0, 2: 1.0, 3: 1.1}))
     assert (plan.nodes, plan.by_cost) == (3, True)
+    assert tree_plan(greedy, NgramDrafter(pass_costs={n: 1.0 for n in range(1, 65)})).nodes == 32
     with pytest.raises(ValueError, match="--tree"):
         GenerationConfig(tree="wide").validate()
+
+
+def test_auto_considers_wider_trees_on_a_gpu(monkeypatch):
+    """A target's pass costs are timed at load up to the widest tree --tree auto considers on its device (16 nodes on
+    a CPU, 32 on a GPU, where wide passes cost about what narrow ones do), and auto's plan follows them."""
+    from types import SimpleNamespace
+
+    from specdemo.config import auto_tree_nodes
+    from specdemo.drafters import registry
+    from specdemo.engine import timing
+
+    assert auto_tree_nodes("cpu") == 16 and auto_tree_nodes(torch.device("cuda", 0)) == auto_tree_nodes("cuda:1") == 32
+    asked = []
+
+    def timed(model, probe, k_max):
+        asked.append(k_max)
+        return {n: 1.0 + 0.01 * n for n in range(1, k_max + 1)}
+
+    monkeypatch.setattr(timing, "load_time_verify_costs", timed)
+    for device in ("cpu", "cuda"):
+        target = SimpleNamespace(model=None, tokenizer=lambda text: {"input_ids": [1, 2]}, device=torch.device(device))
+        plan = tree_plan(GenerationConfig(), NgramDrafter(pass_costs=registry.tree_pass_costs(target)))
+        assert (plan.nodes, plan.by_cost) == (auto_tree_nodes(device), True)
+    assert asked == [16, 32]
 
 
 REAL_PROMPTS = ["List the colors red, green, blue, red, green, blue, and then list them again twice.",

@@ -201,11 +201,13 @@ def draft_drafter(target: LoadedModel, draft: str | None, options: BuildOptions)
 
 def tree_pass_costs(target: LoadedModel) -> dict[int, float]:
     """The target's pass costs that size draft trees (--tree auto) and cost-aware suffix drafts: timed at its first
-    load (engine.timing.load_time_verify_costs), then remembered."""
-    from ..config import MAX_K
+    load (engine.timing.load_time_verify_costs) up to the widest pass auto considers there (config.auto_tree_nodes:
+    wider on a GPU), then remembered."""
+    from ..config import auto_tree_nodes
     from ..engine.timing import PROBE_TEXT, load_time_verify_costs
 
-    return load_time_verify_costs(target.model, target.tokenizer(PROBE_TEXT)["input_ids"], MAX_K)
+    return load_time_verify_costs(target.model, target.tokenizer(PROBE_TEXT)["input_ids"],
+                                  auto_tree_nodes(target.device))
 
 
 def lookup_drafter(target: LoadedModel, draft: str | None, options: BuildOptions) -> Built:

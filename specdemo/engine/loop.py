@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..config import AUTO_TREE_NODES, MAX_K_ENGINE, GenerationConfig, SamplingConfig
+from ..config import AUTO_TREE_NODES_GPU, MAX_K_ENGINE, GenerationConfig, SamplingConfig
 from ..drafters.base import DeviceTrees, Drafter, DraftRequest, Proposal, Verdict
 from . import graphs
 from .device_step import Verified, verify_chains_on_device, verify_trees_on_device
@@ -162,9 +162,10 @@ class TreePlan:
 
 
 def tree_plan(config: GenerationConfig, drafter: Drafter | None, takes_trees: bool = True) -> TreePlan:
-    """--tree N allows N nodes; auto up to AUTO_TREE_NODES, cut by the drafter's pass costs. Chains where trees are
-    off, where the drafter drafts none or, under auto, has no pass costs to size one by, under block verification
-    (it judges chains only), and where the target's attention takes no tree mask (`takes_trees`)."""
+    """--tree N allows N nodes; auto up to the widest pass the drafter's pass costs were timed for (at most
+    AUTO_TREE_NODES_GPU: config.auto_tree_nodes), cut by those costs. Chains where trees are off, where the drafter
+    drafts none or, under auto, has no pass costs to size one by, under block verification (it judges chains only),
+    and where the target's attention takes no tree mask (`takes_trees`)."""
     nodes = config.tree_nodes
     if nodes == 0:
         return TreePlan(0, False, "chains (--tree off)")
@@ -180,7 +181,7 @@ def tree_plan(config: GenerationConfig, drafter: Drafter | None, takes_trees: bo
         return TreePlan(nodes, False, f"trees of up to {nodes} nodes (--tree {nodes})")
     if not drafter.pass_costs:
         return TreePlan(0, False, "chains: no pass costs timed on the target to size a tree by")
-    nodes = min(AUTO_TREE_NODES, max(drafter.pass_costs))
+    nodes = min(AUTO_TREE_NODES_GPU, max(drafter.pass_costs))
     return TreePlan(nodes, True, f"trees of up to {nodes} nodes, branches kept where they pay for the wider pass "
                                  f"(--tree auto)")
 
