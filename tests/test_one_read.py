@@ -157,3 +157,30 @@ def test_a_captured_step_synchronises_once(tiny, tiny_tok, kind, tree, temperatu
             graphs.detach(model)
     steady = [s for kind_, s in syncs[3:] if kind_ == "spec"]
     assert steady and all(len(s) <= 1 for s in steady), syncs
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_a_sampled_tree_step_reads_its_verdicts_once(tiny, tiny_tok, rows, monkeypatch):
+    """Under the static runner, sampled trees from a host drafter (prompt lookup's branches, one-hot q) are verified
+    for every row at once: each step reads the device once (tree_accept_batch; rejection_accept_batch where no row
+    branched), where the walk down each tree read a value per tried child."""
+    per_step, step = [], loop._spec_step
+
+    def counting(*args):
+        with counted_reads() as reads:
+            out = step(*args)
+        per_step.append([name for _, name in reads])
+        return out
+
+    monkeypatch.setattr(loop, "_spec_step", counting)
+    graphs.attach(tiny.target, "on")
+    try:
+        target, drafter = case("ngram").build(tiny)
+        config = GenerationConfig(max_new_tokens=24, num_draft_tokens=4, tree="8", sampling=SamplingConfig(1.0))
+        events = list(decode(target, tiny_tok, PROMPTS[:rows], config, drafter))
+    finally:
+        graphs.detach(tiny.target)
+    assert any(s.parents is not None and s.parents != list(range(-1, len(s.parents) - 1))
+               for e in events for s in e.steps)  # some steps branched
+    assert per_step and all(len(names) == 1 for names in per_step), per_step
+    assert {n for names in per_step for n in names} == {"tree_accept_batch", "rejection_accept_batch"}

@@ -4,6 +4,7 @@ tree_walk itself on a small vocabulary (sampled siblings with and without replac
 the target's, a wrong residual breaks that, a chain is rejection_accept draw for draw, and seeded draws agree."""
 
 import itertools
+import random
 
 import pytest
 import torch
@@ -385,3 +386,26 @@ def test_tree_accept_batch_is_each_row_with_its_own_generator():
         alone = [tree_accept(t, q, target[r, : len(t) + 1], torch.Generator().manual_seed(seed + r))
                  for r, (t, q) in enumerate(zip(trees, rows))]
         assert tree_accept_batch(trees, rows, target, gens) == ([a for a, _ in alone], [b for _, b in alone])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_batched_walk_decides_every_row_as_tree_accept_does(dtype):
+    """tree_accept_batch (the engine's: all rows at once on the device, one read) takes tree_accept's verdicts and
+    draws, seed for seed, on random batches: trees of 0 to 8 nodes of every shape, one-hot rows, sampled rows and
+    both in one batch, padding past each tree; so the exact law enumerated above for tree_walk is the engine's."""
+    rng, gen, vocab = random.Random(0), torch.Generator().manual_seed(0), 7
+    for trial in range(200):
+        trees, qs = [], []
+        for _ in range(rng.randint(1, 5)):
+            n = rng.randint(0, 8)
+            q = torch.softmax(2 * torch.randn(n, vocab, generator=gen, dtype=torch.float64), -1)
+            tokens = torch.multinomial(q, 1, generator=gen)[:, 0].tolist() if n else []
+            trees.append(TokenTree(tokens, [rng.randint(-1, j - 1) for j in range(n)]))
+            qs.append(q if rng.random() < 0.6 else None)
+        width = max(len(t) for t in trees) + 1 + rng.randint(0, 2)
+        p = torch.softmax(2 * torch.randn(len(trees), width, vocab, generator=gen), -1).to(dtype)
+        gens = [torch.Generator().manual_seed(100 * trial + r) for r in range(len(trees))]
+        batched = tree_accept_batch(trees, qs, p, gens)
+        alone = [tree_accept(t, q, p[r, : len(t) + 1], torch.Generator().manual_seed(100 * trial + r))
+                 for r, (t, q) in enumerate(zip(trees, qs))]
+        assert batched == ([a for a, _ in alone], [t for _, t in alone]), trial

@@ -104,7 +104,8 @@ def _verify(logits: torch.Tensor, tokens: torch.Tensor, drafted: list[list[int]]
 def _verify_trees(logits: torch.Tensor, tokens: torch.Tensor, trees: list[TokenTree], batch: TreeBatch,
                   qs: list[torch.Tensor | None], sampling: SamplingConfig, gens, inspect: bool) -> list[Verified]:
     """Each row's acceptance of its tree (a chain row's: its chain as a tree) from the verify pass: greedy, the
-    longest path the target agrees with; sampling, recursive rejection sampling (engine.tree.tree_accept)."""
+    longest path the target agrees with; sampling, recursive rejection sampling (engine.tree.tree_accept_batch:
+    tree_accept for every row, read back once)."""
     if sampling.greedy:
         paths, nxt = greedy_tree_accept_batch(trees, logits, batch)
         probs = None

@@ -14,7 +14,7 @@ from functools import cached_property
 
 import torch
 
-from .verify import sample
+from .verify import sample, sample_rows
 
 
 @dataclass(frozen=True)
@@ -290,8 +290,61 @@ def sibling_rows(tree: TokenTree, parent_probs: torch.Tensor, replacement: bool 
 def tree_accept_batch(trees: Sequence[TokenTree], draft_probs: Sequence[torch.Tensor | None],
                       target_probs: torch.Tensor, generators: Sequence[torch.Generator | None]
                       ) -> tuple[list[list[int]], list[int]]:
-    """tree_accept for every row, each with its own generator: target_probs (B, W, V), W >= each tree's nodes + 1
-    -> (accepted nodes per row, next token per row)."""
-    out = [tree_accept(t, q, target_probs[r, : len(t) + 1], g)
-           for r, (t, q, g) in enumerate(zip(trees, draft_probs, generators))]
-    return [path for path, _ in out], [nxt for _, nxt in out]
+    """tree_accept for every row at once on the device, read back in one copy: target_probs (B, W, V), W >= each
+    tree's nodes + 1; draft_probs each row's (n, V) or None (one-hot). Row r draws from generators[r] what
+    tree_accept draws for it alone (one uniform per node, then the next token), and takes the same verdicts: every
+    entry's siblings are tried in index order at once across entries and rows (a rejected sibling's q taken off p,
+    renormalised, as _residual does), then each row follows its first accepted children down from the root.
+    Returns (accepted nodes per row, next token per row)."""
+    rows, width, vocab = target_probs.shape
+    device, p = target_probs.device, target_probs
+    n = [len(t) for t in trees]
+    fan = max((len(t.children(e - 1)) for t in trees for e in range(len(t) + 1)), default=0)
+    kids = []  # (B, W, C): each entry's children in the order they are tried, -1 past them
+    for t in trees:
+        entries = [list(t.children(e - 1)) for e in range(len(t) + 1)]
+        kids.append([c + [-1] * (fan - len(c)) for c in entries] + [[-1] * fan] * (width - len(entries)))
+    kids = torch.tensor(kids, dtype=torch.long).view(rows, width, fan)
+    tokens = torch.tensor([list(t.tokens) + [0] * (width - 1 - len(t)) for t in trees], dtype=torch.long)
+    kids, tokens = kids.to(device, non_blocking=True), tokens.to(device, non_blocking=True)
+    u = torch.stack([torch.cat([torch.rand(m, generator=g, device=device), torch.ones(width - m, device=device)])
+                     for m, g in zip(n, generators)])  # (B, W): node j's uniform at j, as tree_accept draws them
+    deterministic = all(q is None for q in draft_probs)
+    if not deterministic:
+        q_all = torch.zeros(rows, width, vocab, dtype=p.dtype, device=device)
+        for r, (t, q) in enumerate(zip(trees, draft_probs)):
+            if q is None:  # one-hot rows, as tree_walk makes them
+                q_all[r, torch.arange(len(t)), torch.tensor(t.tokens, dtype=torch.long)] = 1.0
+            else:
+                q_all[r, : len(t)] = q[: len(t)].to(device, p.dtype)
+    chosen = torch.full((rows, width), -1, dtype=torch.long, device=device)  # entry -> its accepted child node
+    done = torch.zeros(rows, width, dtype=torch.bool, device=device)
+    for i in range(fan):
+        child = kids[:, :, i]  # (B, W)
+        live = (child >= 0) & ~done
+        c = child.clamp(min=0)
+        x = tokens.gather(1, c)  # (B, W)
+        px = p.gather(2, x[..., None])[..., 0]
+        if deterministic:
+            qx = torch.ones_like(px)
+            rest = p.scatter(2, x[..., None], 0.0)  # max(0, p - onehot(x))
+        else:
+            q = q_all.gather(1, c[..., None].expand(rows, width, vocab))  # (B, W, V): each child's own q
+            qx = q.gather(2, x[..., None])[..., 0]
+            rest = (p - q).clamp(min=0)
+        accept = live & ~(u.gather(1, c) * qx > px)  # tree_accept's decide: r < p/q, no division
+        chosen = torch.where(accept, child, chosen)
+        total = rest.sum(-1, keepdim=True)
+        residual = torch.where(total > 0, rest / total, p)  # p == q up to rounding: nothing left to take off
+        p = torch.where((live & ~accept)[..., None], residual, p)
+        done |= accept
+    entry = torch.zeros(rows, 1, dtype=torch.long, device=device)
+    path = []
+    for _ in range(max((max(t.depths, default=0) for t in trees), default=0)):
+        node = chosen.gather(1, entry)  # (B, 1)
+        path.append(node[:, 0])
+        entry = torch.where(node >= 0, node + 1, entry)
+    nxt = sample_rows(p.gather(1, entry[..., None].expand(rows, 1, vocab))[:, 0], generators)
+    read = torch.stack(path + [nxt], 1).tolist()  # the one read: each row's walk, then its next token
+    paths = [row[:-1] for row in read]
+    return [row[: row.index(-1)] if -1 in row else row for row in paths], [row[-1] for row in read]
