@@ -162,8 +162,8 @@ def test_a_captured_step_synchronises_once(tiny, tiny_tok, kind, tree, temperatu
 @pytest.mark.parametrize("rows", [1, 4])
 def test_a_sampled_tree_step_reads_its_verdicts_once(tiny, tiny_tok, rows, monkeypatch):
     """Under the static runner, sampled trees from a host drafter (prompt lookup's branches, one-hot q) are verified
-    for every row at once: each step reads the device once (tree_accept_batch; rejection_accept_batch where no row
-    branched), where the walk down each tree read a value per tried child."""
+    for every row at once on a GPU (forced here): each step reads the device once (tree_accept_batch;
+    rejection_accept_batch where no row branched), where the walk down each tree reads a value per tried child."""
     per_step, step = [], loop._spec_step
 
     def counting(*args):
@@ -173,6 +173,7 @@ def test_a_sampled_tree_step_reads_its_verdicts_once(tiny, tiny_tok, rows, monke
         return out
 
     monkeypatch.setattr(loop, "_spec_step", counting)
+    monkeypatch.setattr(loop, "ONE_READ", "always")  # as on a GPU (on a CPU the walk goes row by row)
     graphs.attach(tiny.target, "on")
     try:
         target, drafter = case("ngram").build(tiny)

@@ -21,15 +21,14 @@ from .events import BatchEvent, Committer, StepEvent, check_request, eos_ids
 from .kv import check_cache, right_padded
 from .static import needed_capacity
 from .timing import Clock, StepCosts, step_costs
-from .tree import TokenTree, TreeBatch, greedy_tree_accept_batch, tree_accept_batch
+from .tree import TokenTree, TreeBatch, greedy_tree_accept_batch, tree_accept_batch, tree_accept_each
 from .verify import ACCEPT_RULES, greedy_accept_batch, inspect_verify, logits_to_probs, rejection_accept_batch
 
 KPolicy = Callable[[int], int]  # the current batch size -> k (0: no speculation this step)
 # when drafts (greedy chains or trees where the drafter grows them there, sampled chains under token-wise
-# verification) stay on the device, verified there and
-# read back once a step (Drafter.propose_on_device, engine.device_step): "capture" where the target's passes are
-# graph-captured (every row then feeds all its entries: nothing more on a GPU, a wider pass on a CPU), "always" (the
-# tests), "never"
+# verification) stay on the device, verified there and read back once a step (Drafter.propose_on_device,
+# engine.device_step): "capture" where the target's passes are graph-captured (every row then feeds all its entries:
+# nothing more on a GPU, a wider pass on a CPU), "always" (the tests; sampled trees then walked as on a GPU), "never"
 ONE_READ = "capture"
 
 
@@ -104,15 +103,17 @@ def _verify(logits: torch.Tensor, tokens: torch.Tensor, drafted: list[list[int]]
 def _verify_trees(logits: torch.Tensor, tokens: torch.Tensor, trees: list[TokenTree], batch: TreeBatch,
                   qs: list[torch.Tensor | None], sampling: SamplingConfig, gens, inspect: bool) -> list[Verified]:
     """Each row's acceptance of its tree (a chain row's: its chain as a tree) from the verify pass: greedy, the
-    longest path the target agrees with; sampling, recursive rejection sampling (engine.tree.tree_accept_batch:
-    tree_accept for every row, read back once)."""
+    longest path the target agrees with; sampling, recursive rejection sampling (engine.tree.tree_accept): on a GPU
+    for every row at once, read back once (tree_accept_batch), on a CPU row by row (tree_accept_each: cheaper there,
+    where reads cost nothing)."""
     if sampling.greedy:
         paths, nxt = greedy_tree_accept_batch(trees, logits, batch)
         probs = None
     else:
         probs = logits_to_probs(logits, sampling)  # (B, W, V)
         rows = [None if q is None else q[: len(t)].to(probs.device) for t, q in zip(trees, qs)]
-        paths, nxt = tree_accept_batch(trees, rows, probs, gens)
+        accept = tree_accept_batch if probs.device.type != "cpu" or ONE_READ == "always" else tree_accept_each
+        paths, nxt = accept(trees, rows, probs, gens)
     seen = [inspect_verify(logits[r, : len(t) + 1], None if probs is None else probs[r, : len(t) + 1],
                            tokens[r, 1 : 1 + len(t)], list(t.parents)) if inspect else None
             for r, t in enumerate(trees)]
