@@ -229,6 +229,9 @@ open(sys.argv[2],'w').write(''.join(json.dumps(r)+'\n' for r in rows if r.get('c
   G=($PY -m specdemo bench --prompts "$R/prompts.jsonl" --limit "$GN" --max-new-tokens "$TOKENS" --device "$DEV" --quiet)
   stage race_first_token "$GC" $PY scripts/race_first_token.py --device "$DEV" --graphs on --k 2 \
     --max-new-tokens "$TOKENS" --out "$R/race-first-token.json"
+  # where a graphed step's time goes: eager kernels, replays, host syncs and GPU busy time per step, AR and the head
+  stage step_profile "$GC" $PY scripts/step_profile.py --device "$DEV" --graphs on --k 2 --max-new-tokens "$TOKENS" \
+    --out "$R/step-profile.json"
   for g in on off; do
     stage "bench_head_graphs_$g" "$GC" "${G[@]}" --drafter model --k 1,2,4 --anchors --graphs "$g" \
       --out "$R/graphs-$g/head"
@@ -252,6 +255,9 @@ open(sys.argv[2],'w').write(''.join(json.dumps(r)+'\n' for r in rows if r.get('c
   # verified under the captured target
   stage bench_suffix_trees_graphs_on "$GC" "${G[@]}" --prompts specdemo/data/prompts/repetitive.jsonl \
     --drafter suffix --k 8 --tree off,8,16 --graphs on --out "$R/graphs-on/suffix-trees"
+  # sampled chains drawn and verified on the device, read once a step (the head's, at k = 2)
+  stage bench_head_sampled_graphs_on "$GC" "${G[@]}" --limit 3 --drafter model --k 2 --temperature 0.7 --graphs on \
+    --out "$R/graphs-on/head-sampled"
   exit 0
 fi
 # --- end stage: graphs ---
