@@ -238,6 +238,10 @@ open(sys.argv[2],'w').write(''.join(json.dumps(r)+'\n' for r in rows if r.get('c
     stage "bench_lookup_graphs_$g" "$GC" "${G[@]}" --prompts "$R/extractive.jsonl" --drafter ngram --k 4 --anchors \
       --graphs "$g" --out "$R/graphs-$g/lookup-extractive"
   done
+  # the passes compiled (inductor's fused kernels) before capture: what generate's compiled static path has, where
+  # a captured eager forward launches some 40 kernels a layer; compiling costs its first passes (GRAPHS_COMPILE_CAP)
+  stage bench_head_graphs_compiled "${GRAPHS_COMPILE_CAP:-150}" "${G[@]}" --drafter model --k 2 --anchors \
+    --graphs compiled --out "$R/graphs-compiled/head"
   for g in on off; do
     stage "bench_batch_graphs_$g" "$GC" $PY -m specdemo bench --prompts "$R/prompts.jsonl" --device "$DEV" --quiet \
       "${GB[@]}" --drafter ngram --k 4 --anchors --graphs "$g" --out "$R/graphs-$g/batch-lookup"

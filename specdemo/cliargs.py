@@ -38,7 +38,8 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graphs", choices=GRAPH_MODES, default=None,
                    help="how the target's and a draft model's passes run: 'auto' (the default, or SPECDEMO_GRAPHS) "
                         "captures them as CUDA graphs over a static KV cache on a GPU and runs the eager engine "
-                        "elsewhere; 'on' runs the static cache on a CPU too (uncaptured); 'off' always eager")
+                        "elsewhere; 'on' runs the static cache on a CPU too (uncaptured); 'off' always eager; "
+                        "'compiled' as 'on', each pass compiled by torch.compile (fused kernels) before capture")
 
 
 def runtime_args(args: argparse.Namespace, env: Mapping[str, str]) -> Runtime:

@@ -22,8 +22,9 @@ MIN_K = 1
 MAX_K = 16  # UI range; the engine refuses anything above MAX_K_ENGINE
 MAX_K_ENGINE = 64
 AUTO_K_MAX = 8  # the largest k that auto k (batches) considers
-# --graphs: CUDA graphs where the model is on CUDA / always the static runner / never
-GRAPH_MODES = ("auto", "on", "off")
+# --graphs: CUDA graphs where the model is on CUDA / always the static runner / never / as on, each pass compiled
+# by torch.compile (inductor's fused kernels) before it is captured
+GRAPH_MODES = ("auto", "on", "off", "compiled")
 VERIFICATION_RULES = ("token", "block")  # when sampling: token-wise (Leviathan et al.) or block (Sun et al.)
 # draft trees (--tree): "auto" sizes each step's tree by the target's pass costs timed at load, "off" drafts chains,
 # N allows up to N nodes; auto considers at most as many nodes as the widest pass costs are timed for at load
@@ -387,7 +388,7 @@ def _flag(value: str | None, default: bool) -> bool:
 
 def runtime_from_env(env: Mapping[str, str]) -> Runtime:
     """SPECDEMO_CACHE (else XDG_CACHE_HOME/specdemo), SPECDEMO_FAST_LINEAR=0, SPECDEMO_CUDNN_SDPA=1, HF_HUB_OFFLINE,
-    HF_ENDPOINT, SPECDEMO_GRAPHS (auto, on or off)."""
+    HF_ENDPOINT, SPECDEMO_GRAPHS (auto, on, off or compiled)."""
     cache = env.get("SPECDEMO_CACHE") or (f"{env['XDG_CACHE_HOME']}/specdemo" if env.get("XDG_CACHE_HOME") else None)
     return Runtime(cache_dir=cache, fast_linear=_flag(env.get("SPECDEMO_FAST_LINEAR"), True),
                    cudnn_sdpa=_flag(env.get("SPECDEMO_CUDNN_SDPA"), False),

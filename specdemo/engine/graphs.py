@@ -1,7 +1,8 @@
 """The graph runner: a model's passes over static KV storages (engine.static), captured as CUDA graphs per batch size
 (padded to a ladder) and pass width, replayed with their inputs copied into static buffers. Chosen at load by
-`--graphs auto|on|off` (config.Runtime.graphs); anything it cannot take runs the eager engine (engine.kv), with one
-log line saying why. On a CPU, `on` runs the same static code uncaptured (what the tests check).
+`--graphs auto|on|off|compiled` (config.Runtime.graphs; compiled: each pass through torch.compile first); anything it
+cannot take runs the eager engine (engine.kv), with one log line saying why. On a CPU, `on` runs the same static code
+uncaptured (what the tests check).
 
 The engine never knows which runner serves a model: it asks `new_kv` for a cache.
 """
@@ -26,6 +27,8 @@ log = logging.getLogger(__name__)
 BATCH_LADDER = (1, 2, 4, 8, 16, 32, 64)  # captured batch sizes; a batch runs as the next one up (vLLM's way)
 MAX_GRAPH_WIDTH = 33  # the widest pass captured (k = 32 and the pending token); wider ones run eagerly
 MAX_STORAGES = 4  # free storages a runner keeps for reuse (each holds its graphs)
+# --graphs compiled: torch.compile's backend for the passes (the tests trace with "aot_eager": no code generated)
+COMPILE_BACKEND = "inductor"
 
 
 @dataclass
@@ -55,6 +58,8 @@ class Runner:
     graphs: int = 0
     storages: list[Storage] = field(default_factory=list)
     pool: object = None  # the CUDA graphs' shared memory pool
+    compile: bool = False  # --graphs compiled: passes through torch.compile (one dynamic-shape trace) first
+    compiled: object = None  # Storage.run compiled, made at the first pass
 
     @staticmethod
     def refusal(model, mode: str) -> str | None:
@@ -90,13 +95,31 @@ class Runner:
         b, t = tokens.shape
         if not (self.capture and graph and t <= MAX_GRAPH_WIDTH):
             storage.input_view(b, t).copy_(tokens)
-            return storage.run(b, t, keep, layers)
+            return self.run(storage, b, t, keep, layers) if graph else storage.run(b, t, keep, layers)
         bp = padded_batch(b)
         storage.input_view(bp, t)[:b].copy_(tokens)
         done = self._captured(storage, (bp, t, keep, layers))
         if done is None:  # capture failed: this runner now runs eagerly
-            return storage.run(b, t, keep, layers)
+            return self.run(storage, b, t, keep, layers)
         return done.replay(b)
+
+    def run(self, storage: Storage, b: int, t: int, keep: int,
+            layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """storage.run, compiled where the runner compiles (--graphs compiled: one trace with dynamic batch and width,
+        inductor's fused kernels, which capture as any others). A pass that fails to compile runs uncompiled from then
+        on, with one log line saying why."""
+        if self.compile:
+            try:
+                if self.compiled is None:
+                    self.compiled = torch.compile(Storage.run, fullgraph=True, dynamic=True, backend=COMPILE_BACKEND)
+                return self.compiled(storage, b, t, keep, layers)
+            except Exception as exc:  # noqa: BLE001 - the uncompiled pass computes the same
+                self.compile = False
+                said = " ".join(line.strip() for line in str(exc).splitlines()
+                                if line.strip() and not line.startswith("Set TORCH"))  # dynamo's advice
+                self.reason = f"its passes did not compile ({type(exc).__name__}: {said[:200]})"
+                log.warning("graph runner: passes of %s uncompiled: %s", type(self.model).__name__, self.reason)
+        return storage.run(b, t, keep, layers)
 
     def _captured(self, storage, key: tuple) -> Captured | None:
         """The graph for key (the arguments of _capture after the storage), captured now if new; None once capture
@@ -113,7 +136,7 @@ class Runner:
     def _capture(self, storage: Storage, b: int, t: int, keep: int, layers) -> Captured:
         """Capture storage.run for this shape. The runs write only past each row's length, which no row reads, so
         capturing mid-decode changes nothing."""
-        return self.record(storage.device, lambda: storage.run(b, t, keep, layers), f"a {b} x {t} pass")
+        return self.record(storage.device, lambda: self.run(storage, b, t, keep, layers), f"a {b} x {t} pass")
 
     def record(self, device: torch.device, fn, what: str) -> Captured:
         """fn() captured as a CUDA graph in this runner's pool, after warm-up runs on a side stream (as CUDA graphs
@@ -155,9 +178,12 @@ class Runner:
 
     def describe(self) -> str:
         """One line for the app's machine check and the logs."""
+        what = ("CUDA graphs of compiled passes" if self.compile else "CUDA graphs") if self.capture else (
+            "static KV cache, compiled passes, no graphs" if self.compile else "static KV cache, no graphs")
         if self.capture:
-            return f"CUDA graphs ({self.graphs} captured in {self.capture_seconds:.1f}s)"
-        return f"static KV cache, no graphs ({self.reason})"
+            why = f"; {self.reason}" if self.reason else ""
+            return f"{what} ({self.graphs} captured in {self.capture_seconds:.1f}s{why})"
+        return f"{what} ({self.reason})"
 
 
 def padded_batch(rows: int) -> int:
@@ -219,6 +245,7 @@ def attach(model, mode: str = "auto", kind: type[Runner] = Runner) -> Runner | N
         return None
     capture = execution_device(model).type == "cuda"
     runner = kind(model, capture, mode, "" if capture else "the model computes on the CPU")
+    runner.compile = mode == "compiled" and kind is Runner  # a target's or draft LM's passes (not a head's)
     _RUNNERS[model] = runner
     _WHY_EAGER.pop(model, None)
     log.info("graph runner on for %s: %s", type(model).__name__, runner.describe())

@@ -153,9 +153,9 @@ class Storage:
         self.write = self.lengths[:b, None] + self.slots[None, :t]  # (b, T): the slots written
         if t <= LAYOUT_WIDTH:  # each entry at its row's length plus its depth, seeing the past and what the layout says
             positions = self.lengths[:b, None] + self.depth[:b, :t]
-            allowed = (self.slots[None, None, :] < self.lengths[:b, None, None]).expand(b, t, self.capacity)
-            allowed = allowed.contiguous().scatter_(2, self.write[:, None, :].expand(b, t, t),
-                                                    self.ancestry[:b, :t, :t])[:, None]  # (b, 1, T, capacity)
+            rel = self.slots[None, :] - self.lengths[:b, None]  # (b, capacity): each slot's entry of this pass
+            seen = self.ancestry[:b, :t, :t].gather(2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, self.capacity))
+            allowed = ((rel < 0)[:, None, :] | (((rel >= 0) & (rel < t))[:, None, :] & seen))[:, None]  # (b,1,T,cap)
         else:  # a long prefill: causal
             positions = self.write
             allowed = self.slots[None, None, None, :] <= self.write[:, None, :, None]  # (b, 1, T, capacity)

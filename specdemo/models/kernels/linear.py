@@ -73,7 +73,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     if not rows or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32:
         return nn.functional.linear(x, weight, bias)
-    if packed is not None and rows >= 3 and (copy := packed.get(weight)) is not None:
+    # the packed copy is looked up by the weight's address, which torch.compile (--graphs compiled) does not trace
+    if (packed is not None and rows >= 3 and not torch.compiler.is_compiling()
+            and (copy := packed.get(weight)) is not None):
         return _packed_linear(x, copy, bias)
     if rows > MAX_ROWS:
         return nn.functional.linear(x, weight, bias)
