@@ -17,7 +17,7 @@ PROMPTS = [[3, 5, 7, 3, 5, 9, 2], [4, 4, 1], [9, 8, 7, 6, 5, 4, 3, 2, 1, 2, 3, 4
 def compiled(tiny, monkeypatch):
     """The tiny target and draft with --graphs compiled for the test, dynamo's caches cleared around it."""
     torch._dynamo.reset()
-    models = (tiny.target, tiny.draft)
+    models = (tiny.target, tiny.draft, tiny.eagle3_target)
     runners = [graphs.attach(model, "compiled") for model in models]
     assert all(r is not None and r.compile for r in runners)
     yield runners
@@ -31,17 +31,20 @@ def eager_tokens(tiny, tok, kind, rows, config):
     return row_outputs(list(decode(target, tok, PROMPTS[:rows], config, drafter)), rows)
 
 
-@pytest.mark.parametrize("kind,rows,k", [(None, 1, 1), ("model", 4, 2), ("ngram", 1, 4), ("model", 1, 4)])
+@pytest.mark.parametrize("kind,rows,k", [(None, 1, 1), ("model", 4, 2), ("ngram", 1, 4), ("model", 1, 4),
+                                         ("eagle3", 2, 2)])
 def test_compiled_passes_give_the_eager_engines_greedy_tokens(tiny, tiny_tok, compiled, kind, rows, k, monkeypatch):
-    """AR, a draft LM and prompt lookup at B = 1 and 4: the compiled passes (traced, not run uncompiled) decode the
-    eager engine's tokens, and the runner says its passes are compiled."""
+    """AR, a draft LM, prompt lookup and an EAGLE-3 head (whose target passes return features: transformers' hooks
+    for them are installed before compiling, under a lock dynamo cannot trace) at B = 1, 2 and 4: the compiled
+    passes (traced, not run uncompiled) decode the eager engine's tokens, and the runner says they are compiled."""
     monkeypatch.setattr(graphs, "COMPILE_BACKEND", "aot_eager")
     config = GenerationConfig(max_new_tokens=16, num_draft_tokens=k, tree="off")
     got = eager_tokens(tiny, tiny_tok, kind, rows, config)
-    target = compiled[0]
+    model = tiny.eagle3_target if kind == "eagle3" else tiny.target
+    target = graphs.runner_of(model)
     assert target.compile and target.compiled is not None, target.reason
-    assert graphs.describe(tiny.target).startswith("static KV cache, compiled passes")
-    for model in (tiny.target, tiny.draft):
+    assert graphs.describe(model).startswith("static KV cache, compiled passes")
+    for model in (tiny.target, tiny.draft, tiny.eagle3_target):
         graphs.detach(model)
     assert got == eager_tokens(tiny, tiny_tok, kind, rows, config)
 
@@ -52,7 +55,7 @@ def test_inductor_compiles_the_pass_on_the_cpu(tiny, tiny_tok, compiled):
     config = GenerationConfig(max_new_tokens=8)
     got = [eager_tokens(tiny, tiny_tok, None, rows, config) for rows in (1, 2)]
     assert compiled[0].compile, compiled[0].reason
-    for model in (tiny.target, tiny.draft):
+    for model in (tiny.target, tiny.draft, tiny.eagle3_target):
         graphs.detach(model)
     assert got == [eager_tokens(tiny, tiny_tok, None, rows, config) for rows in (1, 2)]
 
@@ -69,6 +72,6 @@ def test_a_pass_that_will_not_compile_runs_uncompiled_with_one_line(tiny, tiny_t
         got = eager_tokens(tiny, tiny_tok, "model", 2, config)
     assert not compiled[0].compile and "did not compile" in graphs.describe(tiny.target)
     assert len([r for r in caplog.records if "uncompiled" in r.message and "no kernels today" in r.message]) == 2
-    for model in (tiny.target, tiny.draft):
+    for model in (tiny.target, tiny.draft, tiny.eagle3_target):
         graphs.detach(model)
     assert got == eager_tokens(tiny, tiny_tok, "model", 2, config)

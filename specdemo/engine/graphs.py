@@ -111,6 +111,7 @@ class Runner:
         if self.compile:
             try:
                 if self.compiled is None:
+                    _install_output_hooks(self.model)
                     self.compiled = torch.compile(Storage.run, fullgraph=True, dynamic=True, backend=COMPILE_BACKEND)
                 return self.compiled(storage, b, t, keep, layers)
             except Exception as exc:  # noqa: BLE001 - the uncompiled pass computes the same
@@ -163,9 +164,15 @@ class Runner:
     def warm(self, kv: StaticKV, rows: int, widths: Sequence[int], layers: tuple[int, ...] | None = None) -> float:
         """Capture the passes a decode of `rows` rows will run (one graph per width and batch size, down the ladder:
         as rows finish the batch runs as a smaller rung), before it is timed; returns the seconds spent. Nothing to do
-        without capture."""
+        without capture, but where passes are compiled: each width runs once, so compiling stays out of the timing."""
         if not self.capture:
-            return 0.0
+            if not self.compile:
+                return 0.0
+            start = time.perf_counter()
+            for b in sorted({rows, 1}, reverse=True):  # 1 row is a shape of its own to the compiler
+                for t in sorted({w for w in widths if w <= MAX_GRAPH_WIDTH}, reverse=True):
+                    self.run(kv.storage, b, t, t, layers)  # writes only past each row's length, as a capture does
+            return time.perf_counter() - start
         before = self.capture_seconds
         for bp in rungs(rows):  # the largest first: the pool then fits the rest
             for t in sorted({w for w in widths if w <= MAX_GRAPH_WIDTH}, reverse=True):
@@ -184,6 +191,16 @@ class Runner:
             why = f"; {self.reason}" if self.reason else ""
             return f"{what} ({self.graphs} captured in {self.capture_seconds:.1f}s{why})"
         return f"{what} ({self.reason})"
+
+
+def _install_output_hooks(model) -> None:
+    """transformers (5.x) installs the hooks that collect hidden states on the first forward asking for them, under a
+    threading lock torch.compile cannot trace (the head's features ask): install them before compiling."""
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:  # a transformers without them collects hidden states another way
+        return
+    maybe_install_capturing_hooks(getattr(model, "model", model))
 
 
 def padded_batch(rows: int) -> int:
