@@ -14,7 +14,7 @@ from functools import cached_property
 
 import torch
 
-from .verify import sample, sample_rows
+from .verify import draft_rows_batch, row_uniforms, sample, sample_rows
 
 
 @dataclass(frozen=True)
@@ -317,16 +317,9 @@ def tree_accept_batch(trees: Sequence[TokenTree], draft_probs: Sequence[torch.Te
     kids = torch.tensor(kids, dtype=torch.long).view(rows, width, fan)
     tokens = torch.tensor([list(t.tokens) + [0] * (width - 1 - len(t)) for t in trees], dtype=torch.long)
     kids, tokens = kids.to(device, non_blocking=True), tokens.to(device, non_blocking=True)
-    u = torch.stack([torch.cat([torch.rand(m, generator=g, device=device), torch.ones(width - m, device=device)])
-                     for m, g in zip(n, generators)])  # (B, W): node j's uniform at j, as tree_accept draws them
-    deterministic = all(q is None for q in draft_probs)
-    if not deterministic:
-        q_all = torch.zeros(rows, width, vocab, dtype=p.dtype, device=device)
-        for r, (t, q) in enumerate(zip(trees, draft_probs)):
-            if q is None:  # one-hot rows, as tree_walk makes them
-                q_all[r, torch.arange(len(t)), torch.tensor(t.tokens, dtype=torch.long)] = 1.0
-            else:
-                q_all[r, : len(t)] = q[: len(t)].to(device, p.dtype)
+    u = row_uniforms(n, width, generators, device)  # (B, W): node j's uniform at j, as tree_accept draws them
+    q_all = draft_rows_batch(tokens, draft_probs, p)  # (B, W - 1, V), one-hot rows as tree_walk makes them; or None
+    deterministic = q_all is None
     chosen = torch.full((rows, width), -1, dtype=torch.long, device=device)  # entry -> its accepted child node
     done = torch.zeros(rows, width, dtype=torch.bool, device=device)
     for i in range(fan):

@@ -6,6 +6,8 @@ draft's. Shapes: k drafted tokens, V vocabulary; target rows are k + 1 (the last
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ..config import SamplingConfig
@@ -94,7 +96,7 @@ def sample_rows(probs: torch.Tensor, generators) -> torch.Tensor:
     return (probs / races).argmax(-1)
 
 
-def _uniforms(counts: list[int], width: int, generators, device: torch.device) -> torch.Tensor:
+def row_uniforms(counts: list[int], width: int, generators, device: torch.device) -> torch.Tensor:
     """(B, width) draws in [0, 1): row r's first counts[r] from generators[r], the rest 1.0 (past a row's drafts)."""
     rows = [torch.rand(n, generator=g, device=device) for n, g in zip(counts, generators)]
     return torch.stack([torch.cat([r, torch.ones(width - len(r), device=device)]) for r in rows])
@@ -112,7 +114,7 @@ def rejection_accept_rows(drafted: torch.Tensor, lengths: torch.Tensor, draft_pr
     token (B,))."""
     rows, n = drafted.shape
     p = target_probs
-    u = _uniforms(draws, n, generators, p.device)  # (B, n)
+    u = row_uniforms(draws, n, generators, p.device)  # (B, n)
     px = p[:, :n].gather(2, drafted[..., None])[..., 0]  # (B, n)
     qx = torch.ones_like(px) if draft_probs is None else draft_probs.gather(2, drafted[..., None])[..., 0]
     real = torch.arange(n, device=p.device)[None, :] < lengths[:, None]
@@ -132,8 +134,8 @@ def rejection_accept_rows(drafted: torch.Tensor, lengths: torch.Tensor, draft_pr
     return accepted, sample_rows(residual / residual.sum(-1, keepdim=True), generators)
 
 
-def _draft_rows_batch(drafted: torch.Tensor, qs: list[torch.Tensor | None],
-                      like: torch.Tensor) -> torch.Tensor | None:
+def draft_rows_batch(drafted: torch.Tensor, qs: Sequence[torch.Tensor | None],
+                     like: torch.Tensor) -> torch.Tensor | None:
     """Each row's q as one (B, n, V) tensor for rejection_accept_rows, drafted (B, n): a drafter's own rows (zero past
     them), one-hot at the drafted tokens for a deterministic row (which max(0, p - q) and min(1, p / q) treat as q =
     None does); None when no row has its own. `like` gives the device and dtype."""
@@ -155,7 +157,7 @@ def rejection_accept_batch(drafted: torch.Tensor, lengths: list[int], qs: list[t
     lengths[r] real drafts, qs each row's draft distributions (None: a deterministic drafter), target_probs (B, W, V).
     Each row draws from its own generator what rejection_accept would draw for it alone."""
     lengths_t = torch.tensor(lengths).to(target_probs.device, non_blocking=True)
-    verdicts = rejection_accept_rows(drafted, lengths_t, _draft_rows_batch(drafted, qs, target_probs), target_probs,
+    verdicts = rejection_accept_rows(drafted, lengths_t, draft_rows_batch(drafted, qs, target_probs), target_probs,
                                      generators, lengths)
     accepted, nxt = torch.stack(verdicts).tolist()
     return accepted, nxt
