@@ -244,16 +244,13 @@ class Eagle3Drafter(Drafter):
                                      for r in range(rows)])
             chosen = q_sub.gather(1, index[:, None])[:, 0]
             index_l, chosen = index.tolist(), chosen.tolist()
+            laws = None if sampling.greedy else self.head.spread(q_sub)  # (B, V): q over the target's vocabulary
             for r in range(rows):
                 if not active[r]:
                     continue
                 self.confidences[r].append(peak[r])
                 chains.q_tokens[r].append(chosen[r])
-                q = None
-                if not sampling.greedy:
-                    q = torch.zeros(self.head.c.vocab_size, dtype=q_sub.dtype, device=q_sub.device)
-                    q.index_copy_(0, subset, q_sub[r])
-                chains.add(r, int(subset[index_l[r]]), q)
+                chains.add(r, int(subset[index_l[r]]), None if laws is None else laws[r])
             if not any(chains.active):
                 break
             step_tok = torch.tensor([[t[-1] if a else PAD] for t, a in zip(chains.tokens, chains.active)],
@@ -296,7 +293,7 @@ class Eagle3Drafter(Drafter):
         outside the subset, so rejection sampling stays exact), and the next step fed every row's token; lengths on
         the device as the eager loop stops a row (DeviceChains.cut: k, an end of sequence, and before a step whose
         distribution peaks under min_confidence, the first always drafted)."""
-        rows, subset, vocab = feature.shape[0], self.head.subset, self.head.c.vocab_size
+        rows, subset = feature.shape[0], self.head.subset
         gens = [generator_on(g, self.device) for g in request.generators]
         every = torch.ones(rows, 1, dtype=torch.bool)  # real, on the host: every row feeds its token
         tokens, q_tokens, peaks, dists = [], [], [], []  # per step: (B,), (B,), (B,), (B, V)
@@ -308,7 +305,7 @@ class Eagle3Drafter(Drafter):
             tokens.append(subset[index])
             q_tokens.append(q_sub.gather(1, index[:, None])[:, 0])
             peaks.append(q_sub.max(-1).values)
-            dists.append(torch.zeros(rows, vocab, dtype=q_sub.dtype, device=q_sub.device).index_copy_(1, subset, q_sub))
+            dists.append(self.head.spread(q_sub))
         sure = torch.stack(peaks, 1).double() >= self.min_confidence  # compared as the eager loop compares
         sure[:, 0] = True
         return DeviceChains.cut(torch.stack(tokens, 1), torch.stack(q_tokens, 1).double(), request, sure,

@@ -231,8 +231,7 @@ def draft_sampled_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: 
         opened = [[] for _ in range(rows)]
         for (r, n), q_n, out in zip(fed, q, outs):
             opened[r].append((n, q_n, out))
-    vocab = drafter.head.c.vocab_size
-    return [_sampled_proposal(t, law, d, drafter.head.subset, vocab) for t, law, d in zip(trees, laws, drawn)]
+    return [_sampled_proposal(t, law, d, drafter.head) for t, law, d in zip(trees, laws, drawn)]
 
 
 def _allot(tree: _Row, opened: list[Open], depth: int, k: int, budget: int, min_confidence: float,
@@ -268,12 +267,11 @@ def _allot(tree: _Row, opened: list[Open], depth: int, k: int, budget: int, min_
     return counts
 
 
-def _sampled_proposal(tree: _Row, laws: list[torch.Tensor], drawn: list[int], subset: torch.Tensor,
-                      vocab: int) -> Proposal:
+def _sampled_proposal(tree: _Row, laws: list[torch.Tensor], drawn: list[int], head) -> Proposal:
     """The row's tree in draw order, each node's q row over the target vocabulary (zero outside the subset)."""
     if not tree.tokens:
         return Proposal([])
     rows = torch.stack(laws)  # (n, S)
-    probs = torch.zeros(len(laws), vocab, dtype=rows.dtype, device=rows.device).index_copy_(1, subset, rows)
+    probs = head.spread(rows)
     token_probs = rows.gather(1, torch.tensor(drawn, device=rows.device)[:, None])[:, 0].tolist()
     return Proposal(list(tree.tokens), probs, token_probs, parents=list(tree.parents), values=list(tree.values))

@@ -184,6 +184,11 @@ class Eagle3Head(nn.Module):
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
+    def spread(self, q: torch.Tensor) -> torch.Tensor:
+        """(..., draft_vocab) draft probabilities -> (..., target vocab), zero outside the draft vocabulary (where
+        rejection sampling then never accepts and always leaves the target's mass)."""
+        return q.new_zeros(*q.shape[:-1], self.c.vocab_size).index_copy_(-1, self.subset, q)
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(tokens) if self.own_embed else self.target_embed[tokens]
 
