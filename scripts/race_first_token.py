@@ -1,7 +1,8 @@
 """The race's first token and the graph runner's capture cost, as the app meets them: load the pair (capture happens
 in the first run's warm-up), then time from the call to the first token of each panel, cold and warm.
 
-    python scripts/race_first_token.py --device cuda [--graphs on|off] [--drafter model] [--k 2] [--out FILE]
+    python scripts/race_first_token.py --device cuda [--graphs auto|on|off|compiled] [--drafter model] [--k 2]
+        [--out FILE]
 
 Prints (and writes) JSON: how the passes ran, capture seconds and graphs, and for each run the seconds to the first
 AR and SD tokens, the speedup, and whether greedy outputs are identical.
@@ -14,12 +15,12 @@ import json
 import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specdemo.config import GenerationConfig, runtime_from_env  # noqa: E402
+from specdemo.cliargs import add_runtime_args, runtime_args  # noqa: E402
+from specdemo.config import GenerationConfig  # noqa: E402
 from specdemo.engine import encode_prompt, graphs  # noqa: E402
 from specdemo.measure.compare import iter_compare, load_pair  # noqa: E402
 
@@ -41,16 +42,16 @@ def first_tokens(pair, ids: list[int], config: GenerationConfig) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--graphs", default="auto", choices=["auto", "on", "off"])
+    add_runtime_args(ap)  # --graphs, every mode config.GRAPH_MODES has
     ap.add_argument("--drafter", default="model")
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    runtime = replace(runtime_from_env(os.environ), graphs=args.graphs)
+    runtime = runtime_args(args, os.environ)
     t0 = time.perf_counter()
     pair = load_pair("smollm2-135m", args.drafter, None, args.device, runtime=runtime)
-    report = {"load_s": time.perf_counter() - t0, "device": args.device, "graphs": args.graphs}
+    report = {"load_s": time.perf_counter() - t0, "device": args.device, "graphs": runtime.graphs}
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, num_draft_tokens=args.k)
     ids = encode_prompt(pair.target.tokenizer, PROMPT)
     report["cold"] = first_tokens(pair, ids, config)

@@ -17,7 +17,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -25,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from specdemo.config import GenerationConfig, SamplingConfig, runtime_from_env  # noqa: E402
+from specdemo.cliargs import add_runtime_args, runtime_args  # noqa: E402
+from specdemo.config import GenerationConfig, SamplingConfig  # noqa: E402
 from specdemo.engine import decode, encode_prompt, graphs  # noqa: E402
 from specdemo.measure.compare import load_pair  # noqa: E402
 
@@ -68,7 +68,7 @@ def profiled(model, tokenizer, ids: list[int], config: GenerationConfig, drafter
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--graphs", default="auto", choices=["auto", "on", "off"])
+    add_runtime_args(ap)  # --graphs, every mode config.GRAPH_MODES has
     ap.add_argument("--drafter", default="model")
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -76,14 +76,14 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    runtime = replace(runtime_from_env(os.environ), graphs=args.graphs)
+    runtime = runtime_args(args, os.environ)
     pair = load_pair("smollm2-135m", args.drafter, None, args.device, runtime=runtime)
     target, tokenizer = pair.target.model, pair.target.tokenizer
     cuda = pair.target.device.type == "cuda"
     ids = encode_prompt(tokenizer, PROMPT)
     base = GenerationConfig(max_new_tokens=args.max_new_tokens, num_draft_tokens=args.k, tree=args.tree,
                             sampling=SamplingConfig(temperature=args.temperature))
-    report = {"device": str(pair.target.device), "graphs": args.graphs, "drafter": args.drafter, "k": args.k,
+    report = {"device": str(pair.target.device), "graphs": runtime.graphs, "drafter": args.drafter, "k": args.k,
               "temperature": args.temperature, "tree": args.tree, "runner": graphs.describe(target),
               "ar": profiled(target, tokenizer, ids, base, None, cuda),
               "sd": profiled(target, tokenizer, ids, base, pair.drafter, cuda)}
