@@ -165,17 +165,18 @@ class Runner:
         """Capture the passes a decode of `rows` rows will run (one graph per width and batch size, down the ladder:
         as rows finish the batch runs as a smaller rung), before it is timed; returns the seconds spent. Nothing to do
         without capture, but where passes are compiled: each width runs once, so compiling stays out of the timing."""
+        passes = sorted({w for w in widths if w <= MAX_GRAPH_WIDTH}, reverse=True)
         if not self.capture:
             if not self.compile:
                 return 0.0
             start = time.perf_counter()
             for b in sorted({rows, 1}, reverse=True):  # 1 row is a shape of its own to the compiler
-                for t in sorted({w for w in widths if w <= MAX_GRAPH_WIDTH}, reverse=True):
+                for t in passes:
                     self.run(kv.storage, b, t, t, layers)  # writes only past each row's length, as a capture does
             return time.perf_counter() - start
         before = self.capture_seconds
         for bp in rungs(rows):  # the largest first: the pool then fits the rest
-            for t in sorted({w for w in widths if w <= MAX_GRAPH_WIDTH}, reverse=True):
+            for t in passes:
                 self._captured(kv.storage, (bp, t, t, layers))
         spent = self.capture_seconds - before
         if spent:
