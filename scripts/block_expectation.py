@@ -4,7 +4,7 @@ Sampled decoding runs (token-wise rule) on a prompt set; at every verify step th
 target's p rows go through verify.expected_accepted, which gives both rules' expected number of accepted drafts for
 that very block (token-wise: sum_i prod_{j<=i} min(1, p/q); block: sum_i i P(tau = i), Sun et al. Alg. 2). Averaged
 over the steps (blocks drawn from q) each is that rule's expected accepted length on these contexts, paired on the same
-blocks, so the difference carries far less noise than two sampled bench runs. The rule is wrapped in ACCEPT_RULES, the
+blocks, so the difference carries far less noise than two sampled bench runs. The rule is wrapped in ROW_RULES, the
 table the engine reads, only inside this script.
 
     python scripts/block_expectation.py --draft smollm2-135m-draft --k 2,4 --temperature 1.0,0.7 --out out/x.json
@@ -31,14 +31,15 @@ from specdemo.prompts import DEFAULT_PROMPTS, read_prompts  # noqa: E402
 
 
 def recorded(steps: list[dict]):
-    """rejection_accept, also recording both rules' expectations for the block it is given."""
-    inner = verify.rejection_accept
+    """rejection_accept_rows, also recording both rules' expectations for each row's block it is given."""
+    inner = verify.rejection_accept_rows
 
-    def rule(draft_tokens, draft_probs, target_probs, generator):
-        if draft_tokens.shape[0]:
-            steps.append({"k": int(draft_tokens.shape[0]),
-                          **verify.expected_accepted(draft_tokens, draft_probs, target_probs)})
-        return inner(draft_tokens, draft_probs, target_probs, generator)
+    def rule(drafted, lengths, draft_probs, target_probs, generators, draws):
+        for r, n in enumerate(lengths.tolist()):
+            if n:
+                q = None if draft_probs is None else draft_probs[r, :n]
+                steps.append({"k": n, **verify.expected_accepted(drafted[r, :n], q, target_probs[r, : n + 1])})
+        return inner(drafted, lengths, draft_probs, target_probs, generators, draws)
 
     return rule
 
@@ -72,13 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     for temperature in (float(t) for t in args.temperature.split(",")):
         for k in (int(x) for x in args.k.split(",")):
             steps: list[dict] = []
-            verify.ACCEPT_RULES["token"] = recorded(steps)
+            verify.ROW_RULES["token"] = recorded(steps)
             for seed, ids in enumerate(prompts):
                 config = GenerationConfig(max_new_tokens=args.max_new_tokens, num_draft_tokens=k, seed=seed,
                                           sampling=SamplingConfig(temperature))
                 for _ in decode(pair.target.model, tok, [ids], config, pair.drafter, text=False):
                     pass
-            verify.ACCEPT_RULES["token"] = verify.rejection_accept
+            verify.ROW_RULES["token"] = verify.rejection_accept_rows
             # every drafted block counts, also those the length limit or a confidence gate cut short of k
             row = {"drafter": args.drafter, "draft": pair.draft_name, "temperature": temperature, "k": k,
                    "prompts": len(prompts), "full_blocks": sum(s["k"] == k for s in steps) / max(len(steps), 1),

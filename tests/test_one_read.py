@@ -47,19 +47,20 @@ def test_chains_verified_on_the_device_are_the_usual_path(tiny, tiny_tok, tiny_r
     assert (max(lengths) == k or unsure) and (k == 1 or len(lengths) > 1 or name == "model")  # some stopped short
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("rule", ["greedy", "token", "block"])
 @pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("kind", ["model", "eagle3"])
-def test_a_step_reads_the_device_once(tiny, tiny_tok, kind, rows, sampled, monkeypatch):
+def test_a_step_reads_the_device_once(tiny, tiny_tok, kind, rows, rule, monkeypatch):
     """Under the static runner every speculative step of a k = 4 decode (rejections, rows leaving, k shrinking at
     the end) reads values back once in all: the verdicts and the chains together, greedy or sampled (the draws made
-    on the device from each row's generator, rejection sampling there too). The usual path reads twice greedy (the
-    drafts, then the verdicts), and more sampled (a drafted token a read)."""
+    on the device from each row's generator, rejection sampling or block verification there too). The usual path
+    reads twice greedy (the drafts, then the verdicts), and more sampled (a drafted token a read)."""
+    sampled = rule != "greedy"
     models = (tiny.target, tiny.draft, tiny.eagle3_target)
     for model in models:
         graphs.attach(model, "on")
     per_step, step = [], loop._spec_step
-    sampling = SamplingConfig(temperature=1.0, top_p=0.9) if sampled else SamplingConfig()
+    sampling = SamplingConfig(temperature=1.0, top_p=0.9, verification=rule) if sampled else SamplingConfig()
 
     def counting(*args):
         with counted_reads() as reads:
@@ -80,18 +81,20 @@ def test_a_step_reads_the_device_once(tiny, tiny_tok, kind, rows, sampled, monke
             assert set(counts) <= {1, reads} and counts.count(reads) >= len(counts) - 1, per_step
             if mode == "always":  # a step with nothing to draft (k = 0 at the end) reads its verdicts alone
                 names = [name for r in per_step for _, name in r]
-                assert set(names) <= {"read_chains", "greedy_accept_batch", "rejection_accept_batch"}
+                assert set(names) <= {"read_chains", "greedy_accept_batch", "sampled_accept_batch"}
                 assert names.count("read_chains") >= len(names) - 1
     finally:
         for model in models:
             graphs.detach(model)
 
 
+@pytest.mark.parametrize("rule", ["token", "block"])
 @pytest.mark.parametrize("kind", ["model", "eagle3"])
-def test_sampled_chains_verified_on_the_device_keep_the_targets_distribution(tiny, tiny_tok, kind, monkeypatch):
+def test_sampled_chains_verified_on_the_device_keep_the_targets_distribution(tiny, tiny_tok, kind, rule, monkeypatch):
     """Sampled chains drawn and verified on the device (the draft's draws from each row's generator, the head's over
-    its draft vocabulary; rejection sampling there) give the second token the target's distribution, far from the
-    draft's, as test_engine's check of every drafter does on the usual path (its bound and trials)."""
+    its draft vocabulary; rejection sampling or block verification there, verify.ROW_RULES) give the second token the
+    target's distribution, far from the draft's, as test_engine's check of every drafter does on the usual path (its
+    bound and trials)."""
     prompt = list(range(1, 16)) + [3]
     models = (tiny.target, tiny.draft, tiny.eagle3_target)
     for model in models:
@@ -101,7 +104,7 @@ def test_sampled_chains_verified_on_the_device_keep_the_targets_distribution(tin
     monkeypatch.setattr(loop, "verify_chains_on_device", lambda *a: on_device.append(1) or verify(*a))
     try:
         target = case(kind).build(tiny)[0]
-        config = GenerationConfig(max_new_tokens=3, num_draft_tokens=2, sampling=SamplingConfig(1.0))
+        config = GenerationConfig(max_new_tokens=3, num_draft_tokens=2, sampling=SamplingConfig(1.0, verification=rule))
         counts, proposals = sampled_second_tokens(target, tiny_tok, lambda: case(kind).build(tiny)[1], prompt, config,
                                                   2000)
         expected, draft = second_token_distribution(target, prompt), second_token_distribution(tiny.draft, prompt)
@@ -116,15 +119,17 @@ def test_sampled_chains_verified_on_the_device_keep_the_targets_distribution(tin
 
 
 @pytest.mark.skipif(TEST_DEVICE.type != "cuda", reason="CUDA's sync debug mode: scripts/gpu_check.sh (GRAPH_TESTS=1)")
-@pytest.mark.parametrize("kind,tree,temperature", [("model", "off", 0.0), ("eagle3", "off", 0.0), ("eagle3", "8", 0.0),
-                                                   ("eagle3", "auto", 0.0), ("model", "off", 1.0),
-                                                   ("eagle3", "off", 1.0)])
-def test_a_captured_step_synchronises_once(tiny, tiny_tok, kind, tree, temperature):
+@pytest.mark.parametrize("kind,tree,temperature,rule", [
+    ("model", "off", 0.0, "token"), ("eagle3", "off", 0.0, "token"), ("eagle3", "8", 0.0, "token"),
+    ("eagle3", "auto", 0.0, "token"), ("model", "off", 1.0, "token"), ("eagle3", "off", 1.0, "token"),
+    ("model", "off", 1.0, "block"), ("eagle3", "off", 1.0, "block")])
+def test_a_captured_step_synchronises_once(tiny, tiny_tok, kind, tree, temperature, rule):
     """Under CUDA graphs (the default: loop.ONE_READ = "capture") every speculative step after the first few
     synchronises the host with the device once, by CUDA's own count (torch.cuda.set_sync_debug_mode); a failure
     lists where the others happen. A head's greedy draft tree of a fixed budget grows on the device
     (eagle3_device_tree) and comes back with the verdict, as a chain does; under --tree auto too (cut there, its
-    pass sized by the trees read before: loop.auto_width). Sampled chains too: drawn and verified on the device."""
+    pass sized by the trees read before: loop.auto_width). Sampled chains too: drawn and verified on the device,
+    token-wise or by block verification."""
     import warnings
 
     import torch
@@ -136,7 +141,7 @@ def test_a_captured_step_synchronises_once(tiny, tiny_tok, kind, tree, temperatu
     if tree == "auto":  # pass costs to size the trees by (auto drafts chains without)
         drafter.pass_costs = {n: 1.0 + 0.02 * n for n in range(1, 17)}
     config = GenerationConfig(max_new_tokens=24, num_draft_tokens=4, tree=tree,
-                              sampling=SamplingConfig(temperature=temperature))
+                              sampling=SamplingConfig(temperature=temperature, verification=rule))
     syncs = []
     try:
         events = decode(target, tiny_tok, PROMPTS[:4], config, drafter)
@@ -163,7 +168,7 @@ def test_a_captured_step_synchronises_once(tiny, tiny_tok, kind, tree, temperatu
 def test_a_sampled_tree_step_reads_its_verdicts_once(tiny, tiny_tok, rows, monkeypatch):
     """Under the static runner, sampled trees from a host drafter (prompt lookup's branches, one-hot q) are verified
     for every row at once on a GPU (forced here): each step reads the device once (tree_accept_batch;
-    rejection_accept_batch where no row branched), where the walk down each tree reads a value per tried child."""
+    sampled_accept_batch where no row branched), where the walk down each tree reads a value per tried child."""
     per_step, step = [], loop._spec_step
 
     def counting(*args):
@@ -184,4 +189,4 @@ def test_a_sampled_tree_step_reads_its_verdicts_once(tiny, tiny_tok, rows, monke
     assert any(s.parents is not None and s.parents != list(range(-1, len(s.parents) - 1))
                for e in events for s in e.steps)  # some steps branched
     assert per_step and all(len(names) == 1 for names in per_step), per_step
-    assert {n for names in per_step for n in names} == {"tree_accept_batch", "rejection_accept_batch"}
+    assert {n for names in per_step for n in names} == {"tree_accept_batch", "sampled_accept_batch"}

@@ -186,8 +186,8 @@ class Drafter(ABC):
     def propose_on_device(self, request: DraftRequest) -> DeviceChains | DeviceTrees | None:
         """Chains (or, greedy where the request allows trees, trees) for the request left on the device, for an
         engine that verifies them there and reads them back once with the target's verdict (one host synchronisation
-        per step; the engine asks only under a graph-captured target, when greedy or sampling with token-wise
-        verification). Sampled chains carry their draft distributions (DeviceChains.probs). None: propose() serves
+        per step; the engine asks under a graph-captured target, greedy or sampling under either verification
+        rule). Sampled chains carry their draft distributions (DeviceChains.probs). None: propose() serves
         the request, as for most drafters."""
         return None
 

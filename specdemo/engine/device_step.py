@@ -13,7 +13,7 @@ import torch
 from ..drafters.base import DeviceChains, DeviceTrees, Proposal
 from .events import Inspection
 from .tree import TokenTree, device_tree_batch, greedy_tree_verdict
-from .verify import greedy_verdicts, inspect_verify, logits_to_probs, read_chains, rejection_accept_rows
+from .verify import ROW_RULES, greedy_verdicts, inspect_verify, logits_to_probs, read_chains
 
 FIELDS = ("tokens", "parents", "q", "values", "keep")  # what a device tree brings back, per node
 
@@ -41,7 +41,7 @@ def _feed(run, ids: list[list[int]], drafts: torch.Tensor) -> torch.Tensor:
 def verify_chains_on_device(run, ids: list[list[int]], chains: DeviceChains, ks: list[int]) -> tuple:
     """Chains still on the device: every row feeds its pending token and all k drafted positions (a row's past its
     length are padding: each entry attends only to those before it, and none is accepted), the verdicts are reached
-    there (greedy: the target's argmax compared; sampling: rejection_accept_rows against the chains' draft
+    there (greedy: the target's argmax compared; sampling: the rule's verify.ROW_RULES against the chains' draft
     distributions, row r drawing ks[r] uniforms from its own generator), the cache keeps the accepted entries, and the
     verdicts and the chains come back in one read (verify.read_chains). Returns (width, features, drafted, their q,
     verified)."""
@@ -54,7 +54,8 @@ def verify_chains_on_device(run, ids: list[list[int]], chains: DeviceChains, ks:
         verdicts = greedy_verdicts(tokens[:, 1:], lengths, logits)
     else:
         probs = logits_to_probs(logits, run.sampling)  # (B, W, V)
-        verdicts = rejection_accept_rows(tokens[:, 1:], lengths, chains.probs.to(run.device), probs, run.rows.gens, ks)
+        verdicts = ROW_RULES[run.sampling.verification](tokens[:, 1:], lengths, chains.probs.to(run.device), probs,
+                                                        run.rows.gens, ks)
     accepted, nxt, drafted, q = read_chains(*verdicts, tokens[:, 1:], lengths, chains.q.to(run.device))
     run.kv.keep([n + 1 + a for n, a in zip(before, accepted)])
     seen = [inspect_verify(logits[r, : len(d) + 1], None if probs is None else probs[r, : len(d) + 1],

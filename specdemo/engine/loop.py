@@ -22,11 +22,11 @@ from .kv import check_cache, right_padded
 from .static import needed_capacity
 from .timing import Clock, StepCosts, step_costs
 from .tree import TokenTree, TreeBatch, greedy_tree_accept_batch, tree_accept_batch, tree_accept_each
-from .verify import ACCEPT_RULES, greedy_accept_batch, inspect_verify, logits_to_probs, rejection_accept_batch
+from .verify import greedy_accept_batch, inspect_verify, logits_to_probs, sampled_accept_batch
 
 KPolicy = Callable[[int], int]  # the current batch size -> k (0: no speculation this step)
-# when drafts (greedy chains or trees where the drafter grows them there, sampled chains under token-wise
-# verification) stay on the device, verified there and read back once a step (Drafter.propose_on_device,
+# when drafts (greedy chains or trees where the drafter grows them there, sampled chains under either verification
+# rule) stay on the device, verified there and read back once a step (Drafter.propose_on_device,
 # engine.device_step): "capture" where the target's passes are graph-captured (every row then feeds all its entries:
 # nothing more on a GPU, a wider pass on a CPU), "always" (the tests; sampled trees then walked as on a GPU), "never"
 ONE_READ = "capture"
@@ -84,17 +84,9 @@ def _verify(logits: torch.Tensor, tokens: torch.Tensor, drafted: list[list[int]]
     if sampling.greedy:
         accepted, nxt = greedy_accept_batch(tokens[:, 1:], torch.tensor(lengths, device=tokens.device), logits)
         probs = None
-    else:
+    else:  # every row at once on the device, read back once
         probs = logits_to_probs(logits, sampling)  # (B, W, V)
-        if sampling.verification == "token":  # every row at once on the device, read back once
-            accepted, nxt = rejection_accept_batch(tokens[:, 1:], lengths, qs, probs, gens)
-        else:  # block verification, row by row
-            accepted, nxt = [], []
-            for r, (n, q) in enumerate(zip(lengths, qs)):
-                q = q[:n].to(probs.device) if q is not None else None
-                a, t = ACCEPT_RULES[sampling.verification](tokens[r, 1 : 1 + n], q, probs[r, : n + 1], gens[r])
-                accepted.append(a)
-                nxt.append(t)
+        accepted, nxt = sampled_accept_batch(tokens[:, 1:], lengths, qs, probs, gens, sampling.verification)
     seen = [inspect_verify(logits[r, : n + 1], None if probs is None else probs[r, : n + 1], tokens[r, 1 : 1 + n])
             if inspect else None for r, n in enumerate(lengths)]
     return [Verified(list(range(a)), t, s) for a, t, s in zip(accepted, nxt, seen)]
@@ -221,8 +213,8 @@ class _Run:
         self.row_k = [config.num_draft_tokens] * len(prompts)
         self.tree = tree_plan(config, drafter, self.kv.takes_trees)
         runner = getattr(self.kv, "runner", None)
-        self.one_read = (drafter is not None and (self.sampling.greedy or self.sampling.verification == "token")
-                         and (ONE_READ == "always" or (ONE_READ == "capture" and getattr(runner, "capture", False))))
+        self.one_read = drafter is not None and (ONE_READ == "always" or (ONE_READ == "capture"
+                                                                          and getattr(runner, "capture", False)))
         # under --tree auto: what steps cost by width, as this drafter's runs have measured them so far
         self.costs = auto_costs(drafter, len(prompts), config) if self.tree.by_cost else None
         self.width = self.tree.nodes  # under --tree auto with one read a step: the next pass's nodes (auto_width)

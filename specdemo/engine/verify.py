@@ -151,18 +151,6 @@ def draft_rows_batch(drafted: torch.Tensor, qs: Sequence[torch.Tensor | None],
     return out
 
 
-def rejection_accept_batch(drafted: torch.Tensor, lengths: list[int], qs: list[torch.Tensor | None],
-                           target_probs: torch.Tensor, generators) -> tuple[list[int], list[int]]:
-    """rejection_accept for every row of a verify pass at once, read back in one copy: drafted (B, W-1) with
-    lengths[r] real drafts, qs each row's draft distributions (None: a deterministic drafter), target_probs (B, W, V).
-    Each row draws from its own generator what rejection_accept would draw for it alone."""
-    lengths_t = torch.tensor(lengths).to(target_probs.device, non_blocking=True)
-    verdicts = rejection_accept_rows(drafted, lengths_t, draft_rows_batch(drafted, qs, target_probs), target_probs,
-                                     generators, lengths)
-    accepted, nxt = torch.stack(verdicts).tolist()
-    return accepted, nxt
-
-
 def rejection_accept(
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor | None,
@@ -180,31 +168,78 @@ def rejection_accept(
     return accepted[0], nxt[0]
 
 
-def _draft_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, vocab: int) -> torch.Tensor:
-    """q as (k, V) rows: the drafter's own, or one-hot at the drafted tokens for a deterministic drafter."""
+def _draft_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, vocab: int,
+                dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """q as (..., k, V) rows: the drafter's own, or one-hot at the drafted tokens (..., k) for a deterministic
+    drafter."""
     if draft_probs is not None:
         return draft_probs
-    return torch.nn.functional.one_hot(draft_tokens, vocab).to(torch.float64)
+    return torch.zeros(*draft_tokens.shape, vocab, dtype=dtype, device=draft_tokens.device).scatter_(
+        -1, draft_tokens[..., None], 1.0)
+
+
+def block_thresholds_rows(drafted: torch.Tensor, lengths: torch.Tensor, q: torch.Tensor,
+                          target_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sun et al. Alg. 2's weights and thresholds for every row's block at once, on the device: drafted (B, n) with
+    lengths (B,) real drafts, q (B, n, V) the draft rows (one-hot at a deterministic row's tokens), target_probs
+    (B, n + 1, V) -> (weights p_0..p_n (B, n + 1), thresholds h_1..h_n (B, n); a row's h at its own length is p
+    there, Alg. 2's h_k = p_k; past its length they mean nothing). Pure: no draws."""
+    rows, n = drafted.shape
+    w = [torch.ones(rows, dtype=torch.float64, device=target_probs.device)]  # Alg. 2: p_0 = 1
+    if n == 0:
+        return w[0][:, None], w[0][:, None][:, :0]
+    px = target_probs[:, :n].gather(2, drafted[..., None])[..., 0].double()
+    qx = q.gather(2, drafted[..., None])[..., 0].double()
+    ratio = (px / qx).nan_to_num(0.0)  # 0/0 -> 0
+    for i in range(n):  # Alg. 2, the weights: p_i = min(p_{i-1} * p(x_i | x^{i-1}) / q(x_i | x^{i-1}), 1)
+        w.append(torch.where(w[-1] > 0, (w[-1] * ratio[:, i]).clamp(max=1.0), 0.0))
+    w = torch.stack(w, 1)  # (B, n + 1)
+    # Alg. 2, the thresholds for i < k, looking one row ahead: h_i = r_i / (r_i + 1 - p_i),
+    # r_i = sum_x max(p_i p(x | x^i) - q(x | x^i), 0)
+    mass = (w[:, 1:n, None] * target_probs[:, 1:n].double() - q[:, 1:n].double()).clamp(min=0).sum(-1)  # (B, n-1)
+    denom = mass + 1.0 - w[:, 1:n]
+    h = torch.where(denom > 0, mass / denom.clamp(min=1e-300), torch.ones_like(mass))  # p == q: h = 1 (as vLLM)
+    last = torch.arange(n, device=h.device)[None, :] == (lengths.to(h.device) - 1)[:, None]
+    return w, torch.where(last, w[:, 1:], torch.cat([h, w[:, n:]], 1))  # and h_k = p_k for a row's last draft
 
 
 def block_thresholds(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                      target_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sun et al. Alg. 2's weights and thresholds for one drafted block: (k,), (k, V) or None, (k+1, V) ->
-    (weights p_0..p_k (k+1,), thresholds h_1..h_k (k,)). Pure: no draws."""
-    k, vocab = draft_tokens.shape[0], target_probs.shape[-1]
-    q = _draft_rows(draft_tokens, draft_probs, vocab)  # (k, V): row i is q(. | x_1..x_i)
-    rows = torch.arange(k, device=target_probs.device)
-    ratio = (target_probs[rows, draft_tokens].double() / q[rows, draft_tokens].double()).nan_to_num(0.0)  # 0/0 -> 0
-    weights = [1.0]  # Alg. 2: p_0 = 1
-    for r in ratio.tolist():  # Alg. 2, the weights: p_i = min(p_{i-1} * p(x_i | x^{i-1}) / q(x_i | x^{i-1}), 1)
-        weights.append(min(weights[-1] * r, 1.0) if weights[-1] > 0 else 0.0)
-    w = torch.tensor(weights, dtype=torch.float64, device=target_probs.device)  # (k+1,)
-    # Alg. 2, the thresholds for i < k, looking one row ahead: h_i = r_i / (r_i + 1 - p_i),
-    # r_i = sum_x max(p_i p(x | x^i) - q(x | x^i), 0)
-    mass = (w[1:k, None] * target_probs[1:k].double() - q[1:k].double()).clamp(min=0).sum(-1)  # (k-1,)
-    denom = mass + 1.0 - w[1:k]
-    h = torch.where(denom > 0, mass / denom.clamp(min=1e-300), torch.ones_like(mass))  # p == q: h = 1 (as vLLM)
-    return w, torch.cat([h, w[k:]])  # and h_k = p_k for the last draft
+    """block_thresholds_rows for one drafted block: (k,), (k, V) or None, (k+1, V) -> (weights p_0..p_k (k+1,),
+    thresholds h_1..h_k (k,))."""
+    k = draft_tokens.shape[0]
+    q = _draft_rows(draft_tokens, draft_probs, target_probs.shape[-1])
+    w, h = block_thresholds_rows(draft_tokens[None], torch.full((1,), k, device=target_probs.device), q[None],
+                                 target_probs[None])
+    return w[0], h[0]
+
+
+def block_accept_rows(drafted: torch.Tensor, lengths: torch.Tensor, draft_probs: torch.Tensor | None,
+                      target_probs: torch.Tensor, generators, draws: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sun et al. 2025 ("Block Verification Accelerates Speculative Decoding", Alg. 2) for every row at once, on the
+    device with nothing read back: each block is accepted up to tau, the last i with eta_i <= h_i, and the next token
+    is drawn from norm(max(p_tau p - q, 0)), or from p after a full block. Arguments and return as
+    rejection_accept_rows (row r draws draws[r] >= its length etas, then its next token, from generators[r]); the
+    output follows p exactly."""
+    rows, n = drafted.shape
+    p, vocab = target_probs, target_probs.shape[-1]
+    eta = row_uniforms(draws, n, generators, p.device)  # (B, n), Alg. 2: eta_i ~ U(0, 1); 1.0 past a row's draws
+    q = _draft_rows(drafted, draft_probs, vocab, p.dtype)  # (B, n, V)
+    w, h = block_thresholds_rows(drafted, lengths, q, p)
+    # Alg. 2: tau = the last i with eta_i <= h_i, else 0 (eta in [0, 1): `<` has the same odds and h = 0 never passes)
+    if n == 0:
+        return lengths.new_zeros(rows), sample_rows(p[:, 0], generators)
+    real = torch.arange(n, device=p.device)[None, :] < lengths[:, None]
+    tau = (((eta.double() < h) & real).long() * torch.arange(1, n + 1, device=p.device)).amax(1)  # (B,)
+    p_tau = p.gather(1, tau[:, None, None].expand(rows, 1, vocab))[:, 0]  # (B, V)
+    q_tau = q.gather(1, tau.clamp(max=n - 1)[:, None, None].expand(rows, 1, vocab))[:, 0]  # q(. | x^tau)
+    # Alg. 2, tau < k: y ~ norm(max(p_tau p(. | x^tau) - q(. | x^tau), 0)); p_tau p <= q everywhere only by rounding:
+    # then any sample from p is exact
+    residual = (w.gather(1, tau[:, None]) * p_tau.double() - q_tau.double()).clamp(min=0)
+    residual = torch.where((residual.sum(-1) <= 0)[:, None], p_tau.double(), residual)
+    # Alg. 2, tau = k: the whole block is kept; the bonus token comes from p after it
+    full = (tau == lengths)[:, None]
+    return tau, sample_rows(torch.where(full, p_tau, (residual / residual.sum(-1, keepdim=True)).float()), generators)
 
 
 def block_accept(
@@ -213,26 +248,14 @@ def block_accept(
     target_probs: torch.Tensor,
     generator: torch.Generator | None,
 ) -> tuple[int, int]:
-    """Sun et al. 2025 ("Block Verification Accelerates Speculative Decoding", Alg. 2): the block is accepted up to
-    tau, the last i with eta_i <= h_i, and the next token is drawn from norm(max(p_tau p - q, 0)), or from p after a
-    full block. Same arguments and return as rejection_accept; the output follows p exactly."""
+    """block_accept_rows for one drafted block, read back. Same arguments and return as rejection_accept."""
     k = draft_tokens.shape[0]
-    if k == 0:
-        return 0, sample(target_probs[0], generator)
-    w, h = block_thresholds(draft_tokens, draft_probs, target_probs)
-    eta = torch.rand(k, generator=generator, device=target_probs.device)  # Alg. 2: eta_1..eta_k ~ U(0, 1)
-    # Alg. 2: tau = the last i with eta_i <= h_i, else 0 (eta in [0, 1): `<` has the same odds and h = 0 never passes)
-    passed = (eta.double() < h).nonzero()
-    tau = int(passed[-1]) + 1 if passed.numel() else 0
-    if tau == k:  # Alg. 2, tau = k: the whole block is kept; the bonus token comes from p after it
-        return k, sample(target_probs[k], generator)
-    q = _draft_rows(draft_tokens[tau : tau + 1], None if draft_probs is None else draft_probs[tau : tau + 1],
-                    target_probs.shape[-1])[0]  # q(. | x^tau), (V,)
-    # Alg. 2, tau < k: y ~ norm(max(p_tau p(. | x^tau) - q(. | x^tau), 0))
-    residual = (w[tau] * target_probs[tau].double() - q.double()).clamp(min=0)
-    if float(residual.sum()) <= 0:  # p_tau p <= q everywhere only by rounding: any sample from p is exact
-        residual = target_probs[tau].double()
-    return tau, sample((residual / residual.sum()).float(), generator)
+    lengths = torch.full((1,), k, device=target_probs.device)
+    q = None if draft_probs is None else draft_probs[None]
+    accepted, nxt = block_accept_rows(draft_tokens[None].to(target_probs.device), lengths, q, target_probs[None],
+                                      [generator], [k])
+    accepted, nxt = torch.stack([accepted, nxt]).tolist()
+    return accepted[0], nxt[0]
 
 
 def expected_accepted(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -253,7 +276,21 @@ def expected_accepted(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | No
     return {"token": token, "block": block}
 
 
-ACCEPT_RULES = {"token": rejection_accept, "block": block_accept}  # SamplingConfig.verification -> rule
+# SamplingConfig.verification -> its rule for every row at once, on the device (rejection_accept_rows' arguments)
+ROW_RULES = {"token": rejection_accept_rows, "block": block_accept_rows}
+
+
+def sampled_accept_batch(drafted: torch.Tensor, lengths: list[int], qs: list[torch.Tensor | None],
+                         target_probs: torch.Tensor, generators, rule: str = "token") -> tuple[list[int], list[int]]:
+    """The sampled verdicts of every row of a verify pass at once under `rule` (ROW_RULES), read back in one copy:
+    drafted (B, W-1) with lengths[r] real drafts, qs each row's draft distributions (None: a deterministic drafter),
+    target_probs (B, W, V). Each row draws from its own generator what the one-row rule (rejection_accept,
+    block_accept) would draw for it alone."""
+    lengths_t = torch.tensor(lengths).to(target_probs.device, non_blocking=True)
+    verdicts = ROW_RULES[rule](drafted, lengths_t, draft_rows_batch(drafted, qs, target_probs), target_probs,
+                               generators, lengths)
+    accepted, nxt = torch.stack(verdicts).tolist()
+    return accepted, nxt
 
 
 def inspect_verify(logits: torch.Tensor, target_probs: torch.Tensor | None, drafted: torch.Tensor,
