@@ -5,11 +5,12 @@ import torch
 
 from specdemo.config import SamplingConfig
 from specdemo.engine.verify import (
+    ROW_RULES,
+    block_accept,
     generator_on,
     greedy_accept,
     logits_to_probs,
     rejection_accept,
-    rejection_accept_rows,
     sample_rows,
 )
 
@@ -199,10 +200,14 @@ def test_sample_rows_draws_what_multinomial_draws():
         assert ours == [int(torch.multinomial(p, 1, generator=g)) for p, g in zip(probs, gens)]
 
 
+@pytest.mark.parametrize("rule", ["token", "block"])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_the_batched_rule_is_the_one_row_rule_in_every_row(deterministic):
-    """rejection_accept_rows over a ragged batch (lengths 0..4, padding past them) decides every row as
-    rejection_accept decides it alone, from the same generator state: the batch changes nothing but the reads."""
+def test_the_batched_rule_is_the_one_row_rule_in_every_row(deterministic, rule):
+    """Each rule's batched form (verify.ROW_RULES) over a ragged batch (lengths 0..4, padding past them) decides
+    every row as the one-row rule (rejection_accept, block_accept) decides it alone, from the same generator state:
+    the batch changes nothing but the reads. (The one-row rules are the batched ones at one row; their exactness is
+    test_block's and test_rejection_sampling_matches_target_distribution's.)"""
+    rows_rule, alone_rule = ROW_RULES[rule], {"token": rejection_accept, "block": block_accept}[rule]
     g = torch.Generator().manual_seed(1)
     rows, k, vocab = 6, 4, 7
     p = torch.softmax(torch.randn(rows, k + 1, vocab, generator=g) * 2, -1)
@@ -212,9 +217,9 @@ def test_the_batched_rule_is_the_one_row_rule_in_every_row(deterministic):
         drafted = torch.randint(vocab, (rows, k), generator=g)
         drafted[:, :2] = p[:, :2].argmax(-1)  # some rows accept a while
         gens = [torch.Generator().manual_seed(seed * 100 + r) for r in range(rows)]
-        accepted, nxt = rejection_accept_rows(drafted, torch.tensor(lengths), q, p, gens, lengths)
+        accepted, nxt = rows_rule(drafted, torch.tensor(lengths), q, p, gens, lengths)
         alone = []
         for r, n in enumerate(lengths):
             gen = torch.Generator().manual_seed(seed * 100 + r)
-            alone.append(rejection_accept(drafted[r, :n], None if q is None else q[r, :n], p[r, : n + 1], gen))
+            alone.append(alone_rule(drafted[r, :n], None if q is None else q[r, :n], p[r, : n + 1], gen))
         assert list(zip(accepted.tolist(), nxt.tolist())) == alone
