@@ -20,19 +20,21 @@ def run(tiny, tiny_tok, kind, rows, k, mode, monkeypatch, min_confidence=0.0, sa
     if min_confidence:
         drafter.min_confidence = min_confidence
     config = GenerationConfig(max_new_tokens=24, num_draft_tokens=k, tree="off", sampling=sampling)
-    events = list(decode(target, tiny_tok, PROMPTS[:rows], config, drafter))
-    steps = [(s.drafted, s.num_accepted, s.tokens) for e in events for s in e.steps]
+    with drafter.paused():  # what it keeps across requests (suffix decoding's cache) the same in both runs
+        events = list(decode(target, tiny_tok, PROMPTS[:rows], config, drafter))
+    steps = [(s.drafted, s.num_accepted, s.tokens, s.draft_source) for e in events for s in e.steps]
     q = [p for e in events for s in e.steps for p in (s.draft_token_probs or [])]
     return steps, q, row_outputs(events, rows)
 
 
 @pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-@pytest.mark.parametrize("kind", ["model", "eagle3", "eagle3-unsure"])
+@pytest.mark.parametrize("kind", ["model", "eagle3", "eagle3-unsure", "hybrid", "hybrid-eagle3", "hybrid-suffix"])
 def test_chains_verified_on_the_device_are_the_usual_path(tiny, tiny_tok, tiny_runner, kind, k, rows, monkeypatch):
     """Step for step the same drafts (rows stopping at their k, at an end of sequence, or, for the head with a
-    confidence stop, before an unsure token), the same accepted counts and tokens, the same q; the output is the
-    target's own greedy output (the autoregressive run's)."""
+    confidence stop, before an unsure token; a hybrid's rows from its lookup or its draft, each named so), the same
+    accepted counts and tokens, the same q; the output is the target's own greedy output (the autoregressive
+    run's)."""
     name, unsure = kind.removesuffix("-unsure"), 0.6 if kind.endswith("-unsure") else 0.0
     if name == "eagle3" and tiny_runner == "eager":
         pytest.skip("the head's eager cache drafts on the host (propose_on_device needs its static cache)")
@@ -43,18 +45,23 @@ def test_chains_verified_on_the_device_are_the_usual_path(tiny, tiny_tok, tiny_r
     target = case(name).build(tiny)[0]
     plain = list(decode(target, tiny_tok, PROMPTS[:rows], GenerationConfig(max_new_tokens=24)))
     assert device[2] == row_outputs(plain, rows)
-    lengths = {len(d) for d, _, _ in device[0] if d}
+    if name.startswith("hybrid"):
+        sources = {source for *_, source in device[0]} - {None}  # None: the prefill
+        assert "model" in sources and sources - {"model"}  # the draft's rows and the lookup's ("lookup", suffix's own)
+        return
+    lengths = {len(d) for d, *_ in device[0] if d}
     assert (max(lengths) == k or unsure) and (k == 1 or len(lengths) > 1 or name == "model")  # some stopped short
 
 
 @pytest.mark.parametrize("rule", ["greedy", "token", "block"])
 @pytest.mark.parametrize("rows", [1, 4])
-@pytest.mark.parametrize("kind", ["model", "eagle3"])
+@pytest.mark.parametrize("kind", ["model", "eagle3", "hybrid", "hybrid-eagle3"])
 def test_a_step_reads_the_device_once(tiny, tiny_tok, kind, rows, rule, monkeypatch):
     """Under the static runner every speculative step of a k = 4 decode (rejections, rows leaving, k shrinking at
     the end) reads values back once in all: the verdicts and the chains together, greedy or sampled (the draws made
-    on the device from each row's generator, rejection sampling or block verification there too). The usual path
-    reads twice greedy (the drafts, then the verdicts), and more sampled (a drafted token a read)."""
+    on the device from each row's generator, rejection sampling or block verification there too; a hybrid's lookup
+    rows beside them). The usual path reads twice greedy (the drafts, then the verdicts), and more sampled (a drafted
+    token a read)."""
     sampled = rule != "greedy"
     models = (tiny.target, tiny.draft, tiny.eagle3_target)
     for model in models:
@@ -78,7 +85,9 @@ def test_a_step_reads_the_device_once(tiny, tiny_tok, kind, rows, rule, monkeypa
             if mode == "never" and sampled:
                 assert max(counts) > 2
                 continue
-            assert set(counts) <= {1, reads} and counts.count(reads) >= len(counts) - 1, per_step
+            # the usual path reads the verdicts alone where a hybrid's lookup served every row
+            least = 1 if mode == "never" and kind.startswith("hybrid") else len(counts) - 1
+            assert set(counts) <= {1, reads} and counts.count(reads) >= least, per_step
             if mode == "always":  # a step with nothing to draft (k = 0 at the end) reads its verdicts alone
                 names = [name for r in per_step for _, name in r]
                 assert set(names) <= {"read_chains", "greedy_accept_batch", "sampled_accept_batch"}
@@ -89,19 +98,20 @@ def test_a_step_reads_the_device_once(tiny, tiny_tok, kind, rows, rule, monkeypa
 
 
 @pytest.mark.parametrize("rule", ["token", "block"])
-@pytest.mark.parametrize("kind", ["model", "eagle3"])
+@pytest.mark.parametrize("kind", ["model", "eagle3", "hybrid", "hybrid-eagle3"])
 def test_sampled_chains_verified_on_the_device_keep_the_targets_distribution(tiny, tiny_tok, kind, rule, monkeypatch):
     """Sampled chains drawn and verified on the device (the draft's draws from each row's generator, the head's over
-    its draft vocabulary; rejection sampling or block verification there, verify.ROW_RULES) give the second token the
-    target's distribution, far from the draft's, as test_engine's check of every drafter does on the usual path (its
-    bound and trials)."""
+    its draft vocabulary; a hybrid's lookup rows one-hot beside them; rejection sampling or block verification there,
+    verify.ROW_RULES) give the second token the target's distribution, far from the draft's, as test_engine's check
+    of every drafter does on the usual path (its bound and trials)."""
     prompt = list(range(1, 16)) + [3]
     models = (tiny.target, tiny.draft, tiny.eagle3_target)
     for model in models:
         graphs.attach(model, "on")
     monkeypatch.setattr(loop, "ONE_READ", "always")
     on_device, verify = [], loop.verify_chains_on_device
-    monkeypatch.setattr(loop, "verify_chains_on_device", lambda *a: on_device.append(1) or verify(*a))
+    monkeypatch.setattr(loop, "verify_chains_on_device",
+                        lambda *a: on_device.append(any(h and h.tokens for h in a[2].held or [])) or verify(*a))
     try:
         target = case(kind).build(tiny)[0]
         config = GenerationConfig(max_new_tokens=3, num_draft_tokens=2, sampling=SamplingConfig(1.0, verification=rule))
@@ -113,6 +123,7 @@ def test_sampled_chains_verified_on_the_device_keep_the_targets_distribution(tin
             graphs.detach(model)
     empirical = counts / counts.sum()
     assert counts.sum() > 0.9 * 2000 and proposals > 2000 // 4 and len(on_device) >= 50
+    assert any(on_device) == kind.startswith("hybrid")  # a hybrid's steps with lookup rows among them
     assert 0.5 * float((empirical - expected).abs().sum()) < 0.06
     if kind == "model":
         assert 0.5 * float((draft - expected).abs().sum()) > 0.15
@@ -122,7 +133,8 @@ def test_sampled_chains_verified_on_the_device_keep_the_targets_distribution(tin
 @pytest.mark.parametrize("kind,tree,temperature,rule", [
     ("model", "off", 0.0, "token"), ("eagle3", "off", 0.0, "token"), ("eagle3", "8", 0.0, "token"),
     ("eagle3", "auto", 0.0, "token"), ("model", "off", 1.0, "token"), ("eagle3", "off", 1.0, "token"),
-    ("model", "off", 1.0, "block"), ("eagle3", "off", 1.0, "block")])
+    ("model", "off", 1.0, "block"), ("eagle3", "off", 1.0, "block"), ("hybrid", "off", 0.0, "token"),
+    ("hybrid-eagle3", "off", 1.0, "token")])
 def test_a_captured_step_synchronises_once(tiny, tiny_tok, kind, tree, temperature, rule):
     """Under CUDA graphs (the default: loop.ONE_READ = "capture") every speculative step after the first few
     synchronises the host with the device once, by CUDA's own count (torch.cuda.set_sync_debug_mode); a failure

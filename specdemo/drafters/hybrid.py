@@ -12,14 +12,14 @@ import logging
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from statistics import median
 
 import torch
 
 from ..config import MAX_K_ENGINE, GenerationConfig
 from ..engine.timing import PROBE_TEXT, forward_costs
-from .base import Drafter, DraftRequest, Proposal, Verdict
+from .base import DeviceChains, Drafter, DraftRequest, Proposal, Verdict
 from .ngram import NgramDrafter
 from .trees import best_subtree, lookup_tree, lookup_values, shifted_costs
 
@@ -86,19 +86,48 @@ class HybridDrafter(Drafter):
         self.model.warm(prompts, request)
         self.lookup.begin(prompts)
 
-    def propose(self, request: DraftRequest) -> list[Proposal]:
+    def _looked_up(self, request: DraftRequest) -> tuple[list[Proposal], DraftRequest]:
+        """The lookup's proposals (source "lookup" unless it names its own) and what the draft is asked for: nothing
+        where the lookup proposed, up to the cap elsewhere. Each row's model verdict is cut at its start where the
+        lookup served it (update)."""
         looked = self.lookup.propose(request)
         cap = self.model_k if self.model_k is not None else MAX_K_ENGINE
         model_ks = [0 if p.tokens else min(k, cap) for p, k in zip(looked, request.ks)]
-        modeled = self.model.propose(DraftRequest(request.ids, model_ks, request.sampling, request.generators,
-                                                  request.eos_token_ids))
         for p in looked:
             p.source = p.source or "lookup"
+        self._chains = [[] if p.tokens else None for p in looked]
+        self._starts = [len(ids) for ids in request.ids]
+        return looked, DraftRequest(request.ids, model_ks, request.sampling, request.generators,
+                                    request.eos_token_ids)
+
+    def propose(self, request: DraftRequest) -> list[Proposal]:
+        looked, model_request = self._looked_up(request)
+        modeled = self.model.propose(model_request)
         for m in modeled:
             m.source = "model"
-        self._chains, self._starts = [[] for _ in looked], [len(ids) for ids in request.ids]
         return [p if p.tokens else self._with_branches(m, request, r) if request.nodes(r) > len(m.tokens) > 0
                 else m for r, (p, m) in enumerate(zip(looked, modeled))]
+
+    def propose_on_device(self, request: DraftRequest) -> DeviceChains | None:
+        """Chains: the lookup's rows as the host drafted them, the draft's chains elsewhere, left on the device
+        where the draft leaves them there (else its proposals as drafted), for the engine to verify and read back
+        once. None where a request allows trees (the branches beside the draft's chain are valued by its q, read on
+        the host: propose)."""
+        if any(request.nodes(r) for r in range(len(request.ids))):
+            return None
+        looked, model_request = self._looked_up(request)
+        if max(model_request.ks, default=0) <= 0:  # the host holds every row (the engine moves them)
+            return DeviceChains.of([p if p.tokens else Proposal([], source="model") for p in looked],
+                                   torch.device("cpu"))
+        modeled = self.model.propose_on_device(model_request)
+        if modeled is None:  # the draft drafts on the host here
+            drafted = self.model.propose(model_request)
+            probs = [m.probs for m in drafted if m.probs is not None]
+            modeled = DeviceChains.of([replace(m, source="model") for m in drafted],
+                                      probs[0].device if probs else torch.device("cpu"),
+                                      probs[0].shape[-1] if probs else None)
+        modeled.source = "model"
+        return DeviceChains.of(looked, modeled.tokens.device).where([bool(p.tokens) for p in looked], modeled)
 
     def _with_branches(self, chain: Proposal, request: DraftRequest, r: int) -> Proposal:
         """Row r's tree: the draft's chain, then prompt lookup's branches as further children of the pending token
@@ -130,7 +159,10 @@ class HybridDrafter(Drafter):
     def update(self, verdicts) -> None:
         model = list(verdicts)
         for r, chain in enumerate(self._chains):
-            if chain:  # the draft's cache holds its chain: it keeps what the committed tokens share with it
+            # the draft's cache holds `chain` past the row's start (a tree's: its chain; a looked-up row's: nothing
+            # of what was committed, though a draft that drafts every row on the device fed its own tokens there): it
+            # keeps what the committed tokens share with it
+            if chain is not None:
                 v, start = verdicts[r], self._starts[r]
                 new = v.ids[start:]
                 same = next((i for i, (a, b) in enumerate(zip(chain, new)) if a != b), min(len(chain), len(new)))

@@ -35,32 +35,36 @@ class Verified:
 def _feed(run, ids: list[list[int]], drafts: torch.Tensor) -> torch.Tensor:
     """Each row's pending token, then its drafts (B, n) as they lie on the device: (B, n + 1)."""
     pending = torch.tensor([row[-1] for row in ids])[:, None].to(run.device, non_blocking=True)
-    return torch.cat([pending, drafts.to(run.device)], 1)
+    return torch.cat([pending, drafts.to(run.device, non_blocking=True)], 1)
 
 
 def verify_chains_on_device(run, ids: list[list[int]], chains: DeviceChains, ks: list[int]) -> tuple:
     """Chains still on the device: every row feeds its pending token and all k drafted positions (a row's past its
     length are padding: each entry attends only to those before it, and none is accepted), the verdicts are reached
     there (greedy: the target's argmax compared; sampling: the rule's verify.ROW_RULES against the chains' draft
-    distributions, row r drawing ks[r] uniforms from its own generator), the cache keeps the accepted entries, and the
-    verdicts and the chains come back in one read (verify.read_chains). Returns (width, features, drafted, their q,
-    verified)."""
+    distributions, row r drawing min(ks[r], the chains' width) uniforms from its own generator), the cache keeps the
+    accepted entries, and the verdicts and the chains come back in one read (verify.read_chains). Returns (width,
+    features, each row's proposal as read (a held row's as the host drafted it: DeviceChains.held), verified)."""
     tokens = _feed(run, ids, chains.tokens)  # (B, k + 1)
     width, before = tokens.shape[1], list(run.kv.counts)
     real = torch.ones_like(tokens, dtype=torch.bool)
     logits, features = run.kv.forward(tokens, real, width, run.layers, fed=[width] * len(ids))  # (B, W, V)
-    lengths, probs = chains.lengths.to(run.device), None
+    lengths, probs = chains.lengths.to(run.device, non_blocking=True), None
     if run.sampling.greedy:
         verdicts = greedy_verdicts(tokens[:, 1:], lengths, logits)
     else:
         probs = logits_to_probs(logits, run.sampling)  # (B, W, V)
-        verdicts = ROW_RULES[run.sampling.verification](tokens[:, 1:], lengths, chains.probs.to(run.device), probs,
-                                                        run.rows.gens, ks)
-    accepted, nxt, drafted, q = read_chains(*verdicts, tokens[:, 1:], lengths, chains.q.to(run.device))
+        q_rows = None if chains.probs is None else chains.probs.to(run.device, non_blocking=True)
+        verdicts = ROW_RULES[run.sampling.verification](tokens[:, 1:], lengths, q_rows, probs, run.rows.gens,
+                                                        [min(k, width - 1) for k in ks])
+    accepted, nxt, drafted, q = read_chains(*verdicts, tokens[:, 1:], lengths,
+                                            chains.q.to(run.device, non_blocking=True))
     run.kv.keep([n + 1 + a for n, a in zip(before, accepted)])
     seen = [inspect_verify(logits[r, : len(d) + 1], None if probs is None else probs[r, : len(d) + 1],
                            tokens[r, 1 : 1 + len(d)]) if run.inspect else None for r, d in enumerate(drafted)]
-    return width, features, drafted, q, [Verified(list(range(a)), t, s) for a, t, s in zip(accepted, nxt, seen)]
+    held = chains.held or [None] * len(ids)
+    proposals = [h or Proposal(d, token_probs=p, source=chains.source) for h, d, p in zip(held, drafted, q)]
+    return width, features, proposals, [Verified(list(range(a)), t, s) for a, t, s in zip(accepted, nxt, seen)]
 
 
 def verify_trees_on_device(run, ids: list[list[int]], trees: DeviceTrees) -> tuple:

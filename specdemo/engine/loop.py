@@ -337,9 +337,9 @@ def _spec_step(run: _Run, k_policy: KPolicy | None) -> BatchEvent:
             run.width = auto_width(run.width, max(len(p.tokens) for p in proposals), run.tree.nodes)
         drafted, token_probs, values = ([getattr(p, f) for p in proposals] for f in ("tokens", "token_probs", "values"))
     elif on_device is not None:  # chains verified on the device and read back with the verdicts, once
-        width, features, drafted, token_probs, verified = verify_chains_on_device(run, ids, on_device, ks)
+        width, features, proposals, verified = verify_chains_on_device(run, ids, on_device, ks)
         trees, values = [None] * len(ids), [None] * len(ids)
-        proposals = [Proposal(d, token_probs=q) for d, q in zip(drafted, token_probs)]
+        drafted, token_probs = [p.tokens for p in proposals], [p.token_probs for p in proposals]
     else:  # drafts the host holds
         width, features, verified = _verify_on_host(run, ids, drafted, trees, qs)
     new = [[d[j] for j in v.path] + [v.next_token] for d, v in zip(drafted, verified)]
