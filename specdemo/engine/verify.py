@@ -196,7 +196,8 @@ def block_thresholds_rows(drafted: torch.Tensor, lengths: torch.Tensor, q: torch
     w = torch.stack(w, 1)  # (B, n + 1)
     # Alg. 2, the thresholds for i < k, looking one row ahead: h_i = r_i / (r_i + 1 - p_i),
     # r_i = sum_x max(p_i p(x | x^i) - q(x | x^i), 0)
-    mass = target_probs[:, 1:n].double().mul_(w[:, 1:n, None]).sub_(q[:, 1:n]).clamp_(min=0).sum(-1)  # (B, n-1)
+    mass = target_probs[:, 1:n].to(torch.float64, copy=True).mul_(w[:, 1:n, None]).sub_(q[:, 1:n]).clamp_(min=0)
+    mass = mass.sum(-1)  # (B, n-1), in place on one copy
     denom = mass + 1.0 - w[:, 1:n]
     h = torch.where(denom > 0, mass / denom.clamp(min=1e-300), torch.ones_like(mass))  # p == q: h = 1 (as vLLM)
     last = torch.arange(n, device=h.device)[None, :] == (lengths.to(h.device) - 1)[:, None]
@@ -235,7 +236,7 @@ def block_accept_rows(drafted: torch.Tensor, lengths: torch.Tensor, draft_probs:
     q_tau = q.gather(1, tau.clamp(max=n - 1)[:, None, None].expand(rows, 1, vocab))[:, 0]  # q(. | x^tau)
     # Alg. 2, tau < k: y ~ norm(max(p_tau p(. | x^tau) - q(. | x^tau), 0)); p_tau p <= q everywhere only by rounding:
     # then any sample from p is exact
-    residual = p_tau.double().mul_(w.gather(1, tau[:, None])).sub_(q_tau).clamp_(min=0)
+    residual = p_tau.to(torch.float64, copy=True).mul_(w.gather(1, tau[:, None])).sub_(q_tau).clamp_(min=0)
     residual = torch.where((residual.sum(-1) <= 0)[:, None], p_tau.double(), residual)
     # Alg. 2, tau = k: the whole block is kept; the bonus token comes from p after it
     full = (tau == lengths)[:, None]
