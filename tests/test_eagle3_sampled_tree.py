@@ -61,7 +61,7 @@ def every_proposal(monkeypatch, drafter, hidden, request):
             if len(taken) == len(forced):
                 raise _Draw(q, count)
             taken.append(forced[len(taken)])
-            return taken[-1][1]
+            return torch.tensor(taken[-1][1], device=q.device)
 
         monkeypatch.setattr(eagle3_tree, "draw_without_replacement", draw)
         drafter.begin([PROMPT], hidden)

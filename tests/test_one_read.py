@@ -176,29 +176,39 @@ def test_a_captured_step_synchronises_once(tiny, tiny_tok, kind, tree, temperatu
     assert steady and all(len(s) <= 1 for s in steady), syncs
 
 
+@pytest.mark.parametrize("kind", ["ngram", "eagle3"])
 @pytest.mark.parametrize("rows", [1, 4])
-def test_a_sampled_tree_step_reads_its_verdicts_once(tiny, tiny_tok, rows, monkeypatch):
-    """Under the static runner, sampled trees from a host drafter (prompt lookup's branches, one-hot q) are verified
-    for every row at once on a GPU (forced here): each step reads the device once (tree_accept_batch;
-    sampled_accept_batch where no row branched), where the walk down each tree reads a value per tried child."""
+def test_a_sampled_tree_step_reads_its_verdicts_once(tiny, tiny_tok, rows, kind, monkeypatch):
+    """Under the static runner, sampled trees are verified for every row at once on a GPU (forced here): a host
+    drafter's (prompt lookup's branches, one-hot q) read the device once a step (tree_accept_batch;
+    sampled_accept_batch where no row branched), where the walk down each tree reads a value per tried child. The
+    head's trees, drawn depth by depth on the host, read twice a depth for all rows (what the allotment weighs, what
+    was drawn) and their q once, where they read a few values per node and row."""
     per_step, step = [], loop._spec_step
 
     def counting(*args):
         with counted_reads() as reads:
             out = step(*args)
-        per_step.append([name for _, name in reads])
+        per_step.append([name for where, name in reads if (where.rsplit("/", 1)[-1], name) not in HOST_READS])
         return out
 
     monkeypatch.setattr(loop, "_spec_step", counting)
     monkeypatch.setattr(loop, "ONE_READ", "always")  # as on a GPU (on a CPU the walk goes row by row)
-    graphs.attach(tiny.target, "on")
+    for model in (tiny.target, tiny.eagle3_target):
+        graphs.attach(model, "on")
     try:
-        target, drafter = case("ngram").build(tiny)
+        target, drafter = case(kind).build(tiny)
         config = GenerationConfig(max_new_tokens=24, num_draft_tokens=4, tree="8", sampling=SamplingConfig(1.0))
         events = list(decode(target, tiny_tok, PROMPTS[:rows], config, drafter))
     finally:
-        graphs.detach(tiny.target)
+        for model in (tiny.target, tiny.eagle3_target):
+            graphs.detach(model)
     assert any(s.parents is not None and s.parents != list(range(-1, len(s.parents) - 1))
                for e in events for s in e.steps)  # some steps branched
-    assert per_step and all(len(names) == 1 for names in per_step), per_step
-    assert {n for names in per_step for n in names} == {"tree_accept_batch", "sampled_accept_batch"}
+    verdicts = {"tree_accept_batch", "sampled_accept_batch"}
+    if kind == "ngram":
+        assert per_step and all(len(names) == 1 for names in per_step), per_step
+        assert {n for names in per_step for n in names} == verdicts
+        return
+    assert per_step and all(len(names) <= 2 * 4 + 2 for names in per_step), per_step
+    assert {n for names in per_step for n in names} <= verdicts | {"_tops", "_draws", "_sampled_proposals"}

@@ -186,13 +186,53 @@ def _proposal(tree: _Row, nodes: int, pass_costs: dict[int, float] | None, scale
 Open = tuple[int, torch.Tensor, torch.Tensor]  # an expanded node (-1: the root), q after it (S,), the head's output
 
 
-def draw_without_replacement(q: torch.Tensor, count: int, generator: torch.Generator | None) -> list[int]:
-    """count indices drawn from q (S,) without replacement, in draw order: each from q less the earlier ones,
-    renormalised. The exponential race (Gumbel-top-k): q_i / E_i largest first, E_i ~ Exp(1), whose order is that
-    of sequential draws; count must not exceed q's support."""
+def draw_without_replacement(q: torch.Tensor, count: int, generator: torch.Generator | None) -> torch.Tensor:
+    """count indices drawn from q (S,) without replacement, in draw order, left on q's device: each from q less the
+    earlier ones, renormalised. The exponential race (Gumbel-top-k): q_i / E_i largest first, E_i ~ Exp(1), whose
+    order is that of sequential draws; count must not exceed q's support."""
     race = torch.empty_like(q).exponential_(generator=generator)
     keys = torch.where(q > 0, q / race, torch.full_like(q, -1.0))
-    return keys.topk(count).indices.tolist()
+    return keys.topk(count).indices
+
+
+def _tops(opened: list[list[Open]]) -> list[list[list[float]]]:
+    """Each opened node's q's largest values, at most TOP and no more than its support (what _allot weighs), every
+    row's in one read."""
+    qs = [q for row in opened for _, q, _ in row]
+    if not qs:
+        return [[] for _ in opened]
+    q = torch.stack(qs)  # (N, S)
+    top = q.topk(min(TOP, q.shape[-1]), dim=-1).values.double()
+    read = torch.cat([top, (q > 0).sum(-1, keepdim=True).double()], 1).tolist()  # the depth's first read
+    tops = iter([r[: min(len(r) - 1, int(r[-1]))] for r in read])
+    return [[next(tops) for _ in row] for row in opened]
+
+
+def _draws(opened: list[list[Open]], counts: list[list[int]], gens, subset: torch.Tensor
+           ) -> list[list[tuple[list[int], list[float], list[int]]]]:
+    """Each opened node's children drawn from its q without replacement (race_keys; row r's nodes in order from
+    gens[r], as drawn one node at a time), every row's read back at once: per node (draft ids, their q there, their
+    target ids)."""
+    most = max((c for row in counts for c in row), default=0)
+    picks, wanted = [], []
+    for r, row in enumerate(opened):
+        for (_, q, _), count in zip(row, counts[r]):
+            if count:
+                picks.append(torch.nn.functional.pad(draw_without_replacement(q, count, gens[r]), (0, most - count)))
+                wanted.append(q)
+    read = iter([])
+    if most:
+        at = torch.stack(picks)  # (M, most)
+        q = torch.stack(wanted).gather(1, at)
+        read = iter(torch.cat([at.double(), q.double(), subset[at].double()], 1).tolist())  # the second read
+    out = []
+    for row_counts in counts:
+        out.append([])
+        for count in row_counts:
+            got = next(read)[:] if count else [0.0] * (3 * most)
+            out[-1].append(([int(x) for x in got[:count]], got[most : most + count],
+                            [int(x) for x in got[2 * most : 2 * most + count]]))
+    return out
 
 
 def draft_sampled_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor) -> list[Proposal]:
@@ -200,7 +240,8 @@ def draft_sampled_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: 
     request.nodes(r) nodes, exact for tree_accept: depth by depth, each expanded node's child count is fixed from
     what was drawn before (_allot), its children are drawn from the head's q there (logits_to_probs, as chains are)
     without replacement with the row's generator and all kept, in draw order; the most probable drawn nodes are
-    expanded next. Each node's q row is the law it was drawn from, zero outside the draft vocabulary."""
+    expanded next. Each node's q row is the law it was drawn from, zero outside the draft vocabulary. Every row's
+    depth reads the device twice (what the allotment weighs, what was drawn), the trees' q once at the end."""
     rows, ks, sampling = len(request.ids), request.ks, request.sampling
     gens = [generator_on(g, drafter.device) for g in request.generators]
     trees = [_Row() for _ in range(rows)]
@@ -212,18 +253,16 @@ def draft_sampled_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: 
     base, true_valid = list(drafter.kv.counts), drafter.kv.visible()  # the true entries: the past
     costs = request.tree_costs
     for depth in range(1, max(ks, default=0) + 1):
-        for r, tree in enumerate(trees):
-            counts = _allot(tree, opened[r], depth, ks[r], request.nodes(r), drafter.min_confidence, costs,
-                            request.tree_extra_scale)
-            for (node, q_n, out), count in zip(opened[r], counts):
-                picks = draw_without_replacement(q_n, count, gens[r]) if count else []
+        counts = [_allot(tree, opened[r], tops, depth, ks[r], request.nodes(r), drafter.min_confidence, costs,
+                         request.tree_extra_scale) for r, (tree, tops) in enumerate(zip(trees, _tops(opened)))]
+        for r, (tree, picked) in enumerate(zip(trees, _draws(opened, counts, gens, drafter.head.subset))):
+            for (node, q_n, out), (picks, q_picks, ids) in zip(opened[r], picked):
                 for i, pick in enumerate(picks):
                     law = q_n.clone()
                     law[picks[:i]] = 0.0  # the earlier siblings are out
                     laws[r].append(law / law.sum() if i else law)
                     drawn[r].append(pick)
-                ids = drafter.head.subset[picks].tolist() if picks else []
-                tree.add(out, node, q_n[picks].tolist() if picks else [], ids, True)
+                tree.add(out, node, q_picks, ids, True)
         if (level := _level(drafter, trees, request, depth, base, true_valid)) is None:
             break
         fed, outs = level
@@ -231,11 +270,11 @@ def draft_sampled_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: 
         opened = [[] for _ in range(rows)]
         for (r, n), q_n, out in zip(fed, q, outs):
             opened[r].append((n, q_n, out))
-    return [_sampled_proposal(t, law, d, drafter.head) for t, law, d in zip(trees, laws, drawn)]
+    return _sampled_proposals(trees, laws, drawn, drafter.head)
 
 
-def _allot(tree: _Row, opened: list[Open], depth: int, k: int, budget: int, min_confidence: float,
-           pass_costs: dict[int, float] | None, scale: float = 1.0) -> list[int]:
+def _allot(tree: _Row, opened: list[Open], tops: list[list[float]], depth: int, k: int, budget: int,
+           min_confidence: float, pass_costs: dict[int, float] | None, scale: float = 1.0) -> list[int]:
     """How many children each expanded node gets at this depth, from what was drawn before only (never from the
     children themselves, so no drawn node is ever dropped): none under a node whose peak q is below min_confidence
     (the root aside: as a chain stops); one under the chain's node first, one node kept back for each depth below it
@@ -245,8 +284,7 @@ def _allot(tree: _Row, opened: list[Open], depth: int, k: int, budget: int, min_
     counts, used = [0] * len(opened), len(tree.tokens)
     slots: list[tuple[float, int]] = []  # (value, which expanded node), each node's in order
     chain_node, chain_at, chain_value = (tree.chain[-1] if tree.chain else -1), None, 0.0
-    for j, (node, q, _) in enumerate(opened):
-        top = q.topk(min(TOP, int((q > 0).sum()))).values.tolist()
+    for j, ((node, _, _), top) in enumerate(zip(opened, tops)):
         if not top or (node >= 0 and top[0] < min_confidence):
             continue
         value = tree.values[node] if node >= 0 else 1.0
@@ -267,11 +305,18 @@ def _allot(tree: _Row, opened: list[Open], depth: int, k: int, budget: int, min_
     return counts
 
 
-def _sampled_proposal(tree: _Row, laws: list[torch.Tensor], drawn: list[int], head) -> Proposal:
-    """The row's tree in draw order, each node's q row over the target vocabulary (zero outside the subset)."""
-    if not tree.tokens:
-        return Proposal([])
-    rows = torch.stack(laws)  # (n, S)
-    probs = head.spread(rows)
-    token_probs = rows.gather(1, torch.tensor(drawn, device=rows.device)[:, None])[:, 0].tolist()
-    return Proposal(list(tree.tokens), probs, token_probs, parents=list(tree.parents), values=list(tree.values))
+def _sampled_proposals(trees: list[_Row], laws: list[list[torch.Tensor]], drawn: list[list[int]], head
+                       ) -> list[Proposal]:
+    """Each row's tree in draw order, each node's q row over the target vocabulary (zero outside the subset), the
+    q of every row's drawn tokens read back at once."""
+    flat = [law for row in laws for law in row]
+    token_probs = iter([])
+    if flat:
+        picks = torch.tensor([d for row in drawn for d in row]).to(flat[0].device, non_blocking=True)
+        token_probs = iter(torch.stack(flat).gather(1, picks[:, None])[:, 0].tolist())
+    out = []
+    for tree, row_laws in zip(trees, laws):
+        q = [next(token_probs) for _ in row_laws]
+        out.append(Proposal(list(tree.tokens), head.spread(torch.stack(row_laws)), q, parents=list(tree.parents),
+                            values=list(tree.values)) if tree.tokens else Proposal([]))
+    return out
