@@ -186,12 +186,11 @@ class Runner:
 
     def describe(self) -> str:
         """One line for the app's machine check and the logs."""
-        what = ("CUDA graphs of compiled passes" if self.compile else "CUDA graphs") if self.capture else (
-            "static KV cache, compiled passes, no graphs" if self.compile else "static KV cache, no graphs")
+        passes = " of compiled passes" if self.compile else ""
         if self.capture:
             why = f"; {self.reason}" if self.reason else ""
-            return f"{what} ({self.graphs} captured in {self.capture_seconds:.1f}s{why})"
-        return f"{what} ({self.reason})"
+            return f"CUDA graphs{passes} ({self.graphs} captured in {self.capture_seconds:.1f}s{why})"
+        return f"static KV cache{', compiled passes' if self.compile else ''}, no graphs ({self.reason})"
 
 
 def _install_output_hooks(model) -> None:
