@@ -96,3 +96,25 @@ def test_both_verification_rules_in_one_report(tiny_target, tiny_draft, tiny_tok
     assert report["by_verification"]["block"]["3"]["mean_accepted"] == pytest.approx(
         sum(r["spec_tokens"] for r in block) / sum(r["steps"] for r in block))
     assert "| block | 3 |" in markdown(report)
+
+
+def test_passes_the_hooks_miss_report_no_overhead(tiny_target, tiny_tok, monkeypatch):
+    """Compiled passes (as CUDA graph replays) bypass the forward hooks that time them, and compiling with the hooks
+    on traces them as nothing (it once failed on the clock and ran the rest uncompiled): the rows then carry no
+    forward time or overhead for our runs (which would count the whole run but its prefill as overhead), the report
+    none for them, and bench.md says why; the anchors keep theirs."""
+    from specdemo.engine import graphs
+
+    monkeypatch.setattr(graphs, "COMPILE_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    graphs.attach(tiny_target, "compiled")
+    try:
+        rows, _ = tiny_rows(tiny_pair(tiny_target, tiny_tok, NgramDrafter(), "ngram"), [2])
+    finally:
+        graphs.detach(tiny_target)
+        torch._dynamo.reset()
+    assert all(r["runner"].startswith("static KV cache, compiled passes") for r in rows), rows[0]["runner"]
+    assert not any(k in r for r in rows for k in ("ar_overhead_s", "sd_overhead_s", "sd_verify_logic_s"))
+    report = build_report({"k": [2]}, {"cpu": "test"}, rows)
+    assert "ar_ms_per_step" not in report["overhead"] and "hf_generate_ms_per_step" in report["overhead"]
+    assert "bypassed the forward hooks" in markdown(report)

@@ -111,7 +111,7 @@ class DeviceChains:
         tokens, q, lengths = (t.to(device, non_blocking=True) for t in (tokens, q, lengths))
         probs = None
         if vocab is not None:
-            probs = torch.zeros(rows, width, vocab, device=device).scatter_(2, tokens[..., None], 1.0)
+            probs = one_hot_rows(tokens, vocab)
             for r, p in enumerate(proposals):
                 if p.probs is not None and p.tokens:
                     probs[r, : len(p.tokens)] = p.probs[: len(p.tokens)].to(device, probs.dtype)
@@ -134,15 +134,11 @@ class DeviceChains:
         probs = None
         if self.probs is not None or other.probs is not None:
             vocab = (self.probs if self.probs is not None else other.probs).shape[-1]
-            a, b = (c.probs if c.probs is not None else
-                    torch.zeros(*c.tokens.shape, vocab, device=c.tokens.device).scatter_(2, c.tokens[..., None], 1.0)
-                    for c in (self, other))
-            probs = pick(a, b)
+            probs = pick(*(c.probs if c.probs is not None else one_hot_rows(c.tokens, vocab) for c in (self, other)))
         held = [h if u else o for u, h, o in zip(rows, self.held or [None] * len(rows),
                                                   other.held or [None] * len(rows))]
         return DeviceChains(pick(self.tokens, other.tokens), pick(self.q, other.q, 1.0),
-                            torch.where(use, self.lengths, other.lengths), probs, held,
-                            self.source if other.source is None else other.source)
+                            torch.where(use, self.lengths, other.lengths), probs, held, other.source or self.source)
 
     @classmethod
     def cut(cls, tokens: torch.Tensor, q: torch.Tensor, request: DraftRequest,
@@ -160,6 +156,13 @@ class DeviceChains:
             ended = torch.isin(tokens, torch.tensor(sorted(request.eos_token_ids)).to(device, non_blocking=True))
             kept &= (ended.long().cumsum(1) - ended.long()) == 0  # nothing after an end of sequence
         return cls(tokens, q, kept.long().cumprod(1).sum(1), probs)
+
+
+def one_hot_rows(tokens: torch.Tensor, vocab: int, dtype=None) -> torch.Tensor:
+    """(..., n) token ids as (..., n, vocab) one-hot q rows (a deterministic draft's law), on their device."""
+    import torch
+
+    return torch.zeros(*tokens.shape, vocab, dtype=dtype, device=tokens.device).scatter_(-1, tokens[..., None], 1.0)
 
 
 @dataclass

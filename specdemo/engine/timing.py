@@ -69,7 +69,9 @@ def timed_call(fn: Callable[[], T], device: torch.device | str | None = None) ->
 class ForwardTimer:
     """Seconds spent inside a model's outermost forward calls, and how many calls; hooks on the given modules.
 
-    Nested calls (CausalLM -> base model -> lm_head) count once, so hooking every entry point is safe.
+    Nested calls (CausalLM -> base model -> lm_head) count once, so hooking every entry point is safe. Compiled
+    passes (--graphs compiled) and CUDA graph replays run no hooks: a pass compiled while they are on traces them as
+    nothing (dynamo cannot trace the clock), so the runner stays compiled and those passes go uncounted.
     """
 
     def __init__(self, modules: Sequence[torch.nn.Module], device: torch.device | str | None = None):
@@ -84,11 +86,15 @@ class ForwardTimer:
             self._handles.append(m.register_forward_hook(self._exit))
 
     def _enter(self, module, args) -> None:
+        if torch.compiler.is_compiling():
+            return
         if self._depth == 0:
             self._t0 = now(self.device)
         self._depth += 1
 
     def _exit(self, module, args, output) -> None:
+        if torch.compiler.is_compiling():
+            return
         self._depth -= 1
         if self._depth == 0:
             self.seconds += now(self.device) - self._t0

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from ..config import SamplingConfig
+from ..drafters.base import one_hot_rows
 from .events import TOP_N, Inspection
 
 
@@ -142,7 +143,7 @@ def draft_rows_batch(drafted: torch.Tensor, qs: Sequence[torch.Tensor | None],
     if all(q is None for q in qs):
         return None
     rows, n = drafted.shape
-    out = torch.nn.functional.one_hot(drafted, like.shape[-1]).to(like.dtype)
+    out = one_hot_rows(drafted, like.shape[-1], like.dtype)
     for r, q in enumerate(qs):
         if q is not None:
             m = min(len(q), n)
@@ -172,10 +173,7 @@ def _draft_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, vo
                 dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """q as (..., k, V) rows: the drafter's own, or one-hot at the drafted tokens (..., k) for a deterministic
     drafter."""
-    if draft_probs is not None:
-        return draft_probs
-    return torch.zeros(*draft_tokens.shape, vocab, dtype=dtype, device=draft_tokens.device).scatter_(
-        -1, draft_tokens[..., None], 1.0)
+    return draft_probs if draft_probs is not None else one_hot_rows(draft_tokens, vocab, dtype)
 
 
 def block_thresholds_rows(drafted: torch.Tensor, lengths: torch.Tensor, q: torch.Tensor,

@@ -139,6 +139,10 @@ def markdown(report: dict) -> str:
     if anchors.get("vllm") or cfg.get("vllm"):
         parts.append(vllm_markdown(report))
     ov = report.get("overhead") or {}
+    if report["results"] and "ar_ms_per_step" not in ov:
+        parts.append("Our runs' passes bypassed the forward hooks (CUDA graph replays or compiled passes: see each "
+                     "row's `runner`), so no forward time or overhead is given for them; `scripts/step_profile.py` "
+                     "profiles a step.\n")
     if ov:
         parts.append("## Per-step time outside model forwards\n\n" + md_table(
             ["measure", "ms per target pass"], [[k.replace("_ms_per_step", ""), v] for k, v in ov.items()

@@ -187,11 +187,11 @@ def bench_prompt(pair, item: PromptItem, prompt_ids: list[int], ks: list[int], c
             row["draft_runner"] = runners["draft"]
         put(row, "ar", ar)
         put(row, "sd", sd)
-        # where the non-forward time of a speculative run goes
-        row["sd_draft_logic_s"] = max(0.0, s.draft_seconds - sd.draft_forward_s)
         row["sd_outside_clock_s"] = max(0.0, sd.seconds - s.seconds)  # generator setup, outside the engine clock
-        # acceptance, cache rollback, drafter.update, detokenization (the rest of the non-forward time)
-        row["sd_verify_logic_s"] = max(0.0, sd.overhead_s - row["sd_draft_logic_s"] - row["sd_outside_clock_s"])
+        if sd.every_pass_timed:  # where the non-forward time of a speculative run goes
+            row["sd_draft_logic_s"] = max(0.0, s.draft_seconds - sd.draft_forward_s)
+            # acceptance, cache rollback, drafter.update, detokenization (the rest of the non-forward time)
+            row["sd_verify_logic_s"] = max(0.0, sd.overhead_s - row["sd_draft_logic_s"] - row["sd_outside_clock_s"])
         if config.sampling.greedy and not row["identical"]:
             row["mismatch"] = first_mismatch(pair.target, prompt_ids, ar.ids, sd.ids)
         if hf is not None and first:
