@@ -5,11 +5,28 @@ on (loop.ONE_READ = "always"; by default it runs under a graph-captured target):
 drafts, their q and the output are those of the usual path, which are the target's own greedy tokens."""
 
 import pytest
-from conftest import TEST_DEVICE, case, sampled_second_tokens, second_token_distribution
+from conftest import TEST_DEVICE, case, drafter_cases, sampled_second_tokens, second_token_distribution
 from test_draft_graphs import HOST_READS, PROMPTS, counted_reads
 
 from specdemo.config import GenerationConfig, SamplingConfig
 from specdemo.engine import decode, graphs, loop, row_outputs
+
+
+@pytest.fixture
+def step_reads(monkeypatch) -> list[list[tuple[str, str]]]:
+    """Each speculative step's reads of the device, as (file, function) of the caller, from now on in the test (the
+    static head cache's reads of host tensors left out: HOST_READS)."""
+    per_step, step = [], loop._spec_step
+
+    def counting(*args):
+        with counted_reads() as reads:
+            out = step(*args)
+        per_step.append([(where.rsplit("/", 1)[-1], name) for where, name in reads
+                         if (where.rsplit("/", 1)[-1], name) not in HOST_READS])
+        return out
+
+    monkeypatch.setattr(loop, "_spec_step", counting)
+    return per_step
 
 
 def run(tiny, tiny_tok, kind, rows, k, mode, monkeypatch, min_confidence=0.0, sampling=SamplingConfig()):
@@ -56,7 +73,7 @@ def test_chains_verified_on_the_device_are_the_usual_path(tiny, tiny_tok, tiny_r
 @pytest.mark.parametrize("rule", ["greedy", "token", "block"])
 @pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("kind", ["model", "eagle3", "hybrid", "hybrid-eagle3"])
-def test_a_step_reads_the_device_once(tiny, tiny_tok, kind, rows, rule, monkeypatch):
+def test_a_step_reads_the_device_once(tiny, tiny_tok, kind, rows, rule, monkeypatch, step_reads):
     """Under the static runner every speculative step of a k = 4 decode (rejections, rows leaving, k shrinking at
     the end) reads values back once in all: the verdicts and the chains together, greedy or sampled (the draws made
     on the device from each row's generator, rejection sampling or block verification there too; a hybrid's lookup
@@ -66,16 +83,8 @@ def test_a_step_reads_the_device_once(tiny, tiny_tok, kind, rows, rule, monkeypa
     models = (tiny.target, tiny.draft, tiny.eagle3_target)
     for model in models:
         graphs.attach(model, "on")
-    per_step, step = [], loop._spec_step
+    per_step = step_reads
     sampling = SamplingConfig(temperature=1.0, top_p=0.9, verification=rule) if sampled else SamplingConfig()
-
-    def counting(*args):
-        with counted_reads() as reads:
-            out = step(*args)
-        per_step.append([r for r in reads if (r[0].rsplit("/", 1)[-1], r[1]) not in HOST_READS])
-        return out
-
-    monkeypatch.setattr(loop, "_spec_step", counting)
     try:
         for mode, reads in (("always", 1), ("never", 2)):
             per_step.clear()
@@ -178,21 +187,12 @@ def test_a_captured_step_synchronises_once(tiny, tiny_tok, kind, tree, temperatu
 
 @pytest.mark.parametrize("kind", ["ngram", "eagle3"])
 @pytest.mark.parametrize("rows", [1, 4])
-def test_a_sampled_tree_step_reads_its_verdicts_once(tiny, tiny_tok, rows, kind, monkeypatch):
+def test_a_sampled_tree_step_reads_its_verdicts_once(tiny, tiny_tok, rows, kind, monkeypatch, step_reads):
     """Under the static runner, sampled trees are verified for every row at once on a GPU (forced here): a host
     drafter's (prompt lookup's branches, one-hot q) read the device once a step (tree_accept_batch;
     sampled_accept_batch where no row branched), where the walk down each tree reads a value per tried child. The
     head's trees, drawn depth by depth on the host, read twice a depth for all rows (what the allotment weighs, what
     was drawn) and their q once, where they read a few values per node and row."""
-    per_step, step = [], loop._spec_step
-
-    def counting(*args):
-        with counted_reads() as reads:
-            out = step(*args)
-        per_step.append([name for where, name in reads if (where.rsplit("/", 1)[-1], name) not in HOST_READS])
-        return out
-
-    monkeypatch.setattr(loop, "_spec_step", counting)
     monkeypatch.setattr(loop, "ONE_READ", "always")  # as on a GPU (on a CPU the walk goes row by row)
     for model in (tiny.target, tiny.eagle3_target):
         graphs.attach(model, "on")
@@ -206,9 +206,32 @@ def test_a_sampled_tree_step_reads_its_verdicts_once(tiny, tiny_tok, rows, kind,
     assert any(s.parents is not None and s.parents != list(range(-1, len(s.parents) - 1))
                for e in events for s in e.steps)  # some steps branched
     verdicts = {"tree_accept_batch", "sampled_accept_batch"}
+    per_step = [[name for _, name in reads] for reads in step_reads]
     if kind == "ngram":
         assert per_step and all(len(names) == 1 for names in per_step), per_step
         assert {n for names in per_step for n in names} == verdicts
         return
     assert per_step and all(len(names) <= 2 * 4 + 2 for names in per_step), per_step
     assert {n for names in per_step for n in names} <= verdicts | {"_tops", "_draws", "_sampled_proposals"}
+
+
+@pytest.mark.parametrize("rule", ["greedy", "token", "block"])
+@pytest.mark.parametrize("drafter_case", drafter_cases(), ids=str)
+def test_every_drafter_reads_the_device_once_a_step(tiny, tiny_tok, drafter_case, rule, monkeypatch, step_reads):
+    """Under the static runner with one read forced on (as under CUDA graphs), every registered drafter's chains
+    (4 rows, k = 4), greedy or sampled under either rule, read the device once a step: device chains with their
+    verdicts (read_chains), a host drafter's verdicts alone."""
+    models = (tiny.target, tiny.draft, tiny.eagle3_target)
+    for model in models:
+        graphs.attach(model, "on")
+    monkeypatch.setattr(loop, "ONE_READ", "always")
+    sampling = SamplingConfig() if rule == "greedy" else SamplingConfig(1.0, verification=rule)
+    try:
+        target, drafter = drafter_case.build(tiny)
+        config = GenerationConfig(max_new_tokens=24, num_draft_tokens=4, tree="off", sampling=sampling)
+        with drafter.paused():
+            list(decode(target, tiny_tok, PROMPTS[:4], config, drafter))
+    finally:
+        for model in models:
+            graphs.detach(model)
+    assert len(step_reads) >= 3 and all(len(reads) == 1 for reads in step_reads), step_reads

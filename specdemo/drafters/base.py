@@ -95,52 +95,6 @@ class DeviceChains:
     source: str | None = None
 
     @classmethod
-    def of(cls, proposals: Sequence[Proposal], device: torch.device, vocab: int | None = None) -> DeviceChains:
-        """Chains the host drafted, as DeviceChains on `device`, each held (tokens padded to the longest, q 1 where
-        a proposal gives none); with `vocab`, probs: a proposal's own rows, one-hot at a deterministic one's tokens
-        (what q = None means to the acceptance rules)."""
-        import torch
-
-        rows, width = len(proposals), max((len(p.tokens) for p in proposals), default=0)
-        tokens, q = torch.zeros(rows, width, dtype=torch.long), torch.ones(rows, width, dtype=torch.float64)
-        for r, p in enumerate(proposals):
-            tokens[r, : len(p.tokens)] = torch.tensor(p.tokens, dtype=torch.long)
-            if p.token_probs is not None:
-                q[r, : len(p.tokens)] = torch.tensor(p.token_probs, dtype=torch.float64)
-        lengths = torch.tensor([len(p.tokens) for p in proposals])
-        tokens, q, lengths = (t.to(device, non_blocking=True) for t in (tokens, q, lengths))
-        probs = None
-        if vocab is not None:
-            probs = one_hot_rows(tokens, vocab)
-            for r, p in enumerate(proposals):
-                if p.probs is not None and p.tokens:
-                    probs[r, : len(p.tokens)] = p.probs[: len(p.tokens)].to(device, probs.dtype)
-        return cls(tokens, q, lengths, probs, list(proposals))
-
-    def where(self, rows: Sequence[bool], other: DeviceChains) -> DeviceChains:
-        """These chains in the rows marked True, `other`'s elsewhere (both on one device; the narrower padded), the
-        rows held as each side holds them."""
-        import torch
-        import torch.nn.functional as F
-
-        width = max(self.tokens.shape[1], other.tokens.shape[1])
-        use = torch.tensor(list(rows)).to(self.tokens.device, non_blocking=True)
-
-        def pick(a: torch.Tensor, b: torch.Tensor, fill=0) -> torch.Tensor:
-            pads = [(0, 0) * (t.dim() - 2) + (0, width - t.shape[1]) for t in (a, b)]
-            a, b = F.pad(a, pads[0], value=fill), F.pad(b, pads[1], value=fill)
-            return torch.where(use.view(-1, *[1] * (a.dim() - 1)), a, b)
-
-        probs = None
-        if self.probs is not None or other.probs is not None:
-            vocab = (self.probs if self.probs is not None else other.probs).shape[-1]
-            probs = pick(*(c.probs if c.probs is not None else one_hot_rows(c.tokens, vocab) for c in (self, other)))
-        held = [h if u else o for u, h, o in zip(rows, self.held or [None] * len(rows),
-                                                  other.held or [None] * len(rows))]
-        return DeviceChains(pick(self.tokens, other.tokens), pick(self.q, other.q, 1.0),
-                            torch.where(use, self.lengths, other.lengths), probs, held, other.source or self.source)
-
-    @classmethod
     def cut(cls, tokens: torch.Tensor, q: torch.Tensor, request: DraftRequest,
             sure: torch.Tensor | None = None, probs: torch.Tensor | None = None) -> DeviceChains:
         """Chains of max(ks) tokens per row, each row's length worked out on the device as Chains.add stops a row:
@@ -156,13 +110,6 @@ class DeviceChains:
             ended = torch.isin(tokens, torch.tensor(sorted(request.eos_token_ids)).to(device, non_blocking=True))
             kept &= (ended.long().cumsum(1) - ended.long()) == 0  # nothing after an end of sequence
         return cls(tokens, q, kept.long().cumprod(1).sum(1), probs)
-
-
-def one_hot_rows(tokens: torch.Tensor, vocab: int, dtype=None) -> torch.Tensor:
-    """(..., n) token ids as (..., n, vocab) one-hot q rows (a deterministic draft's law), on their device."""
-    import torch
-
-    return torch.zeros(*tokens.shape, vocab, dtype=dtype, device=tokens.device).scatter_(-1, tokens[..., None], 1.0)
 
 
 @dataclass

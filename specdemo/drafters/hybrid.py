@@ -19,6 +19,7 @@ import torch
 
 from ..config import MAX_K_ENGINE, GenerationConfig
 from ..engine.timing import PROBE_TEXT, forward_costs
+from ..engine.verify import one_hot_rows
 from .base import DeviceChains, Drafter, DraftRequest, Proposal, Verdict
 from .ngram import NgramDrafter
 from .trees import best_subtree, lookup_tree, lookup_values, shifted_costs
@@ -109,25 +110,24 @@ class HybridDrafter(Drafter):
                 else m for r, (p, m) in enumerate(zip(looked, modeled))]
 
     def propose_on_device(self, request: DraftRequest) -> DeviceChains | None:
-        """Chains: the lookup's rows as the host drafted them, the draft's chains elsewhere, left on the device
-        where the draft leaves them there (else its proposals as drafted), for the engine to verify and read back
-        once. None where a request allows trees (the branches beside the draft's chain are valued by its q, read on
-        the host: propose)."""
+        """Chains: the lookup's rows as the host drafted them (held_chains), the draft's chains elsewhere
+        (chains_where), left on the device where the draft leaves them there (else its proposals as drafted), for
+        the engine to verify and read back once. None where a request allows trees (the branches beside the draft's
+        chain are valued by its q, read on the host: propose)."""
         if any(request.nodes(r) for r in range(len(request.ids))):
             return None
         looked, model_request = self._looked_up(request)
         if max(model_request.ks, default=0) <= 0:  # the host holds every row (the engine moves them)
-            return DeviceChains.of([p if p.tokens else Proposal([], source="model") for p in looked],
-                                   torch.device("cpu"))
+            return held_chains([p if p.tokens else Proposal([], source="model") for p in looked], torch.device("cpu"))
         modeled = self.model.propose_on_device(model_request)
         if modeled is None:  # the draft drafts on the host here
             drafted = self.model.propose(model_request)
             probs = [m.probs for m in drafted if m.probs is not None]
-            modeled = DeviceChains.of([replace(m, source="model") for m in drafted],
-                                      probs[0].device if probs else torch.device("cpu"),
-                                      probs[0].shape[-1] if probs else None)
+            modeled = held_chains([replace(m, source="model") for m in drafted],
+                                  probs[0].device if probs else torch.device("cpu"),
+                                  probs[0].shape[-1] if probs else None)
         modeled.source = "model"
-        return DeviceChains.of(looked, modeled.tokens.device).where([bool(p.tokens) for p in looked], modeled)
+        return chains_where([bool(p.tokens) for p in looked], held_chains(looked, modeled.tokens.device), modeled)
 
     def _with_branches(self, chain: Proposal, request: DraftRequest, r: int) -> Proposal:
         """Row r's tree: the draft's chain, then prompt lookup's branches as further children of the pending token
@@ -175,6 +175,47 @@ class HybridDrafter(Drafter):
         self.model.select(rows)
         self.lookup.select(rows)
         self._chains = []
+
+
+def held_chains(proposals: list[Proposal], device: torch.device, vocab: int | None = None) -> DeviceChains:
+    """Chains the host drafted, as DeviceChains on `device`, each held (tokens padded to the longest, q 1 where a
+    proposal gives none); with `vocab`, probs: a proposal's own rows, one-hot at a deterministic one's tokens (what
+    q = None means to the acceptance rules)."""
+    rows, width = len(proposals), max((len(p.tokens) for p in proposals), default=0)
+    tokens, q = torch.zeros(rows, width, dtype=torch.long), torch.ones(rows, width, dtype=torch.float64)
+    for r, p in enumerate(proposals):
+        tokens[r, : len(p.tokens)] = torch.tensor(p.tokens, dtype=torch.long)
+        if p.token_probs is not None:
+            q[r, : len(p.tokens)] = torch.tensor(p.token_probs, dtype=torch.float64)
+    lengths = torch.tensor([len(p.tokens) for p in proposals])
+    tokens, q, lengths = (t.to(device, non_blocking=True) for t in (tokens, q, lengths))
+    probs = None
+    if vocab is not None:
+        probs = one_hot_rows(tokens, vocab)
+        for r, p in enumerate(proposals):
+            if p.probs is not None and p.tokens:
+                probs[r, : len(p.tokens)] = p.probs[: len(p.tokens)].to(device, probs.dtype)
+    return DeviceChains(tokens, q, lengths, probs, list(proposals))
+
+
+def chains_where(rows: list[bool], a: DeviceChains, b: DeviceChains) -> DeviceChains:
+    """a's chains in the rows marked True, b's elsewhere (both on one device; the narrower padded), each row held as
+    its side holds it."""
+    width = max(a.tokens.shape[1], b.tokens.shape[1])
+    use = torch.tensor(rows).to(a.tokens.device, non_blocking=True)
+
+    def pick(x: torch.Tensor, y: torch.Tensor, fill=0) -> torch.Tensor:
+        x, y = (torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]), value=fill)
+                for t in (x, y))
+        return torch.where(use.view(-1, *[1] * (x.dim() - 1)), x, y)
+
+    probs = None
+    if a.probs is not None or b.probs is not None:
+        vocab = (a.probs if a.probs is not None else b.probs).shape[-1]
+        probs = pick(*(c.probs if c.probs is not None else one_hot_rows(c.tokens, vocab) for c in (a, b)))
+    held = [x if u else y for u, x, y in zip(rows, a.held or [None] * len(rows), b.held or [None] * len(rows))]
+    return DeviceChains(pick(a.tokens, b.tokens), pick(a.q, b.q, 1.0), torch.where(use, a.lengths, b.lengths), probs,
+                        held, b.source or a.source)
 
 
 # What hybrid_model_k assumes of a draft that carries no held-out figures of its own: the chance that its first and

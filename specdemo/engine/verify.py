@@ -11,7 +11,6 @@ from collections.abc import Sequence
 import torch
 
 from ..config import SamplingConfig
-from ..drafters.base import one_hot_rows
 from .events import TOP_N, Inspection
 
 
@@ -46,6 +45,11 @@ def generator_on(generator: torch.Generator | None, device: torch.device | str) 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token id from a (V,) distribution."""
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def one_hot_rows(tokens: torch.Tensor, vocab: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(..., n) token ids as (..., n, vocab) one-hot q rows (a deterministic draft's law), on their device."""
+    return torch.zeros(*tokens.shape, vocab, dtype=dtype, device=tokens.device).scatter_(-1, tokens[..., None], 1.0)
 
 
 def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
@@ -160,11 +164,16 @@ def rejection_accept(
 ) -> tuple[int, int]:
     """rejection_accept_rows for one row, read back: draft_tokens (k,); draft_probs (k, V) or None for a
     deterministic drafter; target_probs (k+1, V). Returns (num_accepted, next_token)."""
+    return _one_row(rejection_accept_rows, draft_tokens, draft_probs, target_probs, generator)
+
+
+def _one_row(rule, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
+             generator: torch.Generator | None) -> tuple[int, int]:
+    """A batched rule (ROW_RULES' arguments) on one row's block, read back: (num_accepted, next_token)."""
     k = draft_tokens.shape[0]
     lengths = torch.full((1,), k, device=target_probs.device)
     q = None if draft_probs is None else draft_probs[None]
-    accepted, nxt = rejection_accept_rows(draft_tokens[None].to(target_probs.device), lengths, q, target_probs[None],
-                                          [generator], [k])
+    accepted, nxt = rule(draft_tokens[None].to(target_probs.device), lengths, q, target_probs[None], [generator], [k])
     accepted, nxt = torch.stack([accepted, nxt]).tolist()
     return accepted[0], nxt[0]
 
@@ -248,13 +257,7 @@ def block_accept(
     generator: torch.Generator | None,
 ) -> tuple[int, int]:
     """block_accept_rows for one drafted block, read back. Same arguments and return as rejection_accept."""
-    k = draft_tokens.shape[0]
-    lengths = torch.full((1,), k, device=target_probs.device)
-    q = None if draft_probs is None else draft_probs[None]
-    accepted, nxt = block_accept_rows(draft_tokens[None].to(target_probs.device), lengths, q, target_probs[None],
-                                      [generator], [k])
-    accepted, nxt = torch.stack([accepted, nxt]).tolist()
-    return accepted[0], nxt[0]
+    return _one_row(block_accept_rows, draft_tokens, draft_probs, target_probs, generator)
 
 
 def expected_accepted(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
