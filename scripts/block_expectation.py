@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             verify.ROW_RULES["token"] = recorded(steps)
             for seed, ids in enumerate(prompts):
                 config = GenerationConfig(max_new_tokens=args.max_new_tokens, num_draft_tokens=k, seed=seed,
-                                          sampling=SamplingConfig(temperature))
+                                          sampling=SamplingConfig(temperature), tree="off")  # block judges chains
                 for _ in decode(pair.target.model, tok, [ids], config, pair.drafter, text=False):
                     pass
             verify.ROW_RULES["token"] = verify.rejection_accept_rows
