@@ -234,9 +234,9 @@ def block_accept_rows(drafted: torch.Tensor, lengths: torch.Tensor, draft_probs:
     eta = row_uniforms(draws, n, generators, p.device)  # (B, n), Alg. 2: eta_i ~ U(0, 1); 1.0 past a row's draws
     q = _draft_rows(drafted, draft_probs, vocab, p.dtype)  # (B, n, V)
     w, h = block_thresholds_rows(drafted, lengths, q, p)
-    # Alg. 2: tau = the last i with eta_i <= h_i, else 0 (eta in [0, 1): `<` has the same odds and h = 0 never passes)
     if n == 0:
         return lengths.new_zeros(rows), sample_rows(p[:, 0], generators)
+    # Alg. 2: tau = the last i with eta_i <= h_i, else 0 (eta in [0, 1): `<` has the same odds and h = 0 never passes)
     real = torch.arange(n, device=p.device)[None, :] < lengths[:, None]
     tau = (((eta.double() < h) & real).long() * torch.arange(1, n + 1, device=p.device)).amax(1)  # (B,)
     p_tau = p.gather(1, tau[:, None, None].expand(rows, 1, vocab))[:, 0]  # (B, V)
