@@ -62,9 +62,10 @@ def test_chains_verified_on_the_device_are_the_usual_path(tiny, tiny_tok, tiny_r
     target = case(name).build(tiny)[0]
     plain = list(decode(target, tiny_tok, PROMPTS[:rows], GenerationConfig(max_new_tokens=24)))
     assert device[2] == row_outputs(plain, rows)
-    if name.startswith("hybrid"):
+    if name.startswith("hybrid"):  # the draft's rows and prompt lookup's (suffix decoding's cache, shared across
+        # the tests, may serve every row from earlier answers)
         sources = {source for *_, source in device[0]} - {None}  # None: the prefill
-        assert "model" in sources and sources - {"model"}  # the draft's rows and the lookup's ("lookup", suffix's own)
+        assert sources == {"model", "lookup"} if name != "hybrid-suffix" else sources, sources
         return
     lengths = {len(d) for d, *_ in device[0] if d}
     assert (max(lengths) == k or unsure) and (k == 1 or len(lengths) > 1 or name == "model")  # some stopped short
