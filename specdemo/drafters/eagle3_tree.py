@@ -210,9 +210,9 @@ def _tops(opened: list[list[Open]]) -> list[list[list[float]]]:
 
 def _draws(opened: list[list[Open]], counts: list[list[int]], gens, subset: torch.Tensor
            ) -> list[list[tuple[list[int], list[float], list[int]]]]:
-    """Each opened node's children drawn from its q without replacement (race_keys; row r's nodes in order from
-    gens[r], as drawn one node at a time), every row's read back at once: per node (draft ids, their q there, their
-    target ids)."""
+    """Each opened node's children drawn from its q without replacement (draw_without_replacement; row r's nodes in
+    order from gens[r], as drawn one node at a time), every row's read back at once: per node (draft ids, their q
+    there, their target ids)."""
     most = max((c for row in counts for c in row), default=0)
     picks, wanted = [], []
     for r, row in enumerate(opened):
@@ -229,7 +229,7 @@ def _draws(opened: list[list[Open]], counts: list[list[int]], gens, subset: torc
     for row_counts in counts:
         out.append([])
         for count in row_counts:
-            got = next(read)[:] if count else [0.0] * (3 * most)
+            got = next(read) if count else []
             out[-1].append(([int(x) for x in got[:count]], got[most : most + count],
                             [int(x) for x in got[2 * most : 2 * most + count]]))
     return out

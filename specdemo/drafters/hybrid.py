@@ -19,7 +19,7 @@ import torch
 
 from ..config import MAX_K_ENGINE, GenerationConfig
 from ..engine.timing import PROBE_TEXT, forward_costs
-from ..engine.verify import one_hot_rows
+from ..engine.verify import draft_rows_batch, one_hot_rows
 from .base import DeviceChains, Drafter, DraftRequest, Proposal, Verdict
 from .ngram import NgramDrafter
 from .trees import best_subtree, lookup_tree, lookup_values, shifted_costs
@@ -118,14 +118,10 @@ class HybridDrafter(Drafter):
             return None
         looked, model_request = self._looked_up(request)
         if max(model_request.ks, default=0) <= 0:  # the host holds every row (the engine moves them)
-            return held_chains([p if p.tokens else Proposal([], source="model") for p in looked], torch.device("cpu"))
+            return held_chains([p if p.tokens else Proposal([], source="model") for p in looked])
         modeled = self.model.propose_on_device(model_request)
         if modeled is None:  # the draft drafts on the host here
-            drafted = self.model.propose(model_request)
-            probs = [m.probs for m in drafted if m.probs is not None]
-            modeled = held_chains([replace(m, source="model") for m in drafted],
-                                  probs[0].device if probs else torch.device("cpu"),
-                                  probs[0].shape[-1] if probs else None)
+            modeled = held_chains([replace(m, source="model") for m in self.model.propose(model_request)])
         modeled.source = "model"
         return chains_where([bool(p.tokens) for p in looked], held_chains(looked, modeled.tokens.device), modeled)
 
@@ -177,10 +173,13 @@ class HybridDrafter(Drafter):
         self._chains = []
 
 
-def held_chains(proposals: list[Proposal], device: torch.device, vocab: int | None = None) -> DeviceChains:
-    """Chains the host drafted, as DeviceChains on `device`, each held (tokens padded to the longest, q 1 where a
-    proposal gives none); with `vocab`, probs: a proposal's own rows, one-hot at a deterministic one's tokens (what
-    q = None means to the acceptance rules)."""
+def held_chains(proposals: list[Proposal], device: torch.device | None = None) -> DeviceChains:
+    """Chains the host drafted, as DeviceChains on `device` (None: where their q rows are, else the CPU), each held
+    (tokens padded to the longest, q 1 where a proposal gives none); where any proposal has q rows, probs as
+    verify.draft_rows_batch makes them (one-hot at a deterministic one's tokens)."""
+    qs = [p.probs for p in proposals]
+    like = next((q for q in qs if q is not None), None)
+    device = device or (like.device if like is not None else torch.device("cpu"))
     rows, width = len(proposals), max((len(p.tokens) for p in proposals), default=0)
     tokens, q = torch.zeros(rows, width, dtype=torch.long), torch.ones(rows, width, dtype=torch.float64)
     for r, p in enumerate(proposals):
@@ -189,12 +188,7 @@ def held_chains(proposals: list[Proposal], device: torch.device, vocab: int | No
             q[r, : len(p.tokens)] = torch.tensor(p.token_probs, dtype=torch.float64)
     lengths = torch.tensor([len(p.tokens) for p in proposals])
     tokens, q, lengths = (t.to(device, non_blocking=True) for t in (tokens, q, lengths))
-    probs = None
-    if vocab is not None:
-        probs = one_hot_rows(tokens, vocab)
-        for r, p in enumerate(proposals):
-            if p.probs is not None and p.tokens:
-                probs[r, : len(p.tokens)] = p.probs[: len(p.tokens)].to(device, probs.dtype)
+    probs = None if like is None else draft_rows_batch(tokens, qs, like.to(device))
     return DeviceChains(tokens, q, lengths, probs, list(proposals))
 
 
