@@ -109,20 +109,28 @@ def set_number(page, label: str, value: int) -> None:
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
     box = page.get_by_label(f"number input for {label}")
-    if not box.is_visible():  # folded away under "More settings"
+    if not box.is_visible():  # folded away under "More settings", whose sliders are made when it opens
         page.get_by_text("More settings").click()
-    # The click on Run sends what the component holds, so wait until its range input shows the new value. On a busy
-    # machine a value typed while the page still wires its components can be dropped: type it again (every 5 s, for
-    # 30 s in all; typing the value a slow page already holds changes nothing).
+        box.wait_for(state="visible")
+        # A value typed into a slider that has just been made can show in it and still not reach what Run sends (a
+        # 128-token run where 24 was set, once in about five suite runs on a busy machine): let it settle first, as
+        # a person's hand does
+        page.wait_for_timeout(500)
+    # The click on Run sends what the component holds, so wait until its range input shows the new value, and still
+    # does a moment later. On a busy machine a value typed while the page still wires its components can be dropped:
+    # type it again (every 5 s, for 30 s in all; typing the value a slow page already holds changes nothing).
     for attempt in range(6):
         box.fill(str(value))
         box.press("Tab")  # blur: the slider clamps and releases its value
         try:
             page.wait_for_function(VISIBLE_SLIDER_HOLDS, arg=[label, value], timeout=5_000)
-            return
+            page.wait_for_timeout(300)
+            if page.evaluate(VISIBLE_SLIDER_HOLDS, [label, value]):
+                return
         except PlaywrightTimeout:
-            if attempt == 5:
-                raise
+            pass
+        if attempt == 5:
+            raise AssertionError(f"the {label!r} slider did not take {value} in 30 s")
 
 
 def pick_drafter(page, label: str, kind: str) -> None:
