@@ -147,11 +147,18 @@ def pick_drafter(page, label: str, kind: str) -> None:
 
 
 def run(page, timeout: float = 300_000) -> list[dict]:
-    """Click Run and wait for this run's Done; the page's log of what it showed."""
+    """Click Run and wait for this run's Done; the page's log of what it showed. What the click sent to the server
+    (the run's inputs, in ui.build_demo's order) is kept in SENT[page]."""
     page.evaluate(RECORDER)
-    page.locator("#run").click()
+    with page.expect_request(lambda r: r.method == "POST" and "/queue/join" in r.url) as request:
+        page.locator("#run").click()
+    SENT[page] = request.value.post_data_json["data"]
     page.wait_for_function(FINISHED, timeout=timeout)
     return page.evaluate("window.__log")
+
+
+SENT: dict = {}  # page -> the inputs its last run sent
+MAX_NEW_TOKENS = 8  # their position of max new tokens (ui.build_demo's `inputs`)
 
 
 def first_token_seconds(log: list[dict]) -> float:
@@ -267,6 +274,7 @@ def test_a_run_shows_every_kind_of_token_and_replays_without_computing(fresh):
     pick_drafter(page, "prompt lookup", "ngram")
     set_number(page, "max new tokens", 24)
     run(page)
+    assert SENT[page][MAX_NEW_TOKENS] == 24, f"the page sent {SENT[page]} though its slider showed 24 max new tokens"
     sd = page.locator("#sd-panel")
     counts = {cls: sd.locator(f"span.{cls}").count()
               for cls in ("tok-target", "tok-accepted", "tok-rejected", "tok-correction", "tok-bonus")}
