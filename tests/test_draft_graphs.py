@@ -142,8 +142,8 @@ def test_the_drafters_passes_are_captured_before_the_clock(tiny, tiny_tok, kind,
     cache taken, nothing recorded. Where its runner captures (a stand-in recorder here, no CUDA), the drafter's
     passes are recorded then, over the storage its begin takes next, and no proposal of a B = 1 decode records
     anything: a draft LM's one-token pass and its catch-up widths 1 and 2 (the first catch-up, its prompt, runs
-    once, uncaptured), an EAGLE-3 head's draft step, its catch-up widths 1 to CATCH_UP_WIDTH and its tree levels' 1 to
-    LEVEL_WIDTH. The tokens are the uncaptured run's."""
+    once, uncaptured), an EAGLE-3 head's greedy chains of 4 tokens down to 1, its catch-up widths 1 to
+    CATCH_UP_WIDTH and its tree levels' 1 to LEVEL_WIDTH. The tokens are the uncaptured run's."""
     for model in (tiny.target, tiny.draft, tiny.eagle3_target):
         graphs.attach(model, "on")
     try:
@@ -167,7 +167,7 @@ def test_the_drafters_passes_are_captured_before_the_clock(tiny, tiny_tok, kind,
         captured = order[1 : order.index("clock")]
         assert order[0] == "warm" and order.count("begin") == 1 and order.index("begin") > order.index("clock")
         assert captured == (["capture a 1 x 2 pass", "capture a 1 x 1 pass"] if kind == "model"
-                            else ["capture the head's 1-row draft step"]
+                            else [f"capture the head's 1-row chain of {k}" for k in range(4, 0, -1)]
                             + [f"capture the head's 1 x {t} catch-up" for t in range(CATCH_UP_WIDTH, 0, -1)]
                             + [f"capture the head's 1 x {t} tree level" for t in range(LEVEL_WIDTH, 0, -1)])
         assert len([o for o in order if o.startswith("capture")]) == len(captured)  # none while proposing
@@ -241,8 +241,9 @@ def test_a_heads_trees_replay_their_graphs(tiny, tiny_tok, rows, temperature, mo
         assert any(p is not None for e in events for s in e.steps for p in [s.parents])  # trees were drafted
         first = order.index("clock")
         assert [o for o in order[first:] if o.startswith("capture")] == []
-        kind = 3 if temperature else 4  # a level's key (b, t, True); a whole tree's (b, k, E, min_confidence)
-        used = {id(g.graph) for key, g in drafter.kv.storage.graphs.items() if len(key) == kind}
+        # a level's key (b, t, "level"); a whole tree's (b, k, E, min_confidence)
+        used = {id(g.graph) for key, g in drafter.kv.storage.graphs.items()
+                if (key[2:] == ("level",) if temperature else len(key) == 4)}
         assert used and sum(id(g) in used for g in levels) > 0
         if not temperature:
             trees = sorted((key[0], key[1]) for key in drafter.kv.storage.graphs if len(key) == 4)

@@ -1,7 +1,7 @@
 """An EAGLE-3 head's static KV cache and graph runner (drafters/eagle3_static.py) against its eager cache, on tiny
 random heads: the same proposals token for token (greedy chains with and without the confidence stop, trees, B = 1
 and 4), fixed buffer addresses over a run with rejections, rollback that writes nothing, growth past the capacity, a
-draft step that compiles whole, and on CUDA (GRAPH_TESTS=1 in scripts/gpu_check.sh) the captured step, catch-up and
+greedy chain that compiles whole, and on CUDA (GRAPH_TESTS=1 in scripts/gpu_check.sh) the captured chain, catch-up and
 tree level equal to the eager passes (on the CPU a tree's levels run through the same level buffers uncaptured).
 Greedy and sampled decoding through the head's static path is test_static.py's (conftest's cases)."""
 
@@ -182,7 +182,7 @@ def test_a_row_that_outruns_the_capacity_grows_by_one_copy(eagle3_target, tiny_t
 
 
 def _one_step_ready(head, rows: int = 2):
-    """A static head cache with a short catch-up fed to each row, and a step's inputs in its buffers."""
+    """A static head cache with a short catch-up fed to each row, and a chain's input in its feature buffer."""
     kv = eagle3_static.new_head_kv(head, [[1, 2, 3]] * rows)
     torch.manual_seed(3)
     c, device = head.c, kv.device
@@ -190,21 +190,20 @@ def _one_step_ready(head, rows: int = 2):
     tokens = torch.randint(1, 16, (rows, 3), device=device)
     kv.run(hidden, tokens, torch.tensor([[True, True, r % 2 == 0] for r in range(rows)]))
     kv.storage.feature[:rows].copy_(hidden[:, -1])
-    kv.storage.token[:rows].copy_(tokens[:, 0])
     return kv
 
 
-def test_the_draft_step_compiles_whole(head, static_head):
-    """torch.compile(fullgraph=True) traces the head's draft step over the static buffers without a graph break,
-    and the compiled step gives the eager step's feature, token and q."""
+def test_the_greedy_chain_compiles_whole(head, static_head):
+    """torch.compile(fullgraph=True) traces the head's greedy chain (3 tokens: its first and two draft steps) over
+    the static buffers without a graph break, and the compiled chain gives the eager chain's tokens and q."""
     torch._dynamo.reset()
     with torch.inference_mode():
         kv = _one_step_ready(head)
-        eager = kv.storage.step(2)
-        compiled = torch.compile(kv.storage.step, fullgraph=True)(2)
+        eager = kv.storage.chain(2, 3)
+        compiled = torch.compile(kv.storage.chain, fullgraph=True)(2, 3)
     torch._dynamo.reset()
-    assert torch.allclose(compiled[0], eager[0], atol=1e-5)
-    assert torch.equal(compiled[1], eager[1]) and torch.allclose(compiled[2], eager[2], atol=1e-6)
+    assert eager[0].shape == (2, 3) and torch.equal(compiled[0], eager[0])
+    assert torch.allclose(compiled[1], eager[1], atol=1e-6)
     kv.release()
 
 
@@ -224,19 +223,18 @@ def test_a_step_that_will_not_capture_falls_back_with_one_line(eagle3_target, ti
 
 
 @pytest.mark.skipif(TEST_DEVICE.type != "cuda", reason="CUDA graphs: scripts/gpu_check.sh runs this (GRAPH_TESTS=1)")
-def test_the_captured_step_is_the_eager_step(head, static_head):
-    """On CUDA the runner captures the draft step per padded batch size (3 rows run as 4): a replay gives the eager
-    step's outputs, and the runner says it captured."""
+def test_the_captured_chain_is_the_eager_chain(head, static_head):
+    """On CUDA the runner captures the greedy chain per padded batch size and k (3 rows run as 4, 3 tokens): a
+    replay gives the eager chain's tokens and q, again on a second replay, and the runner says it captured."""
     assert static_head.capture
     with torch.inference_mode():
         kv = _one_step_ready(head, 3)
-        inputs = kv.storage.feature[:3].clone(), kv.storage.token[:3].clone()
-        eager = kv.storage.step(3)
-        replayed = static_head.step(kv.storage, *inputs)
-        again = static_head.step(kv.storage, *inputs)
+        feature = kv.storage.feature[:3].clone()
+        eager = kv.storage.chain(3, 3)
+        replayed = static_head.chain(kv.storage, feature, 3)
+        again = static_head.chain(kv.storage, feature, 3)
     assert static_head.graphs >= 1 and graphs.describe(head).startswith("CUDA graphs")
-    for a, b in zip(replayed, eager):
-        assert torch.allclose(a.float(), b.float(), atol=1e-4)
+    assert torch.equal(replayed[0], eager[0]) and torch.allclose(replayed[1].float(), eager[1].float(), atol=1e-4)
     assert all(torch.equal(a, b) for a, b in zip(again, replayed))
     kv.release()
 

@@ -146,13 +146,14 @@ class Eagle3Drafter(Drafter):
         self.kv = new_head_kv(self.head, prompts) or EagerHeadKV(self.head, len(prompts), self.device)
 
     def warm(self, prompts, request: DraftRequest | None = None) -> None:
-        """Capture the greedy draft step and the catch-up widths (HeadRunner.warm) for this batch's padded size and
-        the smaller rungs, over the storage begin(prompts) takes next, and the greedy tree growth the request asks for
-        (eagle3_device_tree.warm_trees); nothing without capture."""
+        """Capture the greedy chains of the request's k and fewer, the catch-up widths (HeadRunner.warm) for this
+        batch's padded size and the smaller rungs, over the storage begin(prompts) takes next, and the greedy tree
+        growth the request asks for (eagle3_device_tree.warm_trees); nothing without capture."""
         runner = graphs.runner_of(self.head)
         if runner is not None and runner.capture:
             self._new_cache(prompts)
-            runner.warm(self.kv, len(prompts))
+            greedy = request is not None and request.sampling.greedy
+            runner.warm(self.kv, len(prompts), k=max(request.ks, default=0) if greedy else 0)
             if request is not None and any(request.nodes(r) for r in range(len(prompts))):
                 warm_trees(self, request)
 

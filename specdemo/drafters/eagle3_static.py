@@ -1,7 +1,8 @@
 """An EAGLE-3 head's static KV cache and its graph runner: the head's keys and values in buffers allocated once, at
 fixed addresses, each row holding its positions 0..len-1 with no holes (engine.static.StaticRows: lengths on the
-device and the host, rollback = a length change), and its greedy draft step captured as a CUDA graph per padded batch
-size (an engine.graphs.Runner of its own), as are the catch-up after a verdict and a draft tree's level passes.
+device and the host, rollback = a length change), and its greedy chain of k draft steps captured as one CUDA graph
+per padded batch size and k (an engine.graphs.Runner of its own), as are the catch-up after a verdict and a draft
+tree's level passes.
 Chosen with the target's `--graphs` (attach); on a CPU, `on` runs the same code uncaptured. Knows the head module,
 not the drafter's bookkeeping (drafters.eagle3)."""
 
@@ -35,8 +36,8 @@ def top_token(head: Eagle3Head, out: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 class HeadStorage:
     """The static buffers of up to `rows` rows and `capacity` positions of one head: keys and values (rows, KV,
-    capacity, D), each row's length (the device tensor the passes read), and the step's input buffers (a feature and
-    a token per row) that a captured step reads. Graphs captured over it replay against these addresses."""
+    capacity, D), each row's length (the device tensor the passes read), and the input buffers that captured passes
+    read (a greedy chain's: a feature per row). Graphs captured over it replay against these addresses."""
 
     def __init__(self, head: Eagle3Head, rows: int, capacity: int):
         c, weight = head.c, head.norm.weight
@@ -46,8 +47,7 @@ class HeadStorage:
         self.values = torch.zeros(shape, dtype=weight.dtype, device=self.device)
         self.lengths = torch.zeros(rows, dtype=torch.long, device=self.device)  # (rows,)
         self.slots = torch.arange(capacity, device=self.device)  # (capacity,)
-        self.feature = torch.zeros(rows, c.hidden_size, dtype=weight.dtype, device=self.device)  # the step's inputs
-        self.token = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self.feature = torch.zeros(rows, c.hidden_size, dtype=weight.dtype, device=self.device)  # a chain's input
         # the catch-up's inputs (a verdict's features, prepared, and the tokens that follow them), right-padded
         self.hidden = torch.zeros(rows, CATCH_UP_WIDTH, c.hidden_size, dtype=weight.dtype, device=self.device)
         self.tokens = torch.zeros(rows, CATCH_UP_WIDTH, dtype=torch.long, device=self.device)
@@ -95,35 +95,41 @@ class HeadStorage:
         return self.run(self.level_hidden[:b, :t], self.level_tokens[:b, :t], self.level_positions[:b, :t],
                         self.level_mask[:b, :, :t])
 
-    def step(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One greedy draft step of the first b rows from the input buffers (feature (b, H), token (b,)), each at its
-        row's length: (the next feature (b, H), its greedy token (b,), that token's q). Straight-line tensor code
-        over fixed buffers (what a graph captures); lengths are not moved."""
-        out = self.run(self.feature[:b, None], self.token[:b, None])[:, 0]
-        return out, *top_token(self.head, out)
+    def chain(self, b: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k greedy draft tokens of the first b rows from the catch-up's output in the feature buffer (b, H): the
+        first from it, each other from one draft step fed the token before it, step i's entry written at the row's
+        length plus i. Returns the tokens (b, k) as target ids and each one's q (b, k). Straight-line tensor code
+        over fixed buffers (what one graph captures: every step and the choice of each token); lengths are not
+        moved."""
+        feature = self.feature[:b]
+        token, peak = top_token(self.head, feature)
+        tokens, peaks = [token], [peak]
+        for i in range(k - 1):
+            feature = self.run(feature[:, None], token[:, None], offset=i)[:, 0]
+            token, peak = top_token(self.head, feature)
+            tokens.append(token)
+            peaks.append(peak)
+        return torch.stack(tokens, 1), torch.stack(peaks, 1)
 
 
 @dataclass
 class HeadRunner(Runner):
     """How a head's passes run: over HeadStorages it pools, captured per padded batch size (on CUDA) and width: its
-    greedy draft step, the catch-up after a verdict (up to CATCH_UP_WIDTH) and a draft tree's level passes (up to
-    LEVEL_WIDTH); every other pass (sampled chains, wider ones) eagerly over the same buffers."""
+    greedy chain (one graph per k), the catch-up after a verdict (up to CATCH_UP_WIDTH) and a draft tree's level
+    passes (up to LEVEL_WIDTH); every other pass (sampled chains, wider ones) eagerly over the same buffers."""
 
     refusal = staticmethod(graphs.why_not_here)  # any head on any device can take the static cache
 
     def new_storage(self, rows: int, capacity: int) -> HeadStorage:
         return HeadStorage(self.model, rows, capacity)
 
-    def step(self, storage: HeadStorage, feature: torch.Tensor,
-             token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """HeadStorage.step of len(token) rows from these inputs: a graph replay where it captures (the batch padded
-        to the ladder), else the same code eagerly. Outputs are the caller's own."""
-        b = len(token)
-        bp = padded_batch(b) if self.capture else b
+    def chain(self, storage: HeadStorage, feature: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """HeadStorage.chain of len(feature) rows from feature (b, H), k tokens: one graph replay where it captures
+        (the batch padded to the ladder, a graph per k), else the same code eagerly. Outputs are the caller's own."""
+        b = len(feature)
         storage.feature[:b].copy_(feature)
-        storage.token[:b].copy_(token)
-        done = self._captured(storage, (bp,)) if self.capture else None
-        return storage.step(b) if done is None else done.replay(b)
+        done = self._captured(storage, (padded_batch(b), k, "chain")) if self.capture else None
+        return storage.chain(b, k) if done is None else done.replay(b)
 
     def catch_up(self, storage: HeadStorage, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """HeadStorage.catch_up of these inputs (hidden (b, t, H), tokens (b, t), right-padded): a graph replay per
@@ -148,7 +154,7 @@ class HeadRunner(Runner):
                           (hidden, tokens, positions)):
             buf[:b, :t].copy_(x, non_blocking=True)
         storage.level_mask[:b, :, :t].copy_(mask, non_blocking=True)
-        done = self._captured(storage, (padded_batch(b), t, True)) if self.capture else None
+        done = self._captured(storage, (padded_batch(b), t, "level")) if self.capture else None
         return storage.level(b, t) if done is None else done.replay(b)[0]
 
     def tree(self, storage: HeadStorage, key: tuple, inputs, grow) -> tuple:
@@ -176,27 +182,29 @@ class HeadRunner(Runner):
         done = storage.graphs[full]
         return grow(storage, inputs) if done is None else done.replay(b)
 
-    def warm(self, kv: StaticHeadKV, rows: int, widths: Sequence[int] = (1,), layers=None) -> float:
-        """Capture the draft step, the catch-up widths and the tree levels' for `rows` rows and each smaller rung of
-        the ladder (graphs.rungs: the batch sizes it runs at as rows finish) before a decode is timed; returns the
-        seconds spent. Reads no target layers and takes the head's own widths (`widths`, `layers`: the target
-        runner's)."""
+    def warm(self, kv: StaticHeadKV, rows: int, widths: Sequence[int] = (1,), layers=None, k: int = 0) -> float:
+        """Capture the greedy chains of k tokens and fewer (the last steps of an answer draft fewer), the catch-up
+        widths and the tree levels' for `rows` rows and each smaller rung of the ladder (graphs.rungs: the batch sizes
+        it runs at as rows finish) before a decode is timed; returns the seconds spent. Reads no target layers and
+        takes the head's own widths (`widths`, `layers`: the target runner's)."""
         before = self.capture_seconds
         if self.capture:
             for b in graphs.rungs(rows):
-                self._captured(kv.storage, (b,))
+                for n in range(k, 0, -1):
+                    self._captured(kv.storage, (b, n, "chain"))
                 for t in range(CATCH_UP_WIDTH, 0, -1):  # a verdict's catch-up: its accepted tokens and one
                     self._captured(kv.storage, (b, t))
                 for t in range(LEVEL_WIDTH, 0, -1):
-                    self._captured(kv.storage, (b, t, True))
+                    self._captured(kv.storage, (b, t, "level"))
         return self.capture_seconds - before
 
-    def _capture(self, storage: HeadStorage, b: int, t: int | None = None, level: bool = False) -> Captured:
-        """Capture the draft step at batch size b (t None), the catch-up pass of width t, or (level) a tree level of
-        width t; their runs write only at each row's length and on, past what any row holds."""
-        if t is None:
-            return self.record(storage.device, lambda: storage.step(b), f"the head's {b}-row draft step")
-        if level:
+    def _capture(self, storage: HeadStorage, b: int, t: int, kind: str = "catch-up") -> Captured:
+        """Capture, at batch size b, the catch-up pass of width t, a tree level of width t (kind "level") or a greedy
+        chain of t tokens (kind "chain"); their runs write only at each row's length and on, past what any row
+        holds."""
+        if kind == "chain":
+            return self.record(storage.device, lambda: storage.chain(b, t), f"the head's {b}-row chain of {t}")
+        if kind == "level":
             return self.record(storage.device, lambda: (storage.level(b, t),), f"the head's {b} x {t} tree level")
         return self.record(storage.device, lambda: (storage.catch_up(b, t),), f"the head's {b} x {t} catch-up")
 
@@ -234,20 +242,15 @@ class StaticHeadKV(StaticRows):
 
     def chain(self, feature: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """k greedy draft tokens per row from the catch-up's outputs feature (B, H): the first from it, each other
-        from one draft step (the runner's, captured on CUDA), with no host synchronisation between them. Returns the
-        tokens (B, k) as target ids and each one's q (B, k); every step's entry stays in the cache past the row's
-        true entries (the drafter cuts it at the next verdict)."""
-        token, peak = top_token(self.storage.head, feature)
-        tokens, peaks = [token], [peak]
+        from one draft step, all in one call (HeadStorage.chain: one graph on CUDA), with no host synchronisation.
+        Returns the tokens (B, k) as target ids and each one's q (B, k); every step's entry stays in the cache past
+        the row's true entries (the drafter cuts it at the next verdict)."""
         self.reserve(k - 1)
-        lengths = self.storage.lengths[: self.rows]
-        for _ in range(k - 1):
-            feature, token, peak = self.runner.step(self.storage, feature, token)
-            lengths += 1  # on the device: the host's counts follow once, below
-            tokens.append(token)
-            peaks.append(peak)
+        tokens, peaks = self.runner.chain(self.storage, feature, k)
+        if k > 1:
+            self.storage.lengths[: self.rows] += k - 1  # on the device: the host's counts follow, below
         self.counts = [c + k - 1 for c in self.counts]
-        return torch.stack(tokens, 1), torch.stack(peaks, 1)
+        return tokens, peaks
 
     def drafted(self, width: int) -> None:
         """Every row's length grows by `width`: the entries a tree's growth wrote on the device past each row's length
