@@ -9,6 +9,7 @@ target verifies. Imports nothing of the engine, so the engine can import this se
 
 from __future__ import annotations
 
+import functools
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -98,18 +99,28 @@ class DeviceChains:
     def cut(cls, tokens: torch.Tensor, q: torch.Tensor, request: DraftRequest,
             sure: torch.Tensor | None = None, probs: torch.Tensor | None = None) -> DeviceChains:
         """Chains of max(ks) tokens per row, each row's length worked out on the device as Chains.add stops a row:
-        at its own k, after an end of sequence, and (with `sure`, (B, k) bool) before its first unsure token."""
+        at its own k, after an end of sequence, and (with `sure`, (B, k) bool) before its first unsure token. Few
+        kernels (each is a launch between a step's graphs): the per-row k only where rows differ in it, the end of
+        sequence ids moved to the device once."""
         import torch
 
         k, device = tokens.shape[1], tokens.device
-        ks = torch.tensor(list(request.ks)).to(device, non_blocking=True)
-        kept = torch.arange(k, device=device)[None, :] < ks[:, None]
-        if sure is not None:
-            kept &= sure
+        kept = torch.ones_like(tokens, dtype=torch.bool) if sure is None else sure
+        if min(request.ks) < k:  # some row asks for fewer
+            ks = torch.tensor(list(request.ks)).to(device, non_blocking=True)
+            kept = kept & (torch.arange(k, device=device)[None, :] < ks[:, None])
         if request.eos_token_ids:
-            ended = torch.isin(tokens, torch.tensor(sorted(request.eos_token_ids)).to(device, non_blocking=True))
-            kept &= (ended.long().cumsum(1) - ended.long()) == 0  # nothing after an end of sequence
-        return cls(tokens, q, kept.long().cumprod(1).sum(1), probs)
+            ended = torch.isin(tokens, _on_device(request.eos_token_ids, device))
+            kept = kept & (ended.cumsum(1) == ended)  # nothing after an end of sequence
+        return cls(tokens, q, kept.cumprod(1).sum(1), probs)
+
+
+@functools.cache
+def _on_device(ids: frozenset[int], device) -> torch.Tensor:
+    """Token ids as a device tensor, made once per set and device (DeviceChains.cut's end of sequence ids)."""
+    import torch
+
+    return torch.tensor(sorted(ids), device=device)
 
 
 @dataclass
