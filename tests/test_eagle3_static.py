@@ -194,16 +194,19 @@ def _one_step_ready(head, rows: int = 2):
 
 
 def test_the_greedy_chain_compiles_whole(head, static_head):
-    """torch.compile(fullgraph=True) traces the head's greedy chain (3 tokens: its first and two draft steps) over
-    the static buffers without a graph break, and the compiled chain gives the eager chain's tokens and q."""
+    """torch.compile(fullgraph=True) traces the head's greedy chain (3 tokens: its first and two draft steps, then
+    each row's length under a confidence stop and an end of sequence id) over the static buffers without a graph
+    break, and the compiled chain gives the eager chain's tokens, q and lengths."""
     torch._dynamo.reset()
     with torch.inference_mode():
         kv = _one_step_ready(head)
-        eager = kv.storage.chain(2, 3)
-        compiled = torch.compile(kv.storage.chain, fullgraph=True)(2, 3)
+        kv.storage.set_ks([3, 2])
+        eager = kv.storage.chain(2, 3, 0.3, (5,))
+        compiled = torch.compile(kv.storage.chain, fullgraph=True)(2, 3, 0.3, (5,))
     torch._dynamo.reset()
     assert eager[0].shape == (2, 3) and torch.equal(compiled[0], eager[0])
-    assert torch.allclose(compiled[1], eager[1], atol=1e-6)
+    assert torch.allclose(compiled[1], eager[1], atol=1e-6) and torch.equal(compiled[2], eager[2])
+    assert eager[2][1] <= 2  # row 1 asked for 2
     kv.release()
 
 
@@ -224,17 +227,20 @@ def test_a_step_that_will_not_capture_falls_back_with_one_line(eagle3_target, ti
 
 @pytest.mark.skipif(TEST_DEVICE.type != "cuda", reason="CUDA graphs: scripts/gpu_check.sh runs this (GRAPH_TESTS=1)")
 def test_the_captured_chain_is_the_eager_chain(head, static_head):
-    """On CUDA the runner captures the greedy chain per padded batch size and k (3 rows run as 4, 3 tokens): a
-    replay gives the eager chain's tokens and q, again on a second replay, and the runner says it captured."""
+    """On CUDA the runner captures the greedy chain per padded batch size and k (3 rows run as 4, 3 tokens, one row
+    asking for 2): a replay gives the eager chain's tokens, q and lengths, again on a second replay, and the runner
+    says it captured."""
     assert static_head.capture
     with torch.inference_mode():
         kv = _one_step_ready(head, 3)
         feature = kv.storage.feature[:3].clone()
-        eager = kv.storage.chain(3, 3)
-        replayed = static_head.chain(kv.storage, feature, 3)
-        again = static_head.chain(kv.storage, feature, 3)
+        kv.storage.set_ks([3, 3, 2])
+        eager = kv.storage.chain(3, 3, 0.0, (5,))
+        replayed = static_head.chain(kv.storage, feature, [3, 3, 2], 0.0, (5,))
+        again = static_head.chain(kv.storage, feature, [3, 3, 2], 0.0, (5,))
     assert static_head.graphs >= 1 and graphs.describe(head).startswith("CUDA graphs")
     assert torch.equal(replayed[0], eager[0]) and torch.allclose(replayed[1].float(), eager[1].float(), atol=1e-4)
+    assert torch.equal(replayed[2], eager[2])
     assert all(torch.equal(a, b) for a, b in zip(again, replayed))
     kv.release()
 

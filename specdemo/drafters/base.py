@@ -105,14 +105,25 @@ class DeviceChains:
         import torch
 
         k, device = tokens.shape[1], tokens.device
-        kept = torch.ones_like(tokens, dtype=torch.bool) if sure is None else sure
-        if min(request.ks) < k:  # some row asks for fewer
-            ks = torch.tensor(list(request.ks)).to(device, non_blocking=True)
-            kept = kept & (torch.arange(k, device=device)[None, :] < ks[:, None])
-        if request.eos_token_ids:
-            ended = torch.isin(tokens, _on_device(request.eos_token_ids, device))
-            kept = kept & (ended.cumsum(1) == ended)  # nothing after an end of sequence
-        return cls(tokens, q, kept.cumprod(1).sum(1), probs)
+        ks = torch.tensor(list(request.ks)).to(device, non_blocking=True) if min(request.ks) < k else None
+        eos = _on_device(request.eos_token_ids, device) if request.eos_token_ids else None
+        return cls(tokens, q, chain_lengths(tokens, sure, ks, eos), probs)
+
+
+def chain_lengths(tokens: torch.Tensor, sure: torch.Tensor | None, ks: torch.Tensor | None,
+                  eos: torch.Tensor | None) -> torch.Tensor:
+    """Each row's proposed length (B,) for chains tokens (B, k), on the device, as Chains.add stops a row: at its own
+    k (ks (B,); None: every row at k), after an end of sequence (eos: the ids; None: none), before its first unsure
+    token (sure (B, k) bool; None: every token sure). Straight-line tensor code (a captured chain computes it too)."""
+    import torch
+
+    kept = torch.ones_like(tokens, dtype=torch.bool) if sure is None else sure
+    if ks is not None:
+        kept = kept & (torch.arange(tokens.shape[1], device=tokens.device)[None, :] < ks[:, None])
+    if eos is not None:
+        ended = torch.isin(tokens, eos)
+        kept = kept & (ended.cumsum(1) == ended)  # nothing after an end of sequence
+    return kept.cumprod(1).sum(1)
 
 
 @functools.cache

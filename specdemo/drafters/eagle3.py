@@ -153,7 +153,8 @@ class Eagle3Drafter(Drafter):
         if runner is not None and runner.capture:
             self._new_cache(prompts)
             greedy = request is not None and request.sampling.greedy
-            runner.warm(self.kv, len(prompts), k=max(request.ks, default=0) if greedy else 0)
+            runner.warm(self.kv, len(prompts), k=max(request.ks, default=0) if greedy else 0,
+                        chain=(self.min_confidence, tuple(sorted(request.eos_token_ids))) if greedy else (0.0, ()))
             if request is not None and any(request.nodes(r) for r in range(len(prompts))):
                 warm_trees(self, request)
 
@@ -282,11 +283,8 @@ class Eagle3Drafter(Drafter):
         (StaticHeadKV.chain), and on the device each row's length: up to its own k, up to and including an end of
         sequence, and before its first token under min_confidence (the first is always proposed), as the eager loop
         stops (Chains.add)."""
-        tokens, peaks = self.kv.chain(feature, max(request.ks))  # (B, k), (B, k)
-        peaks = peaks.double()  # compared as the eager loop compares: in Python floats
-        sure = peaks >= self.min_confidence
-        sure[:, 0] = True
-        return DeviceChains.cut(tokens, peaks, request, sure)
+        eos = tuple(sorted(request.eos_token_ids))
+        return DeviceChains(*self.kv.chain(feature, request.ks, self.min_confidence, eos))  # (B, k) twice, (B,)
 
     def _sampled_device_chains(self, feature: torch.Tensor, request: DraftRequest) -> DeviceChains:
         """max(k) sampled draft steps for every row with no host read between them: each row draws from its own

@@ -18,6 +18,7 @@ from ..engine import graphs
 from ..engine.graphs import Captured, Runner, padded_batch
 from ..engine.static import CAPACITY_STEP, StaticRows, rounded_capacity
 from ..models.eagle3_head import Eagle3Head
+from .base import chain_lengths
 from .eagle3_tree import FRONTIER
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,9 @@ class HeadStorage:
         self.lengths = torch.zeros(rows, dtype=torch.long, device=self.device)  # (rows,)
         self.slots = torch.arange(capacity, device=self.device)  # (capacity,)
         self.feature = torch.zeros(rows, c.hidden_size, dtype=weight.dtype, device=self.device)  # a chain's input
+        self.ks = torch.zeros(rows, dtype=torch.long, device=self.device)  # each row's k, for a chain's lengths
+        self.ks_held: tuple[int, ...] = ()  # what self.ks holds (copied again only when it changes)
+        self.eos: dict[tuple[int, ...], torch.Tensor] = {}  # end of sequence ids -> a device tensor a chain reads
         # the catch-up's inputs (a verdict's features, prepared, and the tokens that follow them), right-padded
         self.hidden = torch.zeros(rows, CATCH_UP_WIDTH, c.hidden_size, dtype=weight.dtype, device=self.device)
         self.tokens = torch.zeros(rows, CATCH_UP_WIDTH, dtype=torch.long, device=self.device)
@@ -95,12 +99,14 @@ class HeadStorage:
         return self.run(self.level_hidden[:b, :t], self.level_tokens[:b, :t], self.level_positions[:b, :t],
                         self.level_mask[:b, :, :t])
 
-    def chain(self, b: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def chain(self, b: int, k: int, min_confidence: float = 0.0,
+              eos: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """k greedy draft tokens of the first b rows from the catch-up's output in the feature buffer (b, H): the
         first from it, each other from one draft step fed the token before it, step i's entry written at the row's
-        length plus i. Returns the tokens (b, k) as target ids and each one's q (b, k). Straight-line tensor code
-        over fixed buffers (what one graph captures: every step and the choice of each token); lengths are not
-        moved."""
+        length plus i. Returns the tokens (b, k) as target ids, each one's q (b, k, float64) and each row's length
+        (b,): up to its k (the ks buffer), up to and including an end of sequence (eos), before its first token under
+        min_confidence (the first always), as the eager loop stops (drafters.base.chain_lengths). Straight-line
+        tensor code over fixed buffers (what one graph captures); lengths are not moved."""
         feature = self.feature[:b]
         token, peak = top_token(self.head, feature)
         tokens, peaks = [token], [peak]
@@ -109,7 +115,22 @@ class HeadStorage:
             token, peak = top_token(self.head, feature)
             tokens.append(token)
             peaks.append(peak)
-        return torch.stack(tokens, 1), torch.stack(peaks, 1)
+        tokens, q = torch.stack(tokens, 1), torch.stack(peaks, 1).double()  # compared as the eager loop compares
+        sure = q >= min_confidence
+        sure[:, 0] = True
+        return tokens, q, chain_lengths(tokens, sure, self.ks[:b], self.eos_ids(eos))
+
+    def eos_ids(self, eos: tuple[int, ...]) -> torch.Tensor | None:
+        """The end of sequence ids as a device tensor made once (a captured chain reads it), None for none."""
+        if eos and eos not in self.eos:
+            self.eos[eos] = torch.tensor(eos, device=self.device)
+        return self.eos.get(eos)
+
+    def set_ks(self, ks: Sequence[int]) -> None:
+        """Each row's k into the ks buffer (a copy to the device only when they change)."""
+        if tuple(ks) != self.ks_held:
+            self.ks[: len(ks)].copy_(torch.tensor(list(ks)), non_blocking=True)
+            self.ks_held = tuple(ks)
 
 
 @dataclass
@@ -123,13 +144,17 @@ class HeadRunner(Runner):
     def new_storage(self, rows: int, capacity: int) -> HeadStorage:
         return HeadStorage(self.model, rows, capacity)
 
-    def chain(self, storage: HeadStorage, feature: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """HeadStorage.chain of len(feature) rows from feature (b, H), k tokens: one graph replay where it captures
-        (the batch padded to the ladder, a graph per k), else the same code eagerly. Outputs are the caller's own."""
-        b = len(feature)
+    def chain(self, storage: HeadStorage, feature: torch.Tensor, ks: Sequence[int], min_confidence: float,
+              eos: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """HeadStorage.chain of len(feature) rows from feature (b, H), max(ks) tokens: one graph replay where it
+        captures (the batch padded to the ladder, a graph per k, confidence stop and end of sequence ids), else the
+        same code eagerly. Outputs are the caller's own."""
+        b, k = len(feature), max(ks)
         storage.feature[:b].copy_(feature)
-        done = self._captured(storage, (padded_batch(b), k, "chain")) if self.capture else None
-        return storage.chain(b, k) if done is None else done.replay(b)
+        storage.set_ks(ks)
+        key = (padded_batch(b), k, "chain", min_confidence, eos)
+        done = self._captured(storage, key) if self.capture else None
+        return storage.chain(b, k, min_confidence, eos) if done is None else done.replay(b)
 
     def catch_up(self, storage: HeadStorage, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """HeadStorage.catch_up of these inputs (hidden (b, t, H), tokens (b, t), right-padded): a graph replay per
@@ -182,28 +207,30 @@ class HeadRunner(Runner):
         done = storage.graphs[full]
         return grow(storage, inputs) if done is None else done.replay(b)
 
-    def warm(self, kv: StaticHeadKV, rows: int, widths: Sequence[int] = (1,), layers=None, k: int = 0) -> float:
-        """Capture the greedy chains of k tokens and fewer (the last steps of an answer draft fewer), the catch-up
-        widths and the tree levels' for `rows` rows and each smaller rung of the ladder (graphs.rungs: the batch sizes
-        it runs at as rows finish) before a decode is timed; returns the seconds spent. Reads no target layers and
-        takes the head's own widths (`widths`, `layers`: the target runner's)."""
+    def warm(self, kv: StaticHeadKV, rows: int, widths: Sequence[int] = (1,), layers=None, k: int = 0,
+             chain: tuple = (0.0, ())) -> float:
+        """Capture the greedy chains of k tokens and fewer (the last steps of an answer draft fewer; `chain`: their
+        confidence stop and end of sequence ids), the catch-up widths and the tree levels' for `rows` rows and each
+        smaller rung of the ladder (graphs.rungs: the batch sizes it runs at as rows finish) before a decode is timed;
+        returns the seconds spent. Reads no target layers and takes the head's own widths (`widths`, `layers`: the
+        target runner's)."""
         before = self.capture_seconds
         if self.capture:
             for b in graphs.rungs(rows):
                 for n in range(k, 0, -1):
-                    self._captured(kv.storage, (b, n, "chain"))
+                    self._captured(kv.storage, (b, n, "chain", *chain))
                 for t in range(CATCH_UP_WIDTH, 0, -1):  # a verdict's catch-up: its accepted tokens and one
                     self._captured(kv.storage, (b, t))
                 for t in range(LEVEL_WIDTH, 0, -1):
                     self._captured(kv.storage, (b, t, "level"))
         return self.capture_seconds - before
 
-    def _capture(self, storage: HeadStorage, b: int, t: int, kind: str = "catch-up") -> Captured:
+    def _capture(self, storage: HeadStorage, b: int, t: int, kind: str = "catch-up", *chain) -> Captured:
         """Capture, at batch size b, the catch-up pass of width t, a tree level of width t (kind "level") or a greedy
-        chain of t tokens (kind "chain"); their runs write only at each row's length and on, past what any row
-        holds."""
+        chain of t tokens (kind "chain", `chain` its confidence stop and end of sequence ids); their runs write only
+        at each row's length and on, past what any row holds."""
         if kind == "chain":
-            return self.record(storage.device, lambda: storage.chain(b, t), f"the head's {b}-row chain of {t}")
+            return self.record(storage.device, lambda: storage.chain(b, t, *chain), f"the head's {b}-row chain of {t}")
         if kind == "level":
             return self.record(storage.device, lambda: (storage.level(b, t),), f"the head's {b} x {t} tree level")
         return self.record(storage.device, lambda: (storage.catch_up(b, t),), f"the head's {b} x {t} catch-up")
@@ -240,17 +267,20 @@ class StaticHeadKV(StaticRows):
         self._advance(fed)
         return out
 
-    def chain(self, feature: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """k greedy draft tokens per row from the catch-up's outputs feature (B, H): the first from it, each other
-        from one draft step, all in one call (HeadStorage.chain: one graph on CUDA), with no host synchronisation.
-        Returns the tokens (B, k) as target ids and each one's q (B, k); every step's entry stays in the cache past
-        the row's true entries (the drafter cuts it at the next verdict)."""
+    def chain(self, feature: torch.Tensor, ks: Sequence[int], min_confidence: float = 0.0,
+              eos: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """max(ks) greedy draft tokens per row from the catch-up's outputs feature (B, H): the first from it, each
+        other from one draft step, all in one call (HeadStorage.chain: one graph on CUDA), with no host
+        synchronisation. Returns the tokens (B, k) as target ids, each one's q (B, k) and each row's length (B,)
+        (its k, an end of sequence, the confidence stop); every step's entry stays in the cache past the row's true
+        entries (the drafter cuts it at the next verdict)."""
+        k = max(ks)
         self.reserve(k - 1)
-        tokens, peaks = self.runner.chain(self.storage, feature, k)
+        out = self.runner.chain(self.storage, feature, ks, min_confidence, eos)
         if k > 1:
             self.storage.lengths[: self.rows] += k - 1  # on the device: the host's counts follow, below
         self.counts = [c + k - 1 for c in self.counts]
-        return tokens, peaks
+        return out
 
     def drafted(self, width: int) -> None:
         """Every row's length grows by `width`: the entries a tree's growth wrote on the device past each row's length
