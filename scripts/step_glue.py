@@ -7,6 +7,7 @@ such call is an eager kernel launch or a host-side op between replays, the time 
 
     python scripts/step_glue.py --drafter model --k 2          # the trained head; --drafter ar: autoregressive
     python scripts/step_glue.py --drafter ngram --k 4 --rounds 5
+    python scripts/step_glue.py --drafter model --draft smollm2-135m --k 2   # a draft LM (here the target itself)
 
 Prints JSON. Time it with nothing else running; only figures from one sitting compare.
 """
@@ -80,13 +81,14 @@ class Calls(TorchDispatchMode):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--drafter", default="model", help="a registered drafter, or ar")
+    ap.add_argument("--draft", default=None, help="the drafter's draft (a draft LM's id), else its default")
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(2)
     loop.ONE_READ = "always"
-    pair = load_pair("smollm2-135m", "ngram" if args.drafter == "ar" else args.drafter, device="cpu",
+    pair = load_pair("smollm2-135m", "ngram" if args.drafter == "ar" else args.drafter, args.draft, device="cpu",
                      runtime=Runtime(graphs="on"))
     model, tokenizer = pair.target.model, pair.target.tokenizer
     drafter = None if args.drafter == "ar" else pair.drafter
@@ -105,7 +107,7 @@ def main() -> int:
     calls = Calls(outside)
     with torch.inference_mode(), calls:
         steps = len(list(decode(model, tokenizer, [ids], config, drafter)))
-    print(json.dumps({"drafter": args.drafter, "k": args.k, "steps": steps,
+    print(json.dumps({"drafter": args.drafter, "draft": args.draft, "k": args.k, "steps": steps,
                       "host_ms_outside_graphs_per_step": round(1e3 * statistics.median(host), 3),
                       "rounds_ms": [round(1e3 * h, 3) for h in host],
                       "aten_calls_outside_graphs_per_step": round(sum(calls.ops.values()) / steps, 1),
