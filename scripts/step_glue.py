@@ -15,67 +15,22 @@ Prints JSON. Time it with nothing else running; only figures from one sitting co
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from specdemo.config import GenerationConfig, Runtime  # noqa: E402
-from specdemo.drafters import eagle3_static  # noqa: E402
-from specdemo.engine import decode, encode_prompt, loop, static  # noqa: E402
+from specdemo.engine import decode, encode_prompt, loop  # noqa: E402
 from specdemo.measure.compare import load_pair  # noqa: E402
+from specdemo.measure.glue import Calls, Outside  # noqa: E402
 
 PROMPT = "Write a short story about a robot who learns to paint."
-CAPTURED = ((static.Storage, "run"), (eagle3_static.HeadStorage, "run"), (eagle3_static.HeadStorage, "chain"))
-FREE = {"view", "_unsafe_view", "as_strided", "slice", "select", "unsqueeze", "squeeze", "expand", "t", "transpose",
-        "permute", "alias", "detach", "detach_", "reshape", "lift_fresh", "_reshape_alias", "to", "_to_copy",
-        "numpy_T", "resolve_conj", "resolve_neg", "contiguous"}  # no kernel, or none where nothing changes
-
-
-class Outside:
-    """Seconds spent inside the captured regions (the outermost call of any of CAPTURED), and whether inside now."""
-
-    def __init__(self):
-        self.seconds, self.depth = 0.0, 0
-
-    def wrap(self, cls, name: str) -> None:
-        original = getattr(cls, name)
-
-        def timed(*args, **kwargs):
-            self.depth += 1
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.depth -= 1
-                if not self.depth:
-                    self.seconds += time.perf_counter() - start
-
-        setattr(cls, name, timed)
-
-
-class Calls(TorchDispatchMode):
-    """aten calls made outside the captured regions, by op and by the innermost specdemo function on the stack."""
-
-    def __init__(self, outside: Outside):
-        super().__init__()
-        self.outside, self.ops, self.where = outside, collections.Counter(), collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__.split(".")[0]
-        if not self.outside.depth and name not in FREE:
-            self.ops[name] += 1
-            frames = [f for f in traceback.extract_stack() if "/specdemo/" in f.filename]
-            self.where[f"{frames[-1].filename.split('specdemo/')[-1]}:{frames[-1].name}" if frames else "?"] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def main() -> int:
@@ -95,18 +50,17 @@ def main() -> int:
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, num_draft_tokens=args.k, tree="off")
     ids = encode_prompt(tokenizer, PROMPT)
     outside = Outside()
-    for cls, name in CAPTURED:
-        outside.wrap(cls, name)
-    list(decode(model, tokenizer, [ids], config, drafter))  # first-use costs stay out
-    host = []
-    for _ in range(args.rounds):
-        outside.seconds = 0.0
-        start = time.perf_counter()
-        steps = len(list(decode(model, tokenizer, [ids], config, drafter)))
-        host.append((time.perf_counter() - start - outside.seconds) / steps)
-    calls = Calls(outside)
-    with torch.inference_mode(), calls:
-        steps = len(list(decode(model, tokenizer, [ids], config, drafter)))
+    with outside.watching():
+        list(decode(model, tokenizer, [ids], config, drafter))  # first-use costs stay out
+        host = []
+        for _ in range(args.rounds):
+            outside.seconds = 0.0
+            start = time.perf_counter()
+            steps = len(list(decode(model, tokenizer, [ids], config, drafter)))
+            host.append((time.perf_counter() - start - outside.seconds) / steps)
+        calls = Calls(outside)
+        with torch.inference_mode(), calls:
+            steps = len(list(decode(model, tokenizer, [ids], config, drafter)))
     print(json.dumps({"drafter": args.drafter, "draft": args.draft, "k": args.k, "steps": steps,
                       "host_ms_outside_graphs_per_step": round(1e3 * statistics.median(host), 3),
                       "rounds_ms": [round(1e3 * h, 3) for h in host],

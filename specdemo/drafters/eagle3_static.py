@@ -16,7 +16,7 @@ import torch
 
 from ..engine import graphs
 from ..engine.graphs import Captured, Runner, padded_batch
-from ..engine.static import CAPACITY_STEP, StaticRows, rounded_capacity
+from ..engine.static import CAPACITY_STEP, CAPTURED, StaticRows, rounded_capacity
 from ..models.eagle3_head import Eagle3Head
 from .base import chain_lengths
 from .eagle3_tree import FRONTIER
@@ -131,6 +131,9 @@ class HeadStorage:
         if tuple(ks) != self.ks_held:
             self.ks[: len(ks)].copy_(torch.tensor(list(ks)), non_blocking=True)
             self.ks_held = tuple(ks)
+
+
+CAPTURED.extend([(HeadStorage, "run"), (HeadStorage, "chain")])
 
 
 @dataclass

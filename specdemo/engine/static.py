@@ -25,6 +25,9 @@ from .kv import move_slots as _move_slots  # the tests watch this name
 
 CAPACITY_STEP = 256  # a storage's positions per row are a multiple of this, so nearby requests share one (and graphs)
 LAYOUT_WIDTH = MAX_K_ENGINE + 1  # the widest pass whose layout (depths, ancestry) comes from the buffers: any verify
+# (class, method) of the code that captured graphs replay: Storage.run here, a head's (drafters.eagle3_static) added
+# when it is imported; what specdemo.measure.glue leaves out when it counts a step's work between graphs
+CAPTURED: list[tuple[type, str]] = []
 
 
 @functools.cache
@@ -168,6 +171,9 @@ class Storage:
             return self.model(**inputs, logits_to_keep=keep).logits, None
         last, features = target_features(self.model, layers, **inputs)
         return self.model.lm_head(last[:, -keep:]), features
+
+
+CAPTURED.append((Storage, "run"))
 
 
 class StaticRows:
