@@ -66,6 +66,6 @@ class Calls(TorchDispatchMode):
         name = func.__name__.split(".")[0]
         if not self.outside.depth and name not in FREE:
             self.ops[name] += 1
-            frames = [f for f in traceback.extract_stack() if "/specdemo/" in f.filename]
+            frames = [f for f in traceback.extract_stack() if "/specdemo/" in f.filename and f.filename != __file__]
             self.where[f"{frames[-1].filename.split('specdemo/')[-1]}:{frames[-1].name}" if frames else "?"] += 1
         return func(*args, **(kwargs or {}))
