@@ -12,6 +12,7 @@ from test_tree_engine import PROMPTS
 
 from specdemo.config import GenerationConfig, SamplingConfig
 from specdemo.drafters import eagle3_static
+from specdemo.drafters.base import eos_on
 from specdemo.drafters.eagle3 import Eagle3Drafter
 from specdemo.drafters.eagle3_static import HeadRunner, StaticHeadKV, attach
 from specdemo.engine import decode, graphs, row_outputs
@@ -201,8 +202,9 @@ def test_the_greedy_chain_compiles_whole(head, static_head):
     with torch.inference_mode():
         kv = _one_step_ready(head)
         kv.storage.set_ks([3, 2])
-        eager = kv.storage.chain(2, 3, 0.3, (5,))
-        compiled = torch.compile(kv.storage.chain, fullgraph=True)(2, 3, 0.3, (5,))
+        eos = eos_on(frozenset({5}), kv.device)
+        eager = kv.storage.chain(2, 3, 0.3, eos)
+        compiled = torch.compile(kv.storage.chain, fullgraph=True)(2, 3, 0.3, eos)
     torch._dynamo.reset()
     assert eager[0].shape == (2, 3) and torch.equal(compiled[0], eager[0])
     assert torch.allclose(compiled[1], eager[1], atol=1e-6) and torch.equal(compiled[2], eager[2])
@@ -235,9 +237,9 @@ def test_the_captured_chain_is_the_eager_chain(head, static_head):
         kv = _one_step_ready(head, 3)
         feature = kv.storage.feature[:3].clone()
         kv.storage.set_ks([3, 3, 2])
-        eager = kv.storage.chain(3, 3, 0.0, (5,))
-        replayed = static_head.chain(kv.storage, feature, [3, 3, 2], 0.0, (5,))
-        again = static_head.chain(kv.storage, feature, [3, 3, 2], 0.0, (5,))
+        eager = kv.storage.chain(3, 3, 0.0, eos_on(frozenset({5}), kv.device))
+        replayed = static_head.chain(kv.storage, feature, [3, 3, 2], 0.0, frozenset({5}))
+        again = static_head.chain(kv.storage, feature, [3, 3, 2], 0.0, frozenset({5}))
     assert static_head.graphs >= 1 and graphs.describe(head).startswith("CUDA graphs")
     assert torch.equal(replayed[0], eager[0]) and torch.allclose(replayed[1].float(), eager[1].float(), atol=1e-4)
     assert torch.equal(replayed[2], eager[2])

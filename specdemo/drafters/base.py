@@ -106,8 +106,7 @@ class DeviceChains:
 
         k, device = tokens.shape[1], tokens.device
         ks = torch.tensor(list(request.ks)).to(device, non_blocking=True) if min(request.ks) < k else None
-        eos = _on_device(request.eos_token_ids, device) if request.eos_token_ids else None
-        return cls(tokens, q, chain_lengths(tokens, sure, ks, eos), probs)
+        return cls(tokens, q, chain_lengths(tokens, sure, ks, eos_on(request.eos_token_ids, device)), probs)
 
 
 def chain_lengths(tokens: torch.Tensor, sure: torch.Tensor | None, ks: torch.Tensor | None,
@@ -127,11 +126,12 @@ def chain_lengths(tokens: torch.Tensor, sure: torch.Tensor | None, ks: torch.Ten
 
 
 @functools.cache
-def _on_device(ids: frozenset[int], device) -> torch.Tensor:
-    """Token ids as a device tensor, made once per set and device (DeviceChains.cut's end of sequence ids)."""
+def eos_on(ids: frozenset[int], device) -> torch.Tensor | None:
+    """End of sequence ids as a device tensor, made once per set and device, so that a captured graph may read it
+    (chain_lengths' eos); None for none."""
     import torch
 
-    return torch.tensor(sorted(ids), device=device)
+    return torch.tensor(sorted(ids), device=device) if ids else None
 
 
 @dataclass

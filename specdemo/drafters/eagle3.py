@@ -154,7 +154,7 @@ class Eagle3Drafter(Drafter):
             self._new_cache(prompts)
             greedy = request is not None and request.sampling.greedy
             runner.warm(self.kv, len(prompts), k=max(request.ks, default=0) if greedy else 0,
-                        chain=(self.min_confidence, tuple(sorted(request.eos_token_ids))) if greedy else (0.0, ()))
+                        chain=(self.min_confidence, request.eos_token_ids) if greedy else (0.0, frozenset()))
             if request is not None and any(request.nodes(r) for r in range(len(prompts))):
                 warm_trees(self, request)
 
@@ -283,8 +283,8 @@ class Eagle3Drafter(Drafter):
         (StaticHeadKV.chain), and on the device each row's length: up to its own k, up to and including an end of
         sequence, and before its first token under min_confidence (the first is always proposed), as the eager loop
         stops (Chains.add)."""
-        eos = tuple(sorted(request.eos_token_ids))
-        return DeviceChains(*self.kv.chain(feature, request.ks, self.min_confidence, eos))  # (B, k) twice, (B,)
+        return DeviceChains(*self.kv.chain(feature, request.ks, self.min_confidence,
+                                           request.eos_token_ids))  # (B, k) twice, (B,)
 
     def _sampled_device_chains(self, feature: torch.Tensor, request: DraftRequest) -> DeviceChains:
         """max(k) sampled draft steps for every row with no host read between them: each row draws from its own

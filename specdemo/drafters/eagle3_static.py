@@ -18,7 +18,7 @@ from ..engine import graphs
 from ..engine.graphs import Captured, Runner, padded_batch
 from ..engine.static import CAPACITY_STEP, CAPTURED, StaticRows, rounded_capacity
 from ..models.eagle3_head import Eagle3Head
-from .base import chain_lengths
+from .base import chain_lengths, eos_on
 from .eagle3_tree import FRONTIER
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,6 @@ class HeadStorage:
         self.feature = torch.zeros(rows, c.hidden_size, dtype=weight.dtype, device=self.device)  # a chain's input
         self.ks = torch.zeros(rows, dtype=torch.long, device=self.device)  # each row's k, for a chain's lengths
         self.ks_held: tuple[int, ...] = ()  # what self.ks holds (copied again only when it changes)
-        self.eos: dict[tuple[int, ...], torch.Tensor] = {}  # end of sequence ids -> a device tensor a chain reads
         # the catch-up's inputs (a verdict's features, prepared, and the tokens that follow them), right-padded
         self.hidden = torch.zeros(rows, CATCH_UP_WIDTH, c.hidden_size, dtype=weight.dtype, device=self.device)
         self.tokens = torch.zeros(rows, CATCH_UP_WIDTH, dtype=torch.long, device=self.device)
@@ -100,13 +99,14 @@ class HeadStorage:
                         self.level_mask[:b, :, :t])
 
     def chain(self, b: int, k: int, min_confidence: float = 0.0,
-              eos: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              eos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """k greedy draft tokens of the first b rows from the catch-up's output in the feature buffer (b, H): the
         first from it, each other from one draft step fed the token before it, step i's entry written at the row's
         length plus i. Returns the tokens (b, k) as target ids, each one's q (b, k, float64) and each row's length
-        (b,): up to its k (the ks buffer), up to and including an end of sequence (eos), before its first token under
-        min_confidence (the first always), as the eager loop stops (drafters.base.chain_lengths). Straight-line
-        tensor code over fixed buffers (what one graph captures); lengths are not moved."""
+        (b,): up to its k (the ks buffer), up to and including an end of sequence (eos: the ids as
+        drafters.base.eos_on holds them), before its first token under min_confidence (the first always), as the
+        eager loop stops (drafters.base.chain_lengths). Straight-line tensor code over fixed buffers (what one graph
+        captures); lengths are not moved."""
         feature = self.feature[:b]
         token, peak = top_token(self.head, feature)
         tokens, peaks = [token], [peak]
@@ -118,13 +118,7 @@ class HeadStorage:
         tokens, q = torch.stack(tokens, 1), torch.stack(peaks, 1).double()  # compared as the eager loop compares
         sure = q >= min_confidence
         sure[:, 0] = True
-        return tokens, q, chain_lengths(tokens, sure, self.ks[:b], self.eos_ids(eos))
-
-    def eos_ids(self, eos: tuple[int, ...]) -> torch.Tensor | None:
-        """The end of sequence ids as a device tensor made once (a captured chain reads it), None for none."""
-        if eos and eos not in self.eos:
-            self.eos[eos] = torch.tensor(eos, device=self.device)
-        return self.eos.get(eos)
+        return tokens, q, chain_lengths(tokens, sure, self.ks[:b], eos)
 
     def set_ks(self, ks: Sequence[int]) -> None:
         """Each row's k into the ks buffer (a copy to the device only when they change)."""
@@ -148,7 +142,7 @@ class HeadRunner(Runner):
         return HeadStorage(self.model, rows, capacity)
 
     def chain(self, storage: HeadStorage, feature: torch.Tensor, ks: Sequence[int], min_confidence: float,
-              eos: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              eos: frozenset[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """HeadStorage.chain of len(feature) rows from feature (b, H), max(ks) tokens: one graph replay where it
         captures (the batch padded to the ladder, a graph per k, confidence stop and end of sequence ids), else the
         same code eagerly. Outputs are the caller's own."""
@@ -157,7 +151,7 @@ class HeadRunner(Runner):
         storage.set_ks(ks)
         key = (padded_batch(b), k, "chain", min_confidence, eos)
         done = self._captured(storage, key) if self.capture else None
-        return storage.chain(b, k, min_confidence, eos) if done is None else done.replay(b)
+        return storage.chain(b, k, min_confidence, eos_on(eos, storage.device)) if done is None else done.replay(b)
 
     def catch_up(self, storage: HeadStorage, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """HeadStorage.catch_up of these inputs (hidden (b, t, H), tokens (b, t), right-padded): a graph replay per
@@ -211,7 +205,7 @@ class HeadRunner(Runner):
         return grow(storage, inputs) if done is None else done.replay(b)
 
     def warm(self, kv: StaticHeadKV, rows: int, widths: Sequence[int] = (1,), layers=None, k: int = 0,
-             chain: tuple = (0.0, ())) -> float:
+             chain: tuple = (0.0, frozenset())) -> float:
         """Capture the greedy chains of k tokens and fewer (the last steps of an answer draft fewer; `chain`: their
         confidence stop and end of sequence ids), the catch-up widths and the tree levels' for `rows` rows and each
         smaller rung of the ladder (graphs.rungs: the batch sizes it runs at as rows finish) before a decode is timed;
@@ -233,7 +227,9 @@ class HeadRunner(Runner):
         chain of t tokens (kind "chain", `chain` its confidence stop and end of sequence ids); their runs write only
         at each row's length and on, past what any row holds."""
         if kind == "chain":
-            return self.record(storage.device, lambda: storage.chain(b, t, *chain), f"the head's {b}-row chain of {t}")
+            min_confidence, eos = chain[0], eos_on(chain[1], storage.device)
+            return self.record(storage.device, lambda: storage.chain(b, t, min_confidence, eos),
+                               f"the head's {b}-row chain of {t}")
         if kind == "level":
             return self.record(storage.device, lambda: (storage.level(b, t),), f"the head's {b} x {t} tree level")
         return self.record(storage.device, lambda: (storage.catch_up(b, t),), f"the head's {b} x {t} catch-up")
@@ -271,7 +267,7 @@ class StaticHeadKV(StaticRows):
         return out
 
     def chain(self, feature: torch.Tensor, ks: Sequence[int], min_confidence: float = 0.0,
-              eos: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              eos: frozenset[int] = frozenset()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """max(ks) greedy draft tokens per row from the catch-up's outputs feature (B, H): the first from it, each
         other from one draft step, all in one call (HeadStorage.chain: one graph on CUDA), with no host
         synchronisation. Returns the tokens (B, k) as target ids, each one's q (B, k) and each row's length (B,)
