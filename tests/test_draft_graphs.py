@@ -141,8 +141,8 @@ def test_the_drafters_passes_are_captured_before_the_clock(tiny, tiny_tok, kind,
     """The engine warms the drafter before the prefill starts the clock. Uncaptured (the CPU) that does nothing: no
     cache taken, nothing recorded. Where its runner captures (a stand-in recorder here, no CUDA), the drafter's
     passes are recorded then, over the storage its begin takes next, and no proposal of a B = 1 decode records
-    anything: a draft LM's one-token pass and its catch-up widths 1 and 2 (the first catch-up, its prompt, runs
-    once, uncaptured), an EAGLE-3 head's greedy chains of 4 tokens down to 1, its catch-up widths 1 to
+    anything: a draft LM's catch-up widths 1 and 2 (the first catch-up, its prompt, runs once, uncaptured) and its
+    greedy chains of 4 tokens down to 1, an EAGLE-3 head's greedy chains of 4 tokens down to 1, its catch-up widths 1 to
     CATCH_UP_WIDTH and its tree levels' 1 to LEVEL_WIDTH. The tokens are the uncaptured run's."""
     for model in (tiny.target, tiny.draft, tiny.eagle3_target):
         graphs.attach(model, "on")
@@ -166,7 +166,8 @@ def test_the_drafters_passes_are_captured_before_the_clock(tiny, tiny_tok, kind,
         assert row_outputs(list(decode(target, tiny_tok, PROMPTS[:1], config, drafter)), 1) == plain
         captured = order[1 : order.index("clock")]
         assert order[0] == "warm" and order.count("begin") == 1 and order.index("begin") > order.index("clock")
-        assert captured == (["capture a 1 x 2 pass", "capture a 1 x 1 pass"] if kind == "model"
+        assert captured == (["capture a 1 x 2 pass", "capture a 1 x 1 pass"]
+                            + [f"capture a draft LM's 1-row chain of {k}" for k in range(4, 0, -1)] if kind == "model"
                             else [f"capture the head's 1-row chain of {k}" for k in range(4, 0, -1)]
                             + [f"capture the head's 1 x {t} catch-up" for t in range(CATCH_UP_WIDTH, 0, -1)]
                             + [f"capture the head's 1 x {t} tree level" for t in range(LEVEL_WIDTH, 0, -1)])

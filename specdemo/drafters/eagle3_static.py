@@ -8,7 +8,6 @@ not the drafter's bookkeeping (drafters.eagle3)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,8 +19,6 @@ from ..engine.static import CAPACITY_STEP, CAPTURED, StaticRows, rounded_capacit
 from ..models.eagle3_head import Eagle3Head
 from .base import chain_lengths, eos_on
 from .eagle3_tree import FRONTIER
-
-log = logging.getLogger(__name__)
 
 CATCH_UP_WIDTH = 17  # the widest catch-up pass captured (a verdict's accepted tokens and the pending one, k <= 16)
 LEVEL_WIDTH = FRONTIER  # the widest tree level captured (eagle3_tree feeds at most FRONTIER nodes a row per depth)
@@ -192,17 +189,8 @@ class HeadRunner(Runner):
         if static is None:
             static = storage.trees[(bp, len(inputs.eos))] = inputs.blank(bp)
         static.load(inputs)
-        full = (bp, *key)
-        if full not in storage.graphs:
-            try:
-                storage.graphs[full] = self.record(storage.device, lambda: grow(storage, static),
-                                                   f"the head's {bp}-row tree, {key[0]} deep")
-            except Exception as exc:  # noqa: BLE001 - the same code runs eagerly
-                storage.graphs[full] = None
-                log.warning("graph runner: the head's tree grows eagerly: it did not capture (%s: %s)",
-                            type(exc).__name__, exc)
-        done = storage.graphs[full]
-        return grow(storage, inputs) if done is None else done.replay(b)
+        return self.call(storage, (bp, *key), b, lambda: grow(storage, static),
+                         f"the head's {bp}-row tree, {key[0]} deep")
 
     def warm(self, kv: StaticHeadKV, rows: int, widths: Sequence[int] = (1,), layers=None, k: int = 0,
              chain: tuple = (0.0, frozenset())) -> float:
@@ -276,15 +264,13 @@ class StaticHeadKV(StaticRows):
         k = max(ks)
         self.reserve(k - 1)
         out = self.runner.chain(self.storage, feature, ks, min_confidence, eos)
-        if k > 1:
-            self.storage.lengths[: self.rows] += k - 1  # on the device: the host's counts follow, below
-        self.counts = [c + k - 1 for c in self.counts]
+        self.grew(k - 1)
         return out
 
     def drafted(self, width: int) -> None:
         """Every row's length grows by `width`: the entries a tree's growth wrote on the device past each row's length
         (eagle3_device_tree; cut at the next verdict)."""
-        self._advance([width] * self.rows)
+        self.grew(width)
 
     def visible(self) -> torch.Tensor:
         """(B, capacity) bool: the slots each row holds now (a draft tree's pass sees these and its ancestors)."""

@@ -3,13 +3,62 @@ row."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
 from ..engine import graphs
 from ..engine.kv import check_cache
-from ..engine.static import CAPACITY_STEP, needed_capacity
+from ..engine.static import CAPACITY_STEP, CAPTURED, StaticKV, Storage, needed_capacity
 from ..engine.verify import generator_on, logits_to_probs, sample_rows
-from .base import Chains, DeviceChains, Drafter, DraftRequest, Proposal
+from .base import Chains, DeviceChains, Drafter, DraftRequest, Proposal, chain_lengths, eos_on
+
+
+@dataclass
+class ChainInputs:
+    """What a draft LM's greedy chain over one static storage reads, at fixed addresses (kept in Storage.inputs, with
+    the graphs): the logits its first token comes from (rows, V) and each row's k (rows,); `held`: the ks it holds."""
+
+    logits: torch.Tensor
+    ks: torch.Tensor
+    held: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, storage: Storage, logits: torch.Tensor) -> ChainInputs:
+        """The storage's chain inputs, made at its first chain (logits: any (B, V) of the draft's)."""
+        if (inputs := storage.inputs.get(cls)) is None:
+            inputs = storage.inputs[cls] = cls(logits.new_zeros(storage.rows, logits.shape[-1]),
+                                               torch.zeros(storage.rows, dtype=torch.long, device=storage.device))
+        return inputs
+
+    def load(self, logits: torch.Tensor, ks: Sequence[int]) -> None:
+        """The first logits (b, V) and each row's k (copied only when they change)."""
+        self.logits[: len(logits)].copy_(logits)
+        if tuple(ks) != self.held:
+            self.ks[: len(ks)].copy_(torch.tensor(list(ks)), non_blocking=True)
+            self.held = tuple(ks)
+
+    def chain(self, run, storage: Storage, b: int, k: int,
+              eos: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """k greedy tokens of the first b rows: the first the argmax of the logits buffer, each other the argmax of a
+        one-token pass (run: the runner's, engine.graphs.Runner.run) fed the one before it, pass i's entry written
+        at the row's length plus i. Returns the tokens (b, k), each one's q (b, k, float64) and each row's length (b,):
+        up to its k and an end of sequence (eos: drafters.base.eos_on's ids), as Chains.add stops a row.
+        Straight-line tensor code over fixed buffers (what one graph captures); lengths are not moved."""
+        logits, tokens, q = self.logits[:b], [], []
+        for i in range(k):
+            if i:
+                storage.input_view(b, 1).copy_(tokens[-1][:, None])
+                logits = run(storage, b, 1, 1, None, i - 1)[0][:, -1]
+            index = logits.argmax(-1)  # (b,), and its q as ModelDrafter._passes computes it
+            tokens.append(index)
+            q.append(torch.softmax(logits.float(), -1).gather(1, index[:, None])[:, 0])
+        tokens = torch.stack(tokens, 1)
+        return tokens, torch.stack(q, 1).double(), chain_lengths(tokens, None, self.ks[:b], eos)
+
+
+CAPTURED.append((ChainInputs, "chain"))
 
 
 class ModelDrafter(Drafter):
@@ -54,6 +103,12 @@ class ModelDrafter(Drafter):
         if runner is not None and runner.capture:
             self._new_cache(prompts)
             runner.warm(self.kv, len(prompts), (1, 2))
+            if request is not None and request.sampling.greedy:  # its chains of k and fewer, at each rung
+                logits = torch.zeros(1, self.model.lm_head.out_features, device=self.device, dtype=self.model.dtype)
+                ChainInputs.of(self.kv.storage, logits)
+                for b in graphs.rungs(len(prompts)):
+                    for k in range(max(request.ks, default=0), 0, -1):
+                        self._chain_call(b, k, request.eos_token_ids)
 
     @torch.inference_mode()
     def propose(self, request: DraftRequest) -> list[Proposal]:
@@ -75,8 +130,32 @@ class ModelDrafter(Drafter):
         chain, so a verdict's keep() cuts them right (no chain_counts)."""
         if max(request.ks, default=0) <= 0 or (not request.sampling.greedy and self.device != self.target_device):
             return None
-        tokens, q, probs = self._passes(self._catch_up(request.ids), max(request.ks), request)
+        logits = self._catch_up(request.ids)
+        if request.sampling.greedy and isinstance(self.kv, StaticKV):
+            return DeviceChains(*self._static_chain(logits, request))
+        tokens, q, probs = self._passes(logits, max(request.ks), request)
         return DeviceChains.cut(tokens, q, request, probs=probs)
+
+    def _static_chain(self, logits: torch.Tensor,
+                      request: DraftRequest) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Greedy chains over the static cache from the catch-up's logits (B, V), max(ks) tokens a row, in one call
+        (ChainInputs.chain: one graph replay where the runner captures): tokens (B, k), their q (B, k) and each row's
+        length (B,). Every row's cache grows by k - 1 entries, on the device."""
+        k = max(request.ks)
+        self.kv.reserve(k - 1)  # first: the storage may grow
+        ChainInputs.of(self.kv.storage, logits).load(logits, request.ks)
+        out = self._chain_call(len(logits), k, request.eos_token_ids)
+        self.kv.grew(k - 1)
+        return out
+
+    def _chain_call(self, b: int, k: int, eos: frozenset[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """ChainInputs.chain of b rows from the inputs as loaded: a graph per padded batch, k and end-of-sequence
+        ids where the runner captures, else eagerly."""
+        runner, storage = self.kv.runner, self.kv.storage
+        n = graphs.padded_batch(b) if runner.capture else b
+        inputs, eos_ids = storage.inputs[ChainInputs], eos_on(eos, storage.device)
+        return runner.call(storage, (n, k, "chain", eos), b, lambda: inputs.chain(runner.run, storage, n, k, eos_ids),
+                           f"a draft LM's {n}-row chain of {k}")
 
     def _catch_up(self, ids) -> torch.Tensor:
         """Feed each row what its cache lacks (after cutting what the last greedy proposal fed past its chain): the
@@ -112,7 +191,10 @@ class ModelDrafter(Drafter):
         """_passes, then one read of tokens and q, and each row keeps its chain up to its own k or end of sequence
         (Chains.add)."""
         start = list(self.kv.counts)
-        tokens, q, _ = self._passes(logits, max(request.ks), request)
+        if isinstance(self.kv, StaticKV):
+            tokens, q, _ = self._static_chain(logits, request)
+        else:
+            tokens, q, _ = self._passes(logits, max(request.ks), request)
         chain_tokens, q = torch.stack([tokens.double(), q]).tolist()  # (B, k) each
         for r, (row_tokens, row_q) in enumerate(zip(chain_tokens, q)):
             for token, q_token in zip(row_tokens, row_q):

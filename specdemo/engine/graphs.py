@@ -103,8 +103,8 @@ class Runner:
             return self.run(storage, b, t, keep, layers)
         return done.replay(b)
 
-    def run(self, storage: Storage, b: int, t: int, keep: int,
-            layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, storage: Storage, b: int, t: int, keep: int, layers: tuple[int, ...] | None,
+            offset: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """storage.run, compiled where the runner compiles (--graphs compiled: one trace with dynamic batch and width,
         inductor's fused kernels, which capture as any others). A pass that fails to compile runs uncompiled from then
         on, with one log line saying why."""
@@ -113,14 +113,14 @@ class Runner:
                 if self.compiled is None:
                     _install_output_hooks(self.model)
                     self.compiled = torch.compile(Storage.run, fullgraph=True, dynamic=True, backend=COMPILE_BACKEND)
-                return self.compiled(storage, b, t, keep, layers)
+                return self.compiled(storage, b, t, keep, layers, offset)
             except Exception as exc:  # noqa: BLE001 - the uncompiled pass computes the same
                 self.compile = False
                 said = " ".join(line.strip() for line in str(exc).splitlines()
                                 if line.strip() and not line.startswith("Set TORCH"))  # dynamo's advice
                 self.reason = f"its passes did not compile ({type(exc).__name__}: {said[:200]})"
                 log.warning("graph runner: passes of %s uncompiled: %s", type(self.model).__name__, self.reason)
-        return storage.run(b, t, keep, layers)
+        return storage.run(b, t, keep, layers, offset)
 
     def _captured(self, storage, key: tuple) -> Captured | None:
         """The graph for key (the arguments of _capture after the storage), captured now if new; None once capture
@@ -133,6 +133,22 @@ class Runner:
                 log.warning("graph runner: running %s eagerly: %s", type(self.model).__name__, self.reason)
                 storage.graphs.clear()
         return storage.graphs.get(key)
+
+    def call(self, storage, key: tuple, b: int, fn, what: str) -> tuple:
+        """fn() (device code over the storage's fixed buffers and static inputs, its outputs' first rows those of the b
+        rows asked for) as one CUDA graph per key (under the storage's graphs) where this runner captures, replayed;
+        else fn() eagerly. One that will not capture runs eagerly from then on, with one log line, and the runner's
+        other graphs stay. Returns the first b rows of each output, the caller's own."""
+        if self.capture and key not in storage.graphs:
+            try:
+                storage.graphs[key] = self.record(storage.device, fn, what)
+            except Exception as exc:  # noqa: BLE001 - the same code runs eagerly
+                storage.graphs[key] = None
+                log.warning("graph runner: %s runs eagerly: it did not capture (%s: %s)", what, type(exc).__name__, exc)
+        done = storage.graphs.get(key) if self.capture else None
+        if done is not None:
+            return done.replay(b)
+        return tuple(None if o is None else o[:b] for o in fn())
 
     def _capture(self, storage: Storage, b: int, t: int, keep: int, layers) -> Captured:
         """Capture storage.run for this shape. The runs write only past each row's length, which no row reads, so

@@ -121,6 +121,7 @@ class Storage:
         self.eager_mask = model.config._attn_implementation == "eager"  # an additive float mask instead of a bool
         self.busy = False  # held by one decode (or drafter) at a time
         self.graphs: dict = {}  # (b, T, features) -> engine.graphs.Captured, kept with the addresses they read
+        self.inputs: dict = {}  # static inputs of captured code from elsewhere (a draft LM's chain: drafters.model)
 
     def buffers(self) -> list[torch.Tensor]:
         """Every cache buffer (rows, H, capacity, D): each layer's keys and values, once allocated."""
@@ -148,15 +149,18 @@ class Storage:
             self.ancestry[: self.tree_rows] = self.chain_ancestry
             self.tree_rows = 0
 
-    def run(self, b: int, t: int, keep: int,
-            layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, b: int, t: int, keep: int, layers: tuple[int, ...] | None,
+            offset: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One pass of the first b rows over input_view(b, t): logits (b, keep, V) and, with layers, features
-        (b, T, W). Straight-line tensor code over fixed buffers (what a graph captures); lengths are not moved."""
+        (b, T, W). Straight-line tensor code over fixed buffers (what a graph captures); lengths are not moved.
+        `offset`: the entries start that far past each row's length (a greedy chain's later passes, drafters.model),
+        seeing what lies between as its past."""
         tokens = self.input_view(b, t)
-        self.write = self.lengths[:b, None] + self.slots[None, :t]  # (b, T): the slots written
+        start = self.lengths[:b, None] + offset if offset else self.lengths[:b, None]  # (b, 1)
+        self.write = start + self.slots[None, :t]  # (b, T): the slots written
         if t <= LAYOUT_WIDTH:  # each entry at its row's length plus its depth, seeing the past and what the layout says
-            positions = self.lengths[:b, None] + self.depth[:b, :t]
-            rel = self.slots[None, :] - self.lengths[:b, None]  # (b, capacity): each slot's entry of this pass
+            positions = start + self.depth[:b, :t]
+            rel = self.slots[None, :] - start  # (b, capacity): each slot's entry of this pass
             seen = self.ancestry[:b, :t, :t].gather(2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, self.capacity))
             allowed = ((rel < 0)[:, None, :] | (((rel >= 0) & (rel < t))[:, None, :] & seen))[:, None]  # (b,1,T,cap)
         else:  # a long prefill: causal
@@ -217,6 +221,13 @@ class StaticRows:
 
     def _advance(self, fed: Sequence[int]) -> None:
         self._set_counts([c + n for c, n in zip(self.counts, fed)])
+
+    def grew(self, n: int) -> None:
+        """Every row's length grows by n, on the device (one add: nothing copied from the host) and on the host: the
+        entries a captured chain wrote past each row's length (cut at the next verdict)."""
+        if n:
+            self.storage.lengths[: self.rows] += n
+            self.counts = [c + n for c in self.counts]
 
     def keep(self, counts: Sequence[int]) -> None:
         """Roll each row back to its first counts[r] positions: a length moves, nothing is copied."""
