@@ -191,7 +191,8 @@ DRAFTER_DEFAULTS: tuple[DrafterDefault, ...] = (
                    # page's race with trees missed the CLI's pace (its AR at 0.58-0.79x the CLI's, against 0.92x
                    # with chains: bench/app-live/trees-default; again 0.78x against 0.93x in
                    # bench/app-live/page-vs-cli-2026-12-04; docs/notes/trees-cpu-2026-12-04.md); auto sized by the
-                   # run's step costs, five paired rounds: 0.98-1.06x the chains, behind in two (bench/trees/head-k3-paired-*)
+                   # run's step costs, five paired rounds: 0.98-1.06x the chains, behind in two
+                   # (bench/trees/head-k3-paired-*)
                    tree="off", tree_evidence=None),
     DrafterDefault("ngram", 4, Evidence("bench/suffix/k-sweep/repetitive-ngram", "2026-12-02 18:14-18:19 UTC",
                                         "repetitive.jsonl"),
