@@ -236,3 +236,21 @@ def test_every_drafter_reads_the_device_once_a_step(tiny, tiny_tok, drafter_case
         for model in models:
             graphs.detach(model)
     assert len(step_reads) >= 3 and all(len(reads) == 1 for reads in step_reads), step_reads
+
+
+@pytest.mark.skipif(TEST_DEVICE.type != "cuda", reason="CUDA events: scripts/gpu_check.sh runs this (GRAPH_TESTS=1)")
+def test_the_clock_times_a_steps_drafting_by_events_without_waiting():
+    """On CUDA the engine's clock marks where a step's drafting ends with an event on the stream (no wait there: the
+    step's read is its one synchronisation besides the clock's stop), read after stop: two kernels of about the same
+    length before and after the mark give a first phase of about half the whole."""
+    import torch
+
+    from specdemo.engine.timing import Clock
+
+    clock = Clock(TEST_DEVICE)
+    clock.start()
+    torch.cuda._sleep(50_000_000)  # tens of milliseconds on the stream, queued at once
+    clock.split()
+    torch.cuda._sleep(50_000_000)
+    total = clock.stop()
+    assert 0.25 * total < clock.first < 0.75 * total, (clock.first, total)

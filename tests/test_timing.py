@@ -64,6 +64,46 @@ def test_clock_counts_only_between_start_and_stop(monkeypatch):
     assert clock.total == 0.75
 
 
+def test_a_split_times_the_first_phase_without_waiting_for_the_device(monkeypatch):
+    """split() marks where a step's drafting ends: stop() gives the whole step and `first` the part before the mark,
+    and the device is waited for at start and stop only (a step's read is its one other synchronisation)."""
+    readings = iter([10.0, 10.2, 10.5, 20.0, 20.25])  # start, split, stop; start, stop
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(readings))
+    waits = []
+    monkeypatch.setattr(timing, "sync", waits.append)
+    clock = Clock(torch.device("cpu"))
+    clock.start()
+    clock.split()
+    assert clock.stop() == 0.5 and clock.first == pytest.approx(0.2)
+    assert len(waits) == 2
+    clock.start()
+    assert clock.stop() == 0.25 and clock.first == 0.0  # no split: no first phase
+
+
+def test_a_speculative_step_waits_for_the_device_at_its_clocks_start_and_stop_only(tiny, tiny_tok, monkeypatch):
+    """Each speculative step of a decode calls timing.sync twice (its clock's start and stop; before the split,
+    four times: drafting was stopped and verification started with waits between), and its draft and verify
+    seconds add up to the step's."""
+    from specdemo.config import GenerationConfig
+    from specdemo.drafters.ngram import NgramDrafter
+    from specdemo.engine import decode
+
+    waits, sync = [], timing.sync
+    monkeypatch.setattr(timing, "sync", lambda device: waits.append(device) or sync(device))
+    config = GenerationConfig(max_new_tokens=16, num_draft_tokens=3, tree="off")
+    events = decode(tiny.target, tiny_tok, [[3, 5, 7, 3, 5, 7, 3, 5]], config, NgramDrafter())
+    per_step, before = [], 0.0
+    for event in events:
+        per_step.append((event.kind, len(waits)))
+        waits.clear()
+        if event.kind == "spec":
+            assert event.draft_seconds > 0 and event.verify_seconds > 0
+            assert event.draft_seconds + event.verify_seconds == pytest.approx(event.elapsed - before)
+        before = event.elapsed
+    spec = [n for kind, n in per_step if kind == "spec"]
+    assert spec and all(n == 2 for n in spec[1:]), per_step
+
+
 def test_timed_call_returns_the_result_and_its_wall_time(monkeypatch):
     readings = iter([1.0, 3.5])
     monkeypatch.setattr(timing.time, "perf_counter", lambda: next(readings))

@@ -27,10 +27,14 @@ log = logging.getLogger(__name__)
 PROBE_TEXT = "Speculative decoding lets a small draft propose tokens that the target checks in one pass."
 
 
+def _on_cuda(device: torch.device | str | None) -> bool:
+    return device is not None and torch.device(device).type == "cuda"
+
+
 def sync(device: torch.device | str | None) -> None:
     """Wait for queued GPU work, so that perf_counter readings mean something (on every GPU: a device map may
     spread one pass over several)."""
-    if device is not None and torch.device(device).type == "cuda":
+    if _on_cuda(device):
         for i in range(torch.cuda.device_count()):
             torch.cuda.synchronize(i)
 
@@ -43,19 +47,41 @@ def now(device: torch.device | str | None = None) -> float:
 
 class Clock:
     """Accumulates compute time between `start` and `stop`; the decoders stop it before each `yield`, so time spent
-    by whoever consumes their events (a UI, a benchmark) is never counted."""
+    by whoever consumes their events (a UI, a benchmark) is never counted. `split` marks where a step's first phase
+    (its drafting) ends without waiting for the device; after `stop`, `first` is that phase's seconds."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.total = 0.0
+        self.first = 0.0  # the seconds before the last split, known at stop (0 without one)
         self._t0 = 0.0
+        self._split: float | None = None  # when the host marked the split (None: no split since start)
+        # on CUDA: events recorded on the stream at start and at the split, read once stop has waited for the device
+        self._events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(2)) if _on_cuda(device) else None
 
     def start(self) -> None:
         self._t0 = now(self.device)
+        self._split = None
+        if self._events is not None:
+            self._events[0].record(torch.cuda.current_stream(self.device))
+
+    def split(self) -> None:
+        """The first phase ends here: on CUDA where its queued work ends on the stream (no wait: a step synchronises
+        once more, at stop, not here), elsewhere now."""
+        if self._events is not None:
+            self._events[1].record(torch.cuda.current_stream(self.device))
+        self._split = time.perf_counter()
 
     def stop(self) -> float:
         dt = now(self.device) - self._t0
         self.total += dt
+        if self._split is None:
+            self.first = 0.0
+        elif self._events is None:
+            self.first = self._split - self._t0
+        else:
+            self.first = min(max(self._events[0].elapsed_time(self._events[1]) / 1e3, 0.0), dt)
+        self._split = None
         return dt
 
 
