@@ -67,7 +67,8 @@ class ModelDrafter(Drafter):
     Each proposal is one catch-up pass (each row feeds what its cache lacks: 1 or 2 tokens after a verdict, more
     after a hybrid's lookup steps) and then one single-token pass per drafted position; the last drafted token is
     never fed (the next verdict decides whether it stays). Greedy chains keep each pass's argmax on the device and
-    feed it to the next pass, every row drafting max(k) tokens, and read tokens and q back once; what a row drafted
+    feed it to the next pass (over a static cache all in one call, ChainInputs.chain: one graph where the runner
+    captures), every row drafting max(k) tokens, and read tokens and q back once; what a row drafted
     past its stop (its k, an end of sequence) is dropped on the host, and its cache entries are cut at the next
     verdict. Sampled chains draw each token on the host (propose: a row that stopped feeds a hole) or, left on the
     device (propose_on_device), from each row's generator there, every row drafting max(k) as greedy chains do.
@@ -97,8 +98,9 @@ class ModelDrafter(Drafter):
         self._new_cache(prompts)
 
     def warm(self, prompts, request=None) -> None:
-        """Capture the one-token drafting pass and the catch-up widths after a verdict (1 and 2) for this batch,
-        over the storage that begin(prompts) takes next; nothing without capture."""
+        """Capture the catch-up widths after a verdict (1 and 2) and, greedy, the chains of the request's k and fewer
+        for this batch and each smaller rung, over the storage that begin(prompts) takes next; nothing without
+        capture."""
         runner = graphs.runner_of(self.model)
         if runner is not None and runner.capture:
             self._new_cache(prompts)
