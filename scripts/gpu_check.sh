@@ -266,6 +266,10 @@ open(sys.argv[2],'w').write(''.join(json.dumps(r)+'\n' for r in rows if r.get('c
   # sampled chains drawn and verified on the device, read once a step (the head's, at k = 2)
   stage bench_head_sampled_graphs_on "$GC" "${G[@]}" --limit 3 --drafter model --k 2 --temperature 0.7 --graphs on \
     --out "$R/graphs-on/head-sampled"
+  # a draft LM's chain captured as one graph (the bundled model drafting for itself: outputs and the capture, not a
+  # speedup; no smaller LM of its vocabulary is bundled)
+  stage bench_draft_lm_graphs_on "$GC" "${G[@]}" --limit 2 --drafter model --draft smollm2-135m --k 4 --graphs on \
+    --out "$R/graphs-on/draft-lm"
   exit 0
 fi
 # --- end stage: graphs ---
