@@ -197,12 +197,13 @@ class Eagle3Drafter(Drafter):
         width = next(f.shape[-1] for f in feats if f is not None)  # the engine's features: final and aux layers
         if rows == 1:
             x = feats[0][None].to(self.dtype)
-        else:
+        else:  # every row's features in one copy, each at its columns (a few kernels, not one per row)
             x = torch.zeros(rows, t, width, dtype=self.dtype, device=self.device)
-            for r, f in enumerate(feats):
-                if f is not None and len(f):
-                    at = 0 if right else t - len(f)
-                    x[r, at : at + len(f)] = f.to(self.dtype)
+            lens = [0 if f is None else len(f) for f in feats]
+            if sum(lens):
+                at = [(r, j + (0 if right else t - n)) for r, n in enumerate(lens) for j in range(n)]
+                index = torch.tensor(at).T.to(self.device, non_blocking=True)  # (2, entries): row, column
+                x[index[0], index[1]] = torch.cat([f for f in feats if f is not None and len(f)]).to(x)
         out = self._pass(self.head.prepare(x.to(self.device)), tok.to(self.device, non_blocking=True), real)
         self.pending = [None] * rows
         self.true_counts = list(self.kv.counts)

@@ -282,11 +282,9 @@ def left_padded(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[to
 def right_padded(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Token lists -> (tokens (B, T), real (B, T) bool), padded on the right: entry j of a row is its j-th token."""
     width = max((len(r) for r in rows), default=0)
-    tokens = torch.full((len(rows), width), PAD, dtype=torch.long)
-    real = torch.zeros(len(rows), width, dtype=torch.bool)
-    for i, r in enumerate(rows):
-        tokens[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
-        real[i, : len(r)] = True
+    shape = (len(rows), width)  # built from Python lists: two tensors, whatever the batch (no op per row)
+    tokens = torch.tensor([[*r, *[PAD] * (width - len(r))] for r in rows], dtype=torch.long).reshape(shape)
+    real = torch.tensor([[True] * len(r) + [False] * (width - len(r)) for r in rows], dtype=torch.bool).reshape(shape)
     return tokens.to(device, non_blocking=True), real.to(device, non_blocking=True)  # no wait for queued work
 
 
