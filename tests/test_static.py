@@ -128,6 +128,38 @@ def test_cache_keeps_its_addresses_and_rollback_writes_nothing(tiny_target, tiny
     assert len(made) == 2 and all(isinstance(kv, StaticKV) for kv in made)  # the target's and the draft's
 
 
+def test_every_layers_cache_is_one_block_moved_in_one_op(tiny_target, tiny_tok, monkeypatch):
+    """A storage's layers hold their keys and values as views of one block (layers, 2, rows, H, capacity, D), so rows
+    leaving (select) and a tree's accepted path copied down (keep_entries) are one op for every layer, not one per
+    buffer; each moves what the per-layer code moves."""
+    kv = graphs.new_kv(tiny_target, 4, 256)
+    with torch.inference_mode():
+        kv.prefill(PROMPTS)
+    block = kv.storage.whole()
+    assert block is not None and block.shape[:3] == (len(kv.storage.cache.layers), 2, kv.storage.rows)
+    assert all(layer.keys.data_ptr() == block[i, 0].data_ptr() and layer.values.data_ptr() == block[i, 1].data_ptr()
+               for i, layer in enumerate(kv.storage.cache.layers))
+    block.copy_(torch.randn_like(block))
+    per_layer = [b.clone() for b in _buffers(kv)]
+    for buf in per_layer:  # what the per-layer code does: rows 2 and 0, in that order, to the front
+        buf[:2] = buf.index_select(0, torch.tensor([2, 0]))
+    ops = []
+    index_select = torch.Tensor.index_select
+    monkeypatch.setattr(torch.Tensor, "index_select", lambda *a: ops.append(1) or index_select(*a))
+    kv.select([2, 0])
+    assert len(ops) == 1 and all(torch.equal(a[:2], b[:2]) for a, b in zip(per_layer, _buffers(kv)))
+    kv.start = list(kv.counts)  # as after a forward of 4 entries a row: row 0 keeps entries 0, 2 and 3
+    kv.counts = [c + 4 for c in kv.counts]
+    expected = [b[:2].clone() for b in _buffers(kv)]
+    for buf in expected:
+        s0 = kv.start[0]
+        buf[0, :, s0 + 1 : s0 + 3] = buf[0, :, [s0 + 2, s0 + 3]].clone()
+    kv.keep_entries([[0, 2, 3], [0, 1]])
+    assert all(torch.equal(a, b[:2]) for a, b in zip(expected, _buffers(kv)))
+    assert kv.counts == [kv.start[0] + 3, kv.start[1] + 2]
+    kv.release()
+
+
 def _fresh(model, ids):
     from transformers import DynamicCache
 

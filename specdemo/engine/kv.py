@@ -266,10 +266,10 @@ def path_moves(starts: Sequence[int], entries: Sequence[Sequence[int]]) -> tuple
 
 
 def move_slots(buf: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """buf (B, H, L, D): each row's slots src (B, m) copied to its slots dst (B, m), in place (read before written)."""
-    b, h, _, d = buf.shape
-    shape = (b, h, src.shape[1], d)
-    buf.scatter_(2, dst[:, None, :, None].expand(shape), buf.gather(2, src[:, None, :, None].expand(shape)))
+    """buf (..., B, H, L, D) (one layer's, or every layer's keys and values at once): each row's slots src (B, m)
+    copied to its slots dst (B, m), in place (read before written)."""
+    shape = (*buf.shape[:-2], src.shape[1], buf.shape[-1])
+    buf.scatter_(-2, dst[:, None, :, None].expand(shape), buf.gather(-2, src[:, None, :, None].expand(shape)))
 
 
 def left_padded(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

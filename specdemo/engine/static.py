@@ -42,14 +42,20 @@ def _classes() -> tuple[type, type]:
         is_compileable = True
         is_sliding = False
 
-        def __init__(self, storage: Storage):
+        def __init__(self, storage: Storage, index: int):
             super().__init__()
-            self.storage = storage
+            self.storage, self.index = storage, index
 
         def lazy_initialization(self, key_states, value_states) -> None:
             s, (h, d), dv = self.storage, key_states.shape[1::2], value_states.shape[-1]
-            self.keys = key_states.new_zeros(s.rows, h, s.capacity, d)
-            self.values = value_states.new_zeros(s.rows, h, s.capacity, dv)
+            block = s.block
+            if block is not None and block.shape[3::2] == (h, d) and dv == d and block.dtype == key_states.dtype:
+                self.keys, self.values = block[self.index, 0], block[self.index, 1]  # views: (rows, H, capacity, D)
+                s.in_block += 1
+            else:  # a layer of another shape: its own buffers, and no moves over the block
+                s.block = None
+                self.keys = key_states.new_zeros(s.rows, h, s.capacity, d)
+                self.values = value_states.new_zeros(s.rows, h, s.capacity, dv)
             if not torch.compiler.is_compiling():
                 torch._dynamo.mark_static_address(self.keys)  # fixed addresses: what a captured graph reads
                 torch._dynamo.mark_static_address(self.values)
@@ -87,14 +93,32 @@ def _classes() -> tuple[type, type]:
         """transformers' Cache over RowLayers (so the model's attention calls `update` as with any cache)."""
 
         def __init__(self, storage: Storage, num_layers: int):
-            super().__init__(layers=[RowLayer(storage) for _ in range(num_layers)])
+            super().__init__(layers=[RowLayer(storage, i) for i in range(num_layers)])
 
     return RowLayer, RowCache
 
 
+def _text_config(model):
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
 def num_cache_layers(model) -> int:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return config.num_hidden_layers
+    return _text_config(model).num_hidden_layers
+
+
+def kv_block(model, rows: int, capacity: int, device: torch.device) -> torch.Tensor | None:
+    """Every layer's keys and values in one tensor (layers, 2, rows, H, capacity, D) of the shapes the config says,
+    made outside any compiled or captured code, so that moving rows or slots is one op for all layers; None where the
+    config does not say them (each layer then allocates its own at its first pass, as it does if its shape differs)."""
+    c = _text_config(model)
+    heads = getattr(c, "num_key_value_heads", None) or getattr(c, "num_attention_heads", None)
+    dim = getattr(c, "head_dim", None) or (c.hidden_size // c.num_attention_heads
+                                           if getattr(c, "num_attention_heads", None) else None)
+    if not heads or not dim:
+        return None
+    block = torch.zeros(num_cache_layers(model), 2, rows, heads, capacity, dim, dtype=model.dtype, device=device)
+    torch._dynamo.mark_static_address(block)
+    return block
 
 
 class Storage:
@@ -116,6 +140,8 @@ class Storage:
         self.depth = self.chain_depth.repeat(rows, 1)
         self.ancestry = self.chain_ancestry.repeat(rows, 1, 1)
         self.tree_rows = 0  # rows whose layout a tree pass changed (set back before the next chain pass)
+        self.block = kv_block(model, rows, capacity, self.device)  # the layers' keys and values are views of it
+        self.in_block = 0  # layers whose buffers are views of the block (all of them: whole())
         self.cache = _classes()[1](self, num_cache_layers(model))
         self.cache_argument = with_cache(model, self.cache)  # once: nothing to look up inside a captured pass
         self.eager_mask = model.config._attn_implementation == "eager"  # an additive float mask instead of a bool
@@ -126,6 +152,10 @@ class Storage:
     def buffers(self) -> list[torch.Tensor]:
         """Every cache buffer (rows, H, capacity, D): each layer's keys and values, once allocated."""
         return [t for layer in self.cache.layers if layer.is_initialized for t in (layer.keys, layer.values)]
+
+    def whole(self) -> torch.Tensor | None:
+        """The block (layers, 2, rows, H, capacity, D) where every layer's buffers are views of it, else None."""
+        return self.block if self.block is not None and self.in_block == len(self.cache.layers) else None
 
     def copy_rows(self, other: Storage, rows: int) -> None:
         """Hold the first `rows` rows of another storage's cache (a smaller one's), position for position."""
@@ -241,8 +271,12 @@ class StaticRows:
         if rows == list(range(self.rows)):
             return
         index = torch.tensor(rows, device=self.device)
-        for buf in self.storage.buffers():
-            buf[: len(rows)] = buf.index_select(0, index)
+        whole = getattr(self.storage, "whole", lambda: None)()
+        if whole is not None:  # every layer at once
+            whole[:, :, : len(rows)] = whole.index_select(2, index)
+        else:
+            for buf in self.storage.buffers():
+                buf[: len(rows)] = buf.index_select(0, index)
         self._set_counts([self.counts[r] for r in rows], clear=True)
 
     def compact(self) -> None:
@@ -304,8 +338,9 @@ class StaticKV(StaticRows):
         moves = path_moves(start, entries)
         if moves is not None:
             src, dst = (m.to(self.device, non_blocking=True) for m in moves)  # a copy that waits for nothing
-            for buf in self.storage.buffers():
-                _move_slots(buf[: self.rows], src, dst)
+            whole = self.storage.whole()  # every layer at once where it can
+            for buf in [whole[:, :, : self.rows]] if whole is not None else self.storage.buffers():
+                _move_slots(buf[: self.rows] if whole is None else buf, src, dst)
         self._set_counts([s + len(e) for s, e in zip(start, entries)])
 
     def step(self, feeds: Sequence[Sequence[int]]) -> torch.Tensor:
