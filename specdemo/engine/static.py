@@ -1,5 +1,6 @@
-"""A static KV cache: each layer's keys and values in buffers allocated once, at fixed addresses, each row written at
-its own positions. The forwards that feed it are plain tensor code over those buffers, so a CUDA graph can capture
+"""A static KV cache: each layer's keys and values in buffers allocated once, at fixed addresses (views of one block
+where the layers' shapes agree, so that moving rows or slots is one op for all of them), each row written at its own
+positions. The forwards that feed it are plain tensor code over those buffers, so a CUDA graph can capture
 them (engine.graphs); on a CPU the same code runs uncaptured.
 
 Row r holds its positions 0..lengths[r]-1 contiguously, with no holes: a pass writes row r's j-th entry at slot
