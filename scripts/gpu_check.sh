@@ -245,7 +245,7 @@ open(sys.argv[2],'w').write(''.join(json.dumps(r)+'\n' for r in rows if r.get('c
   done
   # the passes compiled (inductor's fused kernels) before capture: what generate's compiled static path has, where
   # a captured eager forward launches some 40 kernels a layer; compiling costs its first passes (GRAPHS_COMPILE_CAP)
-  GCC=${GRAPHS_COMPILE_CAP:-150}; [ "$DRY" = 1 ] && GCC=${GRAPHS_COMPILE_CAP:-400}  # inductor's C++ is slow here
+  GCC=${GRAPHS_COMPILE_CAP:-150}; [ "$DRY" = 1 ] && GCC=${GRAPHS_COMPILE_CAP:-600}  # inductor's C++: 6-9 min cold here
   stage bench_head_graphs_compiled "$GCC" "${G[@]}" --drafter model --k 2 --anchors \
     --graphs compiled --out "$R/graphs-compiled/head"
   for g in on off; do
