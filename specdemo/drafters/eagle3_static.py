@@ -63,6 +63,7 @@ class HeadStorage:
         self.graphs: dict = {}  # (b,) -> engine.graphs.Captured: the step at that padded batch size
 
     def buffers(self) -> list[torch.Tensor]:
+        """The keys and values (rows, KV, capacity, D): rows at dim -4, as engine.static.Storage.buffers gives them."""
         return [self.keys, self.values]
 
     def copy_rows(self, other: HeadStorage, rows: int) -> None:

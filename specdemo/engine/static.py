@@ -151,7 +151,10 @@ class Storage:
         self.inputs: dict = {}  # static inputs of captured code from elsewhere (a draft LM's chain: drafters.model)
 
     def buffers(self) -> list[torch.Tensor]:
-        """Every cache buffer (rows, H, capacity, D): each layer's keys and values, once allocated."""
+        """The cache's buffers, once allocated, rows at dim -4 (..., rows, H, capacity, D): the block alone where every
+        layer's keys and values are views of it (one op moves them all), else each layer's keys and values."""
+        if (block := self.whole()) is not None:
+            return [block]
         return [t for layer in self.cache.layers if layer.is_initialized for t in (layer.keys, layer.values)]
 
     def whole(self) -> torch.Tensor | None:
@@ -272,12 +275,8 @@ class StaticRows:
         if rows == list(range(self.rows)):
             return
         index = torch.tensor(rows, device=self.device)
-        whole = getattr(self.storage, "whole", lambda: None)()
-        if whole is not None:  # every layer at once
-            whole[:, :, : len(rows)] = whole.index_select(2, index)
-        else:
-            for buf in self.storage.buffers():
-                buf[: len(rows)] = buf.index_select(0, index)
+        for buf in self.storage.buffers():  # rows at dim -4
+            buf[..., : len(rows), :, :, :] = buf.index_select(-4, index)
         self._set_counts([self.counts[r] for r in rows], clear=True)
 
     def compact(self) -> None:
@@ -339,9 +338,8 @@ class StaticKV(StaticRows):
         moves = path_moves(start, entries)
         if moves is not None:
             src, dst = (m.to(self.device, non_blocking=True) for m in moves)  # a copy that waits for nothing
-            whole = self.storage.whole()  # every layer at once where it can
-            for buf in [whole[:, :, : self.rows]] if whole is not None else self.storage.buffers():
-                _move_slots(buf[: self.rows] if whole is None else buf, src, dst)
+            for buf in self.storage.buffers():  # rows at dim -4
+                _move_slots(buf[..., : self.rows, :, :, :], src, dst)
         self._set_counts([s + len(e) for s, e in zip(start, entries)])
 
     def step(self, feeds: Sequence[Sequence[int]]) -> torch.Tensor:
