@@ -8,12 +8,14 @@ scripts/gpu_check.sh) the same, with the head's passes captured."""
 from collections import Counter
 
 import pytest
+import torch
 from conftest import TEST_DEVICE, draft_vocab, random_head
 from test_draft_graphs import HOST_READS, counted_reads
 from test_tree_engine import PROMPTS
 
-from specdemo.config import GenerationConfig
+from specdemo.config import GenerationConfig, SamplingConfig
 from specdemo.drafters import eagle3_device_tree
+from specdemo.drafters.base import FIELDS, DraftRequest
 from specdemo.drafters.eagle3 import Eagle3Drafter
 from specdemo.drafters.eagle3_static import attach
 from specdemo.engine import decode, graphs, loop, row_outputs
@@ -80,10 +82,12 @@ def test_device_trees_under_auto_cut_as_the_host_and_are_lossless(eagle3_target,
                         rows)
     cut, sizes = eagle3_device_tree._cut, []
 
-    def checked(pool, limits, n, costs=None, scale=1.0):
-        kept = cut(pool, limits, n, costs, scale)
+    def checked(pool, limits, n, cut_inputs):
+        kept = cut(pool, limits, n, cut_inputs)
+        costs, scale = eagle3_device_tree.cut_costs(cut_inputs)
         assert costs is not None and scale == 0.6
-        assert eagle3_device_tree._read(kept) == eagle3_device_tree.host_cut(pool, limits.tolist(), costs, scale)
+        fields = torch.stack([kept[f].double() for f in FIELDS], -1)
+        assert eagle3_device_tree._read(fields) == eagle3_device_tree.host_cut(pool, limits.tolist(), costs, scale)
         sizes.extend(int(n) for n in kept["keep"].sum(1).tolist())
         return kept
 
@@ -156,3 +160,33 @@ def test_device_trees_grow_nothing_after_an_end_of_sequence(eagle3_target, tiny_
     device = run(eagle3_target, tiny_tok, head, PROMPTS, config, "always")
     assert device[0] == host[0] and device[2] == host[2]
     assert sum(eos in d[:-1] for d, _ in host[0]) > 3  # drafted before other nodes: leaves of its own
+
+
+@pytest.mark.parametrize("costs", [None, {n: 1.0 + 0.05 * n for n in range(1, 17)}])
+def test_the_growth_cut_and_layout_compile_whole(head, costs):
+    """torch.compile(fullgraph=True) traces a 3-deep tree's growth, its cut (a node budget, and --tree auto's cost
+    cut) and its layout for the target's pass (eagle3_device_tree.grow, what one CUDA graph holds) over the head's
+    static buffers without a graph break, so none of it reads the device; compiled, it gives the eager tensors."""
+    from test_eagle3_static import _one_step_ready
+
+    attach(head, "on")
+    torch._dynamo.reset()
+    try:
+        with torch.inference_mode():
+            kv = _one_step_ready(head)
+            request = DraftRequest([[1, 2, 3]] * 2, [3, 2], SamplingConfig(), [None, None], frozenset({5}), [8, 6],
+                                   costs, 0.7)
+            inputs = eagle3_device_tree.tree_inputs(request, kv.storage.feature[:2].clone())
+            kv.reserve(2 * eagle3_device_tree.FRONTIER)
+            eager = eagle3_device_tree.grow(head, kv.storage, inputs, 3, 0.3)
+            compiled = torch.compile(lambda: eagle3_device_tree.grow(head, kv.storage, inputs, 3, 0.3),
+                                     fullgraph=True, backend="aot_eager")()
+        kv.release()
+    finally:
+        torch._dynamo.reset()
+        graphs.detach(head)
+    assert len(eager) == len(eagle3_device_tree.OUT)
+    for a, b in zip(compiled, eager):
+        assert a.shape == b.shape and torch.allclose(a.double(), b.double(), atol=1e-6)
+    kept = eager[2].sum(1).tolist()
+    assert 1 <= kept[0] <= 8 and 1 <= kept[1] <= 6  # each row's budget

@@ -134,17 +134,24 @@ def eos_on(ids: frozenset[int], device) -> torch.Tensor | None:
     return torch.tensor(sorted(ids), device=device) if ids else None
 
 
+FIELDS = ("tokens", "parents", "q", "values", "keep")  # what a device tree's step reads back of each node
+
+
 @dataclass
 class DeviceTrees:
     """Greedy draft trees left on the device (Drafter.propose_on_device), (B, N) each: tokens as target ids, parents
     (-1: the pending token; a parent before its children), q of each token, its value (Proposal.values), and keep:
-    which entries hold a node (each row's nodes first, padding after). Nothing of them has been read back."""
+    which entries hold a node (each row's nodes first, padding after). Nothing of them has been read back. Where the
+    drafter has them already: `batch`, their layout for the target's pass (engine.tree.TreeBatch, as
+    device_tree_batch builds it), and `fields` (B, N, 5), FIELDS' as float64 (what the step reads back)."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
     q: torch.Tensor
     values: torch.Tensor
     keep: torch.Tensor
+    batch: Any = None
+    fields: torch.Tensor | None = None
 
 
 @dataclass

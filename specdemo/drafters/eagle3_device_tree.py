@@ -4,16 +4,18 @@ where the head's runner captures (eagle3_static.HeadRunner.tree, captured in the
 once for the tree instead of once a depth. Each depth feeds FRONTIER nodes a row (the chain's, then the most probable
 others, chosen by a stable sort) through the head's static storage, with positions and ancestry masks built on the
 device; nodes that eagle3_tree would not grow (past a row's k, after an end of sequence, rows drafting no tree) are
-carried as dead. The tree is then cut on the device as eagle3_tree cuts its own (_cut: its _proposal's choice,
-tree_budget's under --tree auto) and read back once, or left there for the engine to verify and read with its
+carried as dead. In the same graph the tree is cut as eagle3_tree cuts its own (_cut: its _proposal's choice,
+tree_budget's under --tree auto, by costs the graph reads from a static input) and laid out for the target's pass
+(engine.tree.device_tree_batch); it is read back once, or left there for the engine to verify and read with its
 verdict (device_trees: that pass is the budget's width; under --tree auto the engine sizes the budget by the trees it
 last read, loop.auto_width). Under a node budget the proposal is eagle3_tree's node for node; under --tree auto
 every depth feeds FRONTIER nodes whatever the cut keeps (on a GPU a wider level costs no more). Used where the head's
-runner captures (DEVICE_TREES). Knows the head drafter's state, not the engine.
+runner captures (DEVICE_TREES). Knows the head drafter's state, not the engine's loop.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -21,7 +23,9 @@ import torch
 
 from ..config import MAX_K_ENGINE
 from ..engine.graphs import rungs
-from .base import DeviceTrees, DraftRequest, Proposal
+from ..engine.static import CAPTURED
+from ..engine.tree import TreeBatch, device_tree_batch
+from .base import FIELDS, DeviceTrees, DraftRequest, Proposal
 from .eagle3_static import StaticHeadKV
 from .eagle3_tree import FRONTIER, TOP, _proposal, _Row
 
@@ -93,29 +97,46 @@ def _gather(x: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
     return x.gather(1, sel.view(*sel.shape, *([1] * (x.dim() - 2))).expand(*sel.shape, *x.shape[2:]))
 
 
+COST_SLOTS = MAX_K_ENGINE + 1  # the cut's cost table: n nodes verified -> that pass's cost, n = 0..MAX_K_ENGINE
+SHARED = ("eos", "cut")  # TreeInputs' fields that are not per row
+
+
 @dataclass
 class TreeInputs:
-    """What a tree's growth reads, on the device: the catch-up's output (B, H), each row's k, whether it grows a tree,
-    its node budget (B,) each, and the end-of-sequence ids (E,). A captured growth reads them from static copies
-    (eagle3_static.HeadRunner.tree)."""
+    """What a tree's growth and cut read, on the device: the catch-up's output (B, H); each row's k, whether it grows
+    a tree and its node budget (`per_row`, (B, 3)); the end-of-sequence ids (E,); and the cut's (`cut`,
+    (COST_SLOTS + 3,) float64): --tree auto's cost table (cut_inputs), the widest pass it costs, the branches' extra
+    scale, and whether to cut by cost at all. A captured growth reads them from static copies
+    (eagle3_static.HeadRunner.tree), so that the costs a run learns change no graph."""
 
     feature: torch.Tensor
-    ks: torch.Tensor
-    grow: torch.Tensor
-    limits: torch.Tensor
+    per_row: torch.Tensor
     eos: torch.Tensor
+    cut: torch.Tensor
+
+    @property
+    def ks(self) -> torch.Tensor:
+        return self.per_row[:, 0]
+
+    @property
+    def grow(self) -> torch.Tensor:
+        return self.per_row[:, 1] > 0
+
+    @property
+    def limits(self) -> torch.Tensor:
+        return self.per_row[:, 2]
 
     def blank(self, rows: int) -> TreeInputs:
         """Zeroed inputs of the same kinds for `rows` rows (the static copies a captured growth reads)."""
-        return TreeInputs(*(torch.zeros(x.shape if name == "eos" else (rows, *x.shape[1:]), dtype=x.dtype,
+        return TreeInputs(*(torch.zeros(x.shape if name in SHARED else (rows, *x.shape[1:]), dtype=x.dtype,
                                         device=x.device) for name, x in vars(self).items()))
 
     def load(self, inputs: TreeInputs) -> None:
         """Hold `inputs` (as many rows or fewer: the rest get k 0, no tree, no budget), copied without waiting."""
-        b = inputs.ks.shape[0]
+        b = inputs.per_row.shape[0]
         for name, x in vars(inputs).items():
             mine = getattr(self, name)
-            if name == "eos":
+            if name in SHARED:
                 mine.copy_(x, non_blocking=True)
             else:
                 mine[b:].zero_()
@@ -124,14 +145,31 @@ class TreeInputs:
 
 def tree_inputs(request: DraftRequest, feature: torch.Tensor) -> TreeInputs:
     """The request's TreeInputs, copied to the feature's device without waiting."""
-    rows, device = len(request.ids), feature.device
+    device = feature.device
+    per_row = [[k, int(k > 0 and request.nodes(r) > 0), limit]
+               for r, (k, limit) in enumerate(zip(request.ks, _limits(request)))]
     return TreeInputs(
         feature=feature,
-        ks=torch.tensor(list(request.ks)).to(device, non_blocking=True),
-        grow=torch.tensor([request.ks[r] > 0 and request.nodes(r) > 0 for r in range(rows)]).to(device,
-                                                                                              non_blocking=True),
-        limits=torch.tensor(_limits(request)).to(device, non_blocking=True),
-        eos=torch.tensor(sorted(request.eos_token_ids), dtype=torch.long).to(device, non_blocking=True))
+        per_row=torch.tensor(per_row, dtype=torch.long).to(device, non_blocking=True),
+        eos=torch.tensor(sorted(request.eos_token_ids), dtype=torch.long).to(device, non_blocking=True),
+        cut=torch.tensor(cut_inputs(request.tree_costs, request.tree_extra_scale),
+                         dtype=torch.float64).to(device, non_blocking=True))
+
+
+def cut_inputs(costs: dict[int, float] | None, scale: float = 1.0) -> list[float]:
+    """TreeInputs.cut for --tree auto's `costs` ({n: a pass verifying n nodes over a 1-token one}; None: no cost cut)
+    and `scale`: the table (entry n: costs[n], 1 at 0 and where costs has none, as _budget's table was), then the
+    widest n costed (at most MAX_K_ENGINE), the scale, and 1.0 where the cut is by cost."""
+    costs_or = costs or {}
+    top = min(max(costs_or, default=0), MAX_K_ENGINE)
+    table = [1.0] + [costs_or.get(n, 1.0) if n <= top else 1.0 for n in range(1, COST_SLOTS)]
+    return [*table, float(top), float(scale), float(costs is not None)]
+
+
+def cut_costs(cut: torch.Tensor) -> tuple[dict[int, float] | None, float]:
+    """cut_inputs read back: (the costs, None where the cut is not by cost; the scale). For the tests."""
+    *table, top, scale, by_cost = cut.tolist()
+    return ({n: table[n] for n in range(1, int(top) + 1)} if by_cost else None), scale
 
 
 def _limits(request: DraftRequest) -> list[int]:
@@ -141,45 +179,47 @@ def _limits(request: DraftRequest) -> list[int]:
 
 def node_count(head, request: DraftRequest, k: int) -> int:
     """How many entries a row's kept tree has (padding after its nodes): its budget, at most what k deep grows."""
+    return min(max(_limits(request)), widest(head, k))
+
+
+def widest(head, k: int) -> int:
+    """The most nodes a k-deep tree keeps: what it grows, at most the engine's widest tree (grow cuts every tree to
+    this width, whatever a row's budget)."""
     top = min(TOP, len(head.subset))
-    return min(max(_limits(request)), top + (k - 1) * FRONTIER * top)
+    return min(MAX_K_ENGINE, top + (k - 1) * FRONTIER * top)
 
 
 def draft_device_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor) -> list[Proposal]:
     """Each row's dynamic tree after the catch-up (feature (B, H)), grown and cut on the device (_kept), read back
     once."""
-    return _read(_kept(drafter, request, feature))
+    return _read(_kept(drafter, request, feature).fields)
 
 
 def device_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor) -> DeviceTrees:
-    """The same trees left on the device, for the engine to verify there and read back with its verdict. Its pass
-    feeds every row the whole node budget (under --tree auto the engine sizes the budget by the trees it last read:
-    loop.auto_width), the cost cut's dropped nodes as padding."""
-    kept = _kept(drafter, request, feature)
-    return DeviceTrees(kept["tokens"], kept["parents"], kept["q"], kept["values"], kept["keep"])
+    """The same trees left on the device, laid out for the engine to verify there and read back with its verdict.
+    Its pass feeds every row the whole node budget (under --tree auto the engine sizes the budget by the trees it
+    last read: loop.auto_width), the cost cut's dropped nodes as padding."""
+    return _kept(drafter, request, feature)
 
 
-def _kept(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The request's trees grown (_grown) and cut (_cut: the row's budget, and --tree auto's cost cut) on the
-    device."""
-    pool, inputs = _grown(drafter, request, feature)
-    return _cut(pool, inputs.limits, node_count(drafter.head, request, max(request.ks)), request.tree_costs,
-                request.tree_extra_scale)
+OUT = ("tokens", "parents", "keep", "depths", "mask", "fields")  # what grow gives: the kept trees, laid out
+
+
+def _kept(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor) -> DeviceTrees:
+    """The request's trees grown and cut (grow: the row's budget, and --tree auto's cost cut) in one CUDA graph per
+    padded batch and k where the head's runner captures (HeadRunner.tree), else the same code eagerly; the head's
+    cache then holds the growth's entries past each row's true ones (StaticHeadKV.drafted). The trees come as wide
+    as the widest a k-deep one keeps and are narrowed to node_count's entries here (views: nothing runs)."""
+    k = max(request.ks)
+    out = dict(zip(OUT, _growth(drafter, tree_inputs(request, feature), k)))
+    drafter.kv.drafted((k - 1) * FRONTIER)
+    n = node_count(drafter.head, request, k)
+    tokens, parents, keep, fields = (out[f][:, :n] for f in ("tokens", "parents", "keep", "fields"))
+    batch = TreeBatch(tokens, parents, keep, out["depths"][:, : n + 1], out["mask"][:, : n + 1, : n + 1])
+    return DeviceTrees(tokens, parents, fields[..., 2], fields[..., 3], keep, batch, fields)
 
 
 POOL = ("tokens", "parents", "values", "q", "chain", "dead")  # what a grown tree gives, (B, C) each
-
-
-def _grown(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor
-           ) -> tuple[dict[str, torch.Tensor], TreeInputs]:
-    """The request's trees grown (_pool of _grow) in one CUDA graph per padded batch and k where the head's runner
-    captures (HeadRunner.tree), else the same code eagerly; the head's cache then holds the growth's entries past
-    each row's true ones (StaticHeadKV.drafted). Returns (the grown nodes, the inputs)."""
-    k = max(request.ks)
-    inputs = tree_inputs(request, feature)
-    grown = _growth(drafter, inputs, k)
-    drafter.kv.drafted((k - 1) * FRONTIER)
-    return dict(zip(POOL, grown)), inputs
 
 
 def _growth(drafter: Eagle3Drafter, inputs: TreeInputs, k: int) -> tuple:
@@ -207,10 +247,16 @@ def warm_trees(drafter: Eagle3Drafter, request: DraftRequest) -> None:
 
 
 def grow(head, storage, inputs: TreeInputs, k: int, min_confidence: float) -> tuple:
-    """Every row's grown nodes (POOL's fields, (B, C) each) over the head's static storage: device code only, with
-    no host read or copy, so a CUDA graph can hold it whole."""
-    pool = _pool(_grow(head, storage, inputs, k, min_confidence))
-    return tuple(pool[f] for f in POOL)
+    """Every row's tree grown (_grow) and cut (_cut) over the head's static storage, widest(k) entries a row, laid
+    out for the target's pass (engine.tree.device_tree_batch): OUT's fields, `fields` (B, N, 5) FIELDS' as float64
+    (what the step reads). Device code only, with no host read or copy, so a CUDA graph can hold it whole."""
+    kept = _cut(_pool(_grow(head, storage, inputs, k, min_confidence)), inputs.limits, widest(head, k), inputs.cut)
+    batch = device_tree_batch(kept["tokens"], kept["parents"], kept["keep"])
+    fields = torch.stack([kept[f].double() for f in FIELDS], -1)
+    return kept["tokens"], kept["parents"], kept["keep"], batch.depths, batch.mask, fields
+
+
+CAPTURED.append((sys.modules[__name__], "grow"))  # what specdemo.measure.glue leaves out: a graph where it captures
 
 
 def _grow(head, storage, inputs: TreeInputs, k: int, min_confidence: float) -> list[_Nodes]:
@@ -260,22 +306,21 @@ def _pool(levels: list[_Nodes]) -> dict[str, torch.Tensor]:
     return {f: torch.cat([getattr(n, f) for n in levels], 1) for f in POOL}
 
 
-def _cut(pool: dict[str, torch.Tensor], limits: torch.Tensor, n: int, costs: dict[int, float] | None = None,
-         scale: float = 1.0) -> dict[str, torch.Tensor]:
+def _cut(pool: dict[str, torch.Tensor], limits: torch.Tensor, n: int, cut: torch.Tensor) -> dict[str, torch.Tensor]:
     """The tree eagle3_tree's _proposal keeps (drafters.trees.branch_out), chosen on the device: the chain's nodes,
     then the others best value first (a node is worth no more than its parent, so its parent is in first), at most
-    the row's node budget (limits (B,); n: the widest); with `costs` (--tree auto) the others only up to
-    tree_budget's count, their values weighed by `scale`. Returns the kept nodes (B, n) in _proposal's order (the
-    chain's, then the rest as they were grown): token, parent (among the kept; -1 the root), value, q, and whether a
-    row's entry holds a node."""
+    the row's node budget (limits (B,); n: the widest); where `cut` says so (TreeInputs.cut: --tree auto) the others
+    only up to tree_budget's count by its costs, their values weighed by its scale. Returns the kept nodes (B, n) in
+    _proposal's order (the chain's, then the rest as they were grown): token, parent (among the kept; -1 the root),
+    value, q, and whether a row's entry holds a node."""
     dead, chain, values = pool["dead"], pool["chain"], pool["values"]
     b, c = dead.shape
     best = torch.where(dead, float("-inf"), values + CHAIN_FIRST * chain).sort(dim=1, descending=True, stable=True)
     rank = torch.arange(n, device=values.device)
     keep = (best.values[:, :n] > float("-inf")) & (rank < limits[:, None])  # (B, N), best first
     chosen = best.indices[:, :n]
-    if costs is not None:
-        keep &= rank < _budget(values.gather(1, chosen), chain.gather(1, chosen) & keep, keep, costs, scale)[:, None]
+    budget = _budget(values.gather(1, chosen), chain.gather(1, chosen) & keep, keep, cut)
+    keep &= (rank < budget[:, None]) | (cut[-1] == 0)  # the cost cut only where it is asked for
     index = torch.arange(c, device=values.device)
     order = torch.where(keep, index[chosen] - c * chain.gather(1, chosen), 2 * c).sort(dim=1).indices
     kept, keep = chosen.gather(1, order), keep.gather(1, order)
@@ -285,14 +330,12 @@ def _cut(pool: dict[str, torch.Tensor], limits: torch.Tensor, n: int, costs: dic
                 values=values.gather(1, kept), q=pool["q"].gather(1, kept), keep=keep)
 
 
-def _budget(values: torch.Tensor, chain: torch.Tensor, keep: torch.Tensor, costs: dict[int, float],
-            scale: float) -> torch.Tensor:
+def _budget(values: torch.Tensor, chain: torch.Tensor, keep: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
     """drafters.trees.tree_budget on the device, for every row: how many of a row's kept nodes (values (B, N), best
-    first, the chain's first) to verify, its chain's and then the others' that pay for the wider pass by `costs`
-    (shifted past the chain's, as branch_out shifts them), their values weighed by `scale`."""
-    top = max(costs, default=0)
-    table = torch.tensor([1.0] + [costs.get(n, 1.0) for n in range(1, top + 1)], dtype=torch.float64)
-    table = table.to(values.device, non_blocking=True)  # (top + 1,): n nodes verified -> cost
+    first, the chain's first) to verify, its chain's and then the others' that pay for the wider pass by the costs
+    in `cut` (TreeInputs.cut; shifted past the chain's, as branch_out shifts them), their values weighed by its
+    scale."""
+    table, top, scale = cut[:COST_SLOTS], cut[COST_SLOTS].long(), cut[COST_SLOTS + 1]  # table: n nodes -> cost
     length = chain.sum(1)  # (B,): the chain's kept nodes
     start = 1.0 + (values * chain).sum(1)
     b, n = values.shape
@@ -303,27 +346,26 @@ def _budget(values: torch.Tensor, chain: torch.Tensor, keep: torch.Tensor, costs
     gains = torch.cat([start[:, None], extra.gather(1, shift)], 1).cumsum(1)[:, 1:]  # (B, N): tokens with m extras
     width = length[:, None] + m[None, :]
     fits = (width <= top) & (length[:, None] + m[None, :] - 1 < n) & keep.gather(1, shift)
-    cost = table[width.clamp(max=top)] / table[length.clamp(max=top)][:, None]
+    cost = table[torch.minimum(width, top)] / table[torch.minimum(length, top)][:, None]
     ratio = torch.where(fits, gains / cost, float("-inf"))
     paying = torch.cat([start[:, None], ratio], 1).argmax(1)  # the first best: 0 keeps the chain alone
     return length + paying
 
 
-def _read(kept: dict[str, torch.Tensor]) -> list[Proposal]:
-    """The kept trees in one read, as proposals."""
-    fields = torch.stack([kept[f].double() for f in ("tokens", "parents", "values", "q", "keep")], -1)
+def _read(fields: torch.Tensor) -> list[Proposal]:
+    """The kept trees (fields (B, N, 5): FIELDS' of each entry, as grow gives them) in one read, as proposals."""
     out = []
     for row in fields.tolist():  # the step's one read of the tree
         row = [x for x in row if x[4]]
-        out.append(Proposal([int(x[0]) for x in row], token_probs=[x[3] for x in row],
-                            parents=[int(x[1]) for x in row], values=[x[2] for x in row]) if row else Proposal([]))
+        out.append(Proposal([int(x[0]) for x in row], token_probs=[x[2] for x in row],
+                            parents=[int(x[1]) for x in row], values=[x[3] for x in row]) if row else Proposal([]))
     return out
 
 
 def host_cut(pool: dict[str, torch.Tensor], limits: list[int], costs: dict[int, float] | None = None,
              scale: float = 1.0) -> list[Proposal]:
     """The same tree (_pool's) read whole and cut on the host by eagle3_tree's _proposal (each row's budget from
-    `limits`, and `costs` and `scale` as _cut's): what _cut must equal (the tests)."""
+    `limits`, and `costs` and `scale` as _cut's `cut` holds them: cut_costs): what _cut must equal (the tests)."""
     read = torch.stack([pool[f].double() for f in POOL], -1).tolist()  # each node: POOL's fields, in order
     out = []
     for r, row in enumerate(read):

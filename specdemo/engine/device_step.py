@@ -10,12 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..drafters.base import DeviceChains, DeviceTrees, Proposal
+from ..drafters.base import FIELDS, DeviceChains, DeviceTrees, Proposal
 from .events import Inspection
 from .tree import TokenTree, device_tree_batch, greedy_tree_verdict
 from .verify import ROW_RULES, greedy_verdicts, inspect_verify, logits_to_probs, read_chains
-
-FIELDS = ("tokens", "parents", "q", "values", "keep")  # what a device tree brings back, per node
 
 
 @dataclass
@@ -75,11 +73,13 @@ def verify_trees_on_device(run, ids: list[list[int]], trees: DeviceTrees) -> tup
     features, the proposals as read, each row's tree (None where it is a chain), verified)."""
     tokens = _feed(run, ids, trees.tokens)  # (B, N + 1)
     width, rows = tokens.shape[1], len(ids)
-    batch = device_tree_batch(*(getattr(trees, f).to(run.device) for f in ("tokens", "parents", "keep")))
+    batch = trees.batch if trees.batch is not None else device_tree_batch(
+        *(getattr(trees, f).to(run.device) for f in ("tokens", "parents", "keep")))
     real = torch.ones_like(tokens, dtype=torch.bool)
     logits, features = run.kv.forward(tokens, real, width, run.layers, tree=batch, fed=[width] * rows)  # (B, W, V)
     last, nxt = greedy_tree_verdict(batch, logits)
-    nodes = torch.stack([getattr(trees, f).to(run.device).double() for f in FIELDS], -1).flatten(1)  # (B, 5N)
+    nodes = (trees.fields if trees.fields is not None
+             else torch.stack([getattr(trees, f).double() for f in FIELDS], -1)).to(run.device).flatten(1)  # (B, 5N)
     read = torch.cat([nodes, last[:, None].double(), nxt[:, None].double()], 1).tolist()  # the step's one read
     proposals, as_read, verified = [], [], []
     for r, row in enumerate(read):

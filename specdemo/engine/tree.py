@@ -170,18 +170,16 @@ def greedy_tree_accept_batch(trees: Sequence[TokenTree], logits: torch.Tensor,
 def greedy_tree_verdict(batch: TreeBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """greedy_tree_accept_batch's verdict left on the device: each row's last accepted entry (B,) (0: none of its
     nodes; else its accepted path's deepest node + 1) and next token (B,)."""
-    b = logits.shape[0]
-    n = batch.tokens.shape[1]
+    b, n = batch.tokens.shape
     choice = logits.argmax(-1)  # (B, W)
     if n == 0:  # nothing drafted: a plain step
         return torch.zeros(b, dtype=torch.long, device=logits.device), choice[:, 0]
-    at_parent = choice.gather(1, batch.parents + 1)  # (B, n): the target's pick after each node's parent
-    bad = (batch.tokens != at_parent) | ~batch.real
-    good = ~(batch.mask[:, 1:, 1:] & bad[:, None, :]).any(-1)  # (B, n): no bad node on the path to it
-    index = torch.arange(n, device=logits.device)
-    score = torch.where(good, batch.depths[:, 1:] * (n + 1) + (n - index), torch.zeros_like(index))
-    best = score.argmax(1)  # (B,)
-    last = torch.where(score.gather(1, best[:, None])[:, 0] > 0, best + 1, torch.zeros_like(best))  # entry
+    ok = (batch.tokens == choice.gather(1, batch.parents + 1)) & batch.real  # (B, n): the target's pick at its parent
+    good = (batch.mask[:, 1:, 1:] <= ok[:, None, :]).all(-1)  # (B, n): every node on the path to it ok
+    # the deepest good node, the lowest index among equally deep ones; 0 where none is good
+    score = good * (batch.depths[:, 1:] * (n + 1) + torch.arange(n, 0, -1, device=logits.device))
+    top, best = score.max(1)  # the first of equal maxima: only 0s tie
+    last = (best + 1) * (top > 0)  # entry
     return last, choice.gather(1, last[:, None])[:, 0]
 
 
