@@ -144,12 +144,26 @@ if [ "${1:-basic}" != real ] && [ "${1:-basic}" != graphs ]; then
   fi
   # the one engine at every batch size (test_batch: rows, rollback, auto k, sampled rows) and B = 1 (test_engine)
   if [ "${1:-basic}" = keep ]; then  # the graph runner's CUDA tests while the second half is on its way
-    # the one-sync-a-step test first, then the captures, then the device paths against the usual ones (131 s on the
-    # 2-core CPU: under the cap there, maybe not on CUDA's slower tiny-model steps); a few failures, not the first
+    # does a copy from pageable memory wait for the stream's queued work (what to_device's pinned staging avoids)?
+    stage host_copy_probe 60 $PY - <<PROBE
+import json, time, torch
+from specdemo.models.placement import to_device
+d, out = torch.device("$DEV"), {}
+if d.type != "cuda":
+    raise SystemExit(print(json.dumps({"skipped": "no CUDA"})))
+for name, move in (("pageable", lambda: torch.tensor([3, 1, 2]).to(d, non_blocking=True)),
+                   ("to_device", lambda: to_device([3, 1, 2], d))):
+    move(); torch.cuda.synchronize(d); torch.cuda._sleep(1 << 30); t = time.perf_counter(); move()
+    out[name + "_host_s"] = round(time.perf_counter() - t, 4); torch.cuda.synchronize(d)
+print(json.dumps(out))
+PROBE
+    # the one-sync-a-step test first, then host copies that wait for nothing, the captures, then the device paths
+    # against the usual ones (131 s on the 2-core CPU: under the cap there, maybe not on CUDA's slower tiny-model
+    # steps); a few failures, not the first
     [ -n "${GRAPH_TESTS:-}" ] && SPECDEMO_TEST_DEVICE=$DEV stage pytest_graphs_cuda "${GRAPH_TESTS_CAP:-300}" $PY -m pytest \
       -q --maxfail=5 -p no:cacheprovider tests/test_one_read.py::test_a_captured_step_synchronises_once \
-      tests/test_static.py tests/test_eagle3_static.py tests/test_draft_graphs.py tests/test_eagle3_device_tree.py \
-      tests/test_tree.py tests/test_one_read.py -m "not slow"
+      tests/test_host_copies.py tests/test_static.py tests/test_eagle3_static.py tests/test_draft_graphs.py \
+      tests/test_eagle3_device_tree.py tests/test_tree.py tests/test_one_read.py -m "not slow"
     exit 0
   fi
   SPECDEMO_TEST_DEVICE=$DEV stage pytest_cuda 120 $PY -m pytest -q -p no:cacheprovider tests/test_static.py \

@@ -102,10 +102,10 @@ class DeviceChains:
         at its own k, after an end of sequence, and (with `sure`, (B, k) bool) before its first unsure token. Few
         kernels (each is a launch between a step's graphs): the per-row k only where rows differ in it, the end of
         sequence ids moved to the device once."""
-        import torch
+        from ..models.placement import to_device
 
         k, device = tokens.shape[1], tokens.device
-        ks = torch.tensor(list(request.ks)).to(device, non_blocking=True) if min(request.ks) < k else None
+        ks = to_device(list(request.ks), device) if min(request.ks) < k else None
         return cls(tokens, q, chain_lengths(tokens, sure, ks, eos_on(request.eos_token_ids, device)), probs)
 
 
@@ -129,9 +129,9 @@ def chain_lengths(tokens: torch.Tensor, sure: torch.Tensor | None, ks: torch.Ten
 def eos_on(ids: frozenset[int], device) -> torch.Tensor | None:
     """End of sequence ids as a device tensor, made once per set and device, so that a captured graph may read it
     (chain_lengths' eos); None for none."""
-    import torch
+    from ..models.placement import to_device
 
-    return torch.tensor(sorted(ids), device=device) if ids else None
+    return to_device(sorted(ids), device) if ids else None
 
 
 FIELDS = ("tokens", "parents", "q", "values", "keep")  # what a device tree's step reads back of each node

@@ -19,6 +19,7 @@ from ..engine.verify import generator_on, logits_to_probs, sample_rows
 from ..models import kernels
 from ..models.eagle3 import locate_eagle3, recorded_k
 from ..models.eagle3_head import load_head
+from ..models.placement import on_host, to_device
 from .base import Chains, DeviceChains, DeviceTrees, Drafter, DraftRequest, Proposal
 from .eagle3_device_tree import device_trees, draft_device_trees, grows_on_device, warm_trees
 from .eagle3_static import StaticHeadKV, attach, new_head_kv
@@ -77,7 +78,7 @@ class EagerHeadKV:
 
     def select(self, rows) -> None:
         if self.k is not None:
-            index = torch.tensor(rows, device=self.device)
+            index = to_device(rows, self.device)
             self.k, self.v = self.k[index], self.v[index]
         self._crop(self.slots.select(rows))
 
@@ -202,14 +203,14 @@ class Eagle3Drafter(Drafter):
             lens = [0 if f is None else len(f) for f in feats]
             if sum(lens):
                 at = [(r, j + (0 if right else t - n)) for r, n in enumerate(lens) for j in range(n)]
-                index = torch.tensor(at).T.to(self.device, non_blocking=True)  # (2, entries): row, column
+                index = to_device(at, self.device).T  # (2, entries): row, column
                 x[index[0], index[1]] = torch.cat([f for f in feats if f is not None and len(f)]).to(x)
-        out = self._pass(self.head.prepare(x.to(self.device)), tok.to(self.device, non_blocking=True), real)
+        out = self._pass(self.head.prepare(x.to(self.device)), to_device(tok, self.device), real)
         self.pending = [None] * rows
         self.true_counts = list(self.kv.counts)
         if not right or len({len(f) for f in feeds}) == 1:  # every row's last entry in the last column
             return out[:, -1]  # (B, H)
-        last = torch.tensor([max(len(f) - 1, 0) for f in feeds]).to(self.device, non_blocking=True)
+        last = to_device([max(len(f) - 1, 0) for f in feeds], self.device)
         return out[torch.arange(rows, device=self.device), last]
 
     @torch.inference_mode()
@@ -256,9 +257,8 @@ class Eagle3Drafter(Drafter):
                 chains.add(r, int(subset[index_l[r]]), None if laws is None else laws[r])
             if not any(chains.active):
                 break
-            step_tok = torch.tensor([[t[-1] if a else PAD] for t, a in zip(chains.tokens, chains.active)],
-                                    device=self.device)
-            feature = self._pass(feature[:, None], step_tok, torch.tensor([[a] for a in chains.active]))[:, -1]
+            step_tok = to_device([[t[-1] if a else PAD] for t, a in zip(chains.tokens, chains.active)], self.device)
+            feature = self._pass(feature[:, None], step_tok, on_host([[a] for a in chains.active]))[:, -1]
         return chains.proposals()
 
     def propose_on_device(self, request: DraftRequest) -> DeviceChains | DeviceTrees | None:

@@ -25,6 +25,7 @@ from ..config import MAX_K_ENGINE
 from ..engine.graphs import rungs
 from ..engine.static import CAPTURED
 from ..engine.tree import TreeBatch, device_tree_batch
+from ..models.placement import to_device
 from .base import FIELDS, DeviceTrees, DraftRequest, Proposal
 from .eagle3_static import StaticHeadKV
 from .eagle3_tree import FRONTIER, TOP, _proposal, _Row
@@ -150,10 +151,9 @@ def tree_inputs(request: DraftRequest, feature: torch.Tensor) -> TreeInputs:
                for r, (k, limit) in enumerate(zip(request.ks, _limits(request)))]
     return TreeInputs(
         feature=feature,
-        per_row=torch.tensor(per_row, dtype=torch.long).to(device, non_blocking=True),
-        eos=torch.tensor(sorted(request.eos_token_ids), dtype=torch.long).to(device, non_blocking=True),
-        cut=torch.tensor(cut_inputs(request.tree_costs, request.tree_extra_scale),
-                         dtype=torch.float64).to(device, non_blocking=True))
+        per_row=to_device(per_row, device, torch.long),
+        eos=to_device(sorted(request.eos_token_ids), device, torch.long),
+        cut=to_device(cut_inputs(request.tree_costs, request.tree_extra_scale), device, torch.float64))
 
 
 def cut_inputs(costs: dict[int, float] | None, scale: float = 1.0) -> list[float]:

@@ -17,6 +17,7 @@ from ..engine import graphs
 from ..engine.graphs import Captured, Runner, padded_batch
 from ..engine.static import CAPACITY_STEP, CAPTURED, StaticRows, rounded_capacity
 from ..models.eagle3_head import Eagle3Head
+from ..models.placement import staged, to_device
 from .base import chain_lengths, eos_on
 from .eagle3_tree import FRONTIER
 
@@ -121,7 +122,7 @@ class HeadStorage:
     def set_ks(self, ks: Sequence[int]) -> None:
         """Each row's k into the ks buffer (a copy to the device only when they change)."""
         if tuple(ks) != self.ks_held:
-            self.ks[: len(ks)].copy_(torch.tensor(list(ks)), non_blocking=True)
+            self.ks[: len(ks)].copy_(staged(list(ks), self.ks.device), non_blocking=True)
             self.ks_held = tuple(ks)
 
 
@@ -275,7 +276,7 @@ class StaticHeadKV(StaticRows):
 
     def visible(self) -> torch.Tensor:
         """(B, capacity) bool: the slots each row holds now (a draft tree's pass sees these and its ancestors)."""
-        return self.storage.slots[None, :] < torch.tensor(self.counts).to(self.device, non_blocking=True)[:, None]
+        return self.storage.slots[None, :] < to_device(self.counts, self.device)[:, None]
 
     def tree_columns(self, width: int) -> tuple[int, list[int]]:
         """Before a pass of `width` entries: the width of its mask (the capacity) and where each row's entries start

@@ -19,6 +19,7 @@ import torch
 
 from ..engine.tree import TokenTree
 from ..engine.verify import generator_on, logits_to_probs
+from ..models.placement import to_device
 from .base import DraftRequest, Proposal
 from .trees import branch_out, shifted_costs, tree_budget
 
@@ -124,7 +125,7 @@ def _level(drafter: Eagle3Drafter, trees: list[_Row], request: DraftRequest, dep
         return None
     out = _expand(drafter, trees, feed, width, depth, base, true_valid)  # (B, W, H)
     fed = [(r, j, n) for r, nodes in enumerate(feed) for j, n in enumerate(nodes)]
-    at = torch.tensor([(r, j) for r, j, _ in fed]).T.to(out.device, non_blocking=True)
+    at = to_device([(r, j) for r, j, _ in fed], out.device).T
     return [(r, n) for r, _, n in fed], out[at[0], at[1]]
 
 
@@ -146,13 +147,13 @@ def _expand(drafter: Eagle3Drafter, trees: list[_Row], feed: list[list[int]], wi
             inputs[0, r, j], inputs[1, r, j], real[r, j] = tree.tokens[n], base[r] + depth - 1, True
             seen += [(r, j, tree.column[a]) for a in tree.ancestors(tree.parents[n])]
             tree.column[n] = start[r] + j
-    inputs = inputs.to(device, non_blocking=True)
+    inputs = to_device(inputs, device)
     hidden = torch.zeros(rows, width, feature_width(trees), dtype=drafter.dtype, device=device)
-    at = torch.tensor(where).T.to(device, non_blocking=True)
+    at = to_device(where, device).T
     hidden[at[0], at[1]] = torch.stack(sources).to(drafter.dtype)  # one gather, not a copy per node
     mask = torch.zeros(rows, width, columns, dtype=torch.bool, device=device)
     mask[:, :, : true_valid.shape[1]] = true_valid[:, None, :]
-    mask[tuple(torch.tensor(seen).T.to(device, non_blocking=True))] = True
+    mask[tuple(to_device(seen, device).T)] = True
     return drafter._pass(hidden, inputs[0], real, inputs[1], mask[:, None])
 
 
@@ -312,7 +313,7 @@ def _sampled_proposals(trees: list[_Row], laws: list[list[torch.Tensor]], drawn:
     flat = [law for row in laws for law in row]
     token_probs = iter([])
     if flat:
-        picks = torch.tensor([d for row in drawn for d in row]).to(flat[0].device, non_blocking=True)
+        picks = to_device([d for row in drawn for d in row], flat[0].device)
         token_probs = iter(torch.stack(flat).gather(1, picks[:, None])[:, 0].tolist())
     out = []
     for tree, row_laws in zip(trees, laws):

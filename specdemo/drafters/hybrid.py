@@ -20,6 +20,7 @@ import torch
 from ..config import MAX_K_ENGINE, GenerationConfig
 from ..engine.timing import PROBE_TEXT, forward_costs
 from ..engine.verify import draft_rows_batch, one_hot_rows
+from ..models.placement import to_device
 from .base import DeviceChains, Drafter, DraftRequest, Proposal, Verdict
 from .ngram import NgramDrafter
 from .trees import best_subtree, lookup_tree, lookup_values, shifted_costs
@@ -181,13 +182,11 @@ def held_chains(proposals: list[Proposal], device: torch.device | None = None) -
     like = next((q for q in qs if q is not None), None)
     device = device or (like.device if like is not None else torch.device("cpu"))
     rows, width = len(proposals), max((len(p.tokens) for p in proposals), default=0)
-    tokens, q = torch.zeros(rows, width, dtype=torch.long), torch.ones(rows, width, dtype=torch.float64)
-    for r, p in enumerate(proposals):
-        tokens[r, : len(p.tokens)] = torch.tensor(p.tokens, dtype=torch.long)
-        if p.token_probs is not None:
-            q[r, : len(p.tokens)] = torch.tensor(p.token_probs, dtype=torch.float64)
-    lengths = torch.tensor([len(p.tokens) for p in proposals])
-    tokens, q, lengths = (t.to(device, non_blocking=True) for t in (tokens, q, lengths))
+    pad = [width - len(p.tokens) for p in proposals]
+    tokens = to_device([list(p.tokens) + [0] * n for p, n in zip(proposals, pad)], device, torch.long).view(rows, width)
+    q = to_device([list(p.token_probs if p.token_probs is not None else [1.0] * len(p.tokens)) + [1.0] * n
+                   for p, n in zip(proposals, pad)], device, torch.float64).view(rows, width)
+    lengths = to_device([len(p.tokens) for p in proposals], device, torch.long)
     probs = None if like is None else draft_rows_batch(tokens, qs, like.to(device))
     return DeviceChains(tokens, q, lengths, probs, list(proposals))
 
@@ -196,7 +195,7 @@ def chains_where(rows: list[bool], a: DeviceChains, b: DeviceChains) -> DeviceCh
     """a's chains in the rows marked True, b's elsewhere (both on one device; the narrower padded), each row held as
     its side holds it."""
     width = max(a.tokens.shape[1], b.tokens.shape[1])
-    use = torch.tensor(rows).to(a.tokens.device, non_blocking=True)
+    use = to_device(rows, a.tokens.device)
 
     def pick(x: torch.Tensor, y: torch.Tensor, fill=0) -> torch.Tensor:
         x, y = (torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]), value=fill)

@@ -12,6 +12,7 @@ from ..engine import graphs
 from ..engine.kv import check_cache
 from ..engine.static import CAPACITY_STEP, CAPTURED, StaticKV, Storage, needed_capacity
 from ..engine.verify import generator_on, logits_to_probs, sample_rows
+from ..models.placement import staged, to_device
 from .base import Chains, DeviceChains, Drafter, DraftRequest, Proposal, chain_lengths, eos_on
 
 
@@ -36,7 +37,7 @@ class ChainInputs:
         """The first logits (b, V) and each row's k (copied only when they change)."""
         self.logits[: len(logits)].copy_(logits)
         if tuple(ks) != self.held:
-            self.ks[: len(ks)].copy_(torch.tensor(list(ks)), non_blocking=True)
+            self.ks[: len(ks)].copy_(staged(list(ks), self.ks.device), non_blocking=True)
             self.held = tuple(ks)
 
     def chain(self, run, storage: Storage, b: int, k: int,
@@ -216,7 +217,7 @@ class ModelDrafter(Drafter):
             active = chains.active
             q = logits_to_probs(logits, request.sampling)  # (B, V)
             choice = [int(torch.multinomial(q[r], 1, generator=gens[r])) if active[r] else 0 for r in rows]
-            q_steps.append(q.gather(1, torch.tensor(choice, device=q.device)[:, None])[:, 0])
+            q_steps.append(q.gather(1, to_device(choice, q.device)[:, None])[:, 0])
             drafting.append(list(active))
             for r in rows:
                 if active[r]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..drafters.base import FIELDS, DeviceChains, DeviceTrees, Proposal
+from ..models.placement import to_device
 from .events import Inspection
 from .tree import TokenTree, device_tree_batch, greedy_tree_verdict
 from .verify import ROW_RULES, greedy_verdicts, inspect_verify, logits_to_probs, read_chains
@@ -32,7 +33,7 @@ class Verified:
 
 def _feed(run, ids: list[list[int]], drafts: torch.Tensor) -> torch.Tensor:
     """Each row's pending token, then its drafts (B, n) as they lie on the device: (B, n + 1)."""
-    pending = torch.tensor([row[-1] for row in ids])[:, None].to(run.device, non_blocking=True)
+    pending = to_device([[row[-1]] for row in ids], run.device)
     return torch.cat([pending, drafts.to(run.device, non_blocking=True)], 1)
 
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from ..models.kernels import decode_cache, grouped_attention_on, left_pad
-from ..models.placement import execution_device
+from ..models.placement import execution_device, to_device
 from .events import GenerationError
 
 PAD = 0  # the token id fed at padded positions; they are masked out, so any id would do
@@ -52,7 +52,7 @@ class Slots:
 
     def positions(self, real: torch.Tensor) -> torch.Tensor:
         """RoPE positions (B, T) of a pass whose real (not padded) entries are `real` (B, T) bool."""
-        start = torch.tensor(self.counts, device=real.device)[:, None]
+        start = to_device(self.counts, real.device)[:, None]
         return (start + real.long().cumsum(1) - 1).clamp(min=0)
 
     def mask(self, real: torch.Tensor) -> torch.Tensor:
@@ -86,7 +86,7 @@ class Slots:
     def keep(self, counts: Sequence[int]) -> int:
         """Keep each row's first counts[r] valid slots (in storage order); returns the trimmed storage length."""
         if list(counts) != self.counts:
-            n = torch.tensor(counts, device=self.valid.device)[:, None]
+            n = to_device(counts, self.valid.device)[:, None]
             self.valid = self.valid & (self.valid.cumsum(1) <= n)
             self.counts = [min(a, b) for a, b in zip(self.counts, counts)]
         return self.trim()
@@ -100,7 +100,7 @@ class Slots:
 
     def select(self, rows: Sequence[int]) -> int:
         """Keep only these rows, in this order; returns the trimmed storage length."""
-        index = torch.tensor(rows, device=self.valid.device)
+        index = to_device(rows, self.valid.device)
         self.valid = self.valid[index]
         self.counts = [self.counts[r] for r in rows]
         return self.trim()
@@ -175,7 +175,7 @@ class BatchKV:
         if self.model.config._attn_implementation == "eager":
             dtype = self.model.dtype
             mask = torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
-        positions = torch.tensor(self.counts, device=tokens.device)[:, None] + tree.depths
+        positions = to_device(self.counts, tokens.device)[:, None] + tree.depths
         return dict(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
                     **with_cache(self.model, self.cache))
 
@@ -226,18 +226,18 @@ class BatchKV:
         tree step leaves no more holes than a chain step: holes make every later pass attend over them, under a mask,
         until a compaction gathers the whole cache."""
         width = self.width
-        moves = path_moves([self.slots.length - width] * len(entries), entries)
+        moves = path_moves([self.slots.length - width] * len(entries), entries, self.device)
         if moves is not None:
             for layer in self.cache.layers:
                 for buf in (layer.keys, layer.values):
-                    move_slots(buf, *(m.to(buf.device) for m in moves))
+                    move_slots(buf, *(m.to(buf.device) for m in moves))  # a device map's other devices
         crop_cache(self.cache, self.slots.keep_entries(width, [range(len(e)) for e in entries]))
 
     def select(self, rows: Sequence[int]) -> None:
         """Keep only these rows (finished ones leave the batch)."""
         if list(rows) == list(range(len(self.counts))):
             return
-        self.cache.reorder_cache(torch.tensor(rows, device=self.device))
+        self.cache.reorder_cache(to_device(rows, self.device))
         crop_cache(self.cache, self.slots.select(rows))
         self.compact()
 
@@ -254,15 +254,17 @@ class BatchKV:
                 layer.keys, layer.values = keys, values
 
 
-def path_moves(starts: Sequence[int], entries: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+def path_moves(starts: Sequence[int], entries: Sequence[Sequence[int]],
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Where a tree step's kept entries go (each row's, ascending from 0, its pass's first entry at slot starts[r]):
-    (src, dst) slots (B, m) on the CPU that copy entry e[i] down to starts[r] + i (past a row's path, a slot onto
-    itself); None when every row's kept entries already lie there (a chain's)."""
+    (src, dst) slots (B, m) on `device` that copy entry e[i] down to starts[r] + i (past a row's path, a slot onto
+    itself), sent without waiting; None when every row's kept entries already lie there (a chain's)."""
     if all(list(e) == list(range(len(e))) for e in entries):
         return None
     m = max(len(e) for e in entries)
-    src = torch.tensor([[s + (e[i] if i < len(e) else i) for i in range(m)] for s, e in zip(starts, entries)])
-    return src, torch.tensor(list(starts))[:, None] + torch.arange(m)
+    src = [[s + (e[i] if i < len(e) else i) for i in range(m)] for s, e in zip(starts, entries)]
+    dst = [[s + i for i in range(m)] for s in starts]
+    return to_device(src, device, torch.long), to_device(dst, device, torch.long)
 
 
 def move_slots(buf: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -283,9 +285,9 @@ def right_padded(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[t
     """Token lists -> (tokens (B, T), real (B, T) bool), padded on the right: entry j of a row is its j-th token."""
     width = max((len(r) for r in rows), default=0)
     shape = (len(rows), width)  # built from Python lists: two tensors, whatever the batch (no op per row)
-    tokens = torch.tensor([[*r, *[PAD] * (width - len(r))] for r in rows], dtype=torch.long).reshape(shape)
-    real = torch.tensor([[True] * len(r) + [False] * (width - len(r)) for r in rows], dtype=torch.bool).reshape(shape)
-    return tokens.to(device, non_blocking=True), real.to(device, non_blocking=True)  # no wait for queued work
+    tokens = to_device([[*r, *[PAD] * (width - len(r))] for r in rows], device, torch.long).reshape(shape)
+    real = to_device([[True] * len(r) + [False] * (width - len(r)) for r in rows], device, torch.bool).reshape(shape)
+    return tokens, real  # no wait for queued work
 
 
 def check_cache(model, rows: int) -> None:

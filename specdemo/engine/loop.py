@@ -15,6 +15,7 @@ import torch
 
 from ..config import AUTO_TREE_NODES_GPU, MAX_K_ENGINE, GenerationConfig, SamplingConfig
 from ..drafters.base import DeviceTrees, Drafter, DraftRequest, Proposal, Verdict
+from ..models.placement import to_device
 from . import graphs
 from .device_step import Verified, verify_chains_on_device, verify_trees_on_device
 from .events import BatchEvent, Committer, StepEvent, check_request, eos_ids
@@ -82,7 +83,7 @@ def _verify(logits: torch.Tensor, tokens: torch.Tensor, drafted: list[list[int]]
     drafts, qs each row's draft distributions (None: a deterministic drafter)."""
     lengths = [len(d) for d in drafted]
     if sampling.greedy:
-        accepted, nxt = greedy_accept_batch(tokens[:, 1:], torch.tensor(lengths, device=tokens.device), logits)
+        accepted, nxt = greedy_accept_batch(tokens[:, 1:], to_device(lengths, tokens.device), logits)
         probs = None
     else:  # every row at once on the device, read back once
         probs = logits_to_probs(logits, sampling)  # (B, W, V)
@@ -129,7 +130,7 @@ def _as_verified(p: Proposal, k: int, nodes: int
             node = tree.children(node)[0]
             keep.append(node)
     tree = tree.select(keep)
-    probs = None if p.probs is None else p.probs[torch.tensor(keep, dtype=torch.long, device=p.probs.device)]
+    probs = None if p.probs is None else p.probs[to_device(keep, p.probs.device, torch.long)]
     token_probs = None if p.token_probs is None else [p.token_probs[j] for j in keep]
     values = None if p.values is None else [p.values[j] for j in keep]
     return (None if tree.is_chain() else tree), list(tree.tokens), probs, token_probs, values
@@ -141,7 +142,7 @@ def _path_features(features: torch.Tensor | None, r: int, path: list[int], tree:
         return None
     if tree is None:
         return features[r, : len(path) + 1]
-    return features[r, torch.tensor([0] + [j + 1 for j in path]).to(features.device, non_blocking=True)]
+    return features[r, to_device([0] + [j + 1 for j in path], features.device)]
 
 
 @dataclass(frozen=True)
@@ -279,7 +280,7 @@ def _prefill(run: _Run, prompts: Sequence[list[int]]) -> BatchEvent:
 
 def _ar_step(run: _Run) -> BatchEvent:
     """One target pass per row: feed each row's pending token, choose the next."""
-    x = torch.tensor(run.chosen)[:, None].to(run.device, non_blocking=True)  # a copy that waits for nothing
+    x = to_device([[c] for c in run.chosen], run.device)  # a copy that waits for nothing
     logits = run.kv.forward(x, torch.ones_like(x, dtype=torch.bool), 1, fed=[1] * len(run.chosen))[0]
     run.chosen = _choose(logits[:, -1], run.sampling, run.rows.gens)
     done = run.rows.commit([[t] for t in run.chosen])

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from ..config import MAX_K_ENGINE
-from ..models.placement import execution_device
+from ..models.placement import execution_device, staged, to_device
 from .kv import PAD, path_moves, right_padded, target_features, with_cache
 from .kv import move_slots as _move_slots  # the tests watch this name
 
@@ -251,7 +251,7 @@ class StaticRows:
         self.counts = list(counts)
         if clear:
             self.storage.lengths.zero_()
-        self.storage.lengths[: self.rows].copy_(torch.tensor(self.counts), non_blocking=True)
+        self.storage.lengths[: self.rows].copy_(staged(self.counts, self.device), non_blocking=True)
 
     def _advance(self, fed: Sequence[int]) -> None:
         self._set_counts([c + n for c, n in zip(self.counts, fed)])
@@ -274,7 +274,7 @@ class StaticRows:
         rows = list(rows)
         if rows == list(range(self.rows)):
             return
-        index = torch.tensor(rows, device=self.device)
+        index = to_device(rows, self.device)
         for buf in self.storage.buffers():  # rows at dim -4
             buf[..., : len(rows), :, :, :] = buf.index_select(-4, index)
         self._set_counts([self.counts[r] for r in rows], clear=True)
@@ -310,7 +310,7 @@ class StaticKV(StaticRows):
             tokens, _ = right_padded(head, self.device)
             _, feats = self._pass(tokens, 1, layers, graph=False)
             self._advance([len(h) for h in head])
-        logits, last = self._pass(torch.tensor([[p[-1]] for p in prompts], device=self.device), 1, layers)
+        logits, last = self._pass(to_device([[p[-1]] for p in prompts], self.device), 1, layers)
         self._advance([1] * len(prompts))
         if layers is None:
             return logits[:, -1], None
@@ -335,9 +335,9 @@ class StaticKV(StaticRows):
         are copied down to follow the row's length, every layer at once (a gather of at most the path's depth per
         row; a chain's kept entries already lie there, and nothing is copied)."""
         start = self.start
-        moves = path_moves(start, entries)
+        moves = path_moves(start, entries, self.device)
         if moves is not None:
-            src, dst = (m.to(self.device, non_blocking=True) for m in moves)  # a copy that waits for nothing
+            src, dst = moves
             for buf in self.storage.buffers():  # rows at dim -4
                 _move_slots(buf[..., : self.rows, :, :, :], src, dst)
         self._set_counts([s + len(e) for s, e in zip(start, entries)])
@@ -349,7 +349,7 @@ class StaticKV(StaticRows):
         if tokens.shape[1] == 0:
             tokens, real = torch.full((len(feeds), 1), PAD, device=self.device), real.new_zeros(len(feeds), 1)
         logits, _ = self._pass(tokens, tokens.shape[1], None, graph=any(self.counts))
-        last = torch.tensor([max(len(f) - 1, 0) for f in feeds]).to(self.device, non_blocking=True)  # no sync
+        last = to_device([max(len(f) - 1, 0) for f in feeds], self.device)  # no sync
         self._advance([len(f) for f in feeds])
         return logits[torch.arange(len(feeds), device=self.device), last]
 

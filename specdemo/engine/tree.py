@@ -14,6 +14,7 @@ from functools import cached_property
 
 import torch
 
+from ..models.placement import to_device
 from .verify import draft_rows_batch, row_uniforms, sample, sample_rows
 
 
@@ -152,7 +153,7 @@ class TreeBatch:
             tokens[r, :m], parents[r, :m], real[r, :m] = torch.tensor(t.tokens), torch.tensor(t.parents), True
             depths[r, 1 : m + 1] = torch.tensor(t.depths)
             mask[r, : m + 1, : m + 1] = t.attention_mask()
-        return cls(*(x.to(device, non_blocking=True) for x in (tokens, parents, real, depths, mask)))  # no wait
+        return cls(*(to_device(x, device) for x in (tokens, parents, real, depths, mask)))  # no wait
 
 
 def greedy_tree_accept_batch(trees: Sequence[TokenTree], logits: torch.Tensor,
@@ -314,7 +315,7 @@ def tree_accept_batch(trees: Sequence[TokenTree], draft_probs: Sequence[torch.Te
         kids.append([c + [-1] * (fan - len(c)) for c in entries] + [[-1] * fan] * (width - len(entries)))
     kids = torch.tensor(kids, dtype=torch.long).view(rows, width, fan)
     tokens = torch.tensor([list(t.tokens) + [0] * (width - 1 - len(t)) for t in trees], dtype=torch.long)
-    kids, tokens = kids.to(device, non_blocking=True), tokens.to(device, non_blocking=True)
+    kids, tokens = to_device(kids, device), to_device(tokens, device)
     u = row_uniforms(n, width, generators, device)  # (B, W): node j's uniform at j, as tree_accept draws them
     q_all = draft_rows_batch(tokens, draft_probs, p)  # (B, W - 1, V), one-hot rows as tree_walk makes them; or None
     deterministic = q_all is None

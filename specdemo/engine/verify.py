@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from ..config import SamplingConfig
+from ..models.placement import to_device
 from .events import TOP_N, Inspection
 
 
@@ -288,7 +289,7 @@ def sampled_accept_batch(drafted: torch.Tensor, lengths: list[int], qs: list[tor
     drafted (B, W-1) with lengths[r] real drafts, qs each row's draft distributions (None: a deterministic drafter),
     target_probs (B, W, V). Each row draws from its own generator what the one-row rule (rejection_accept,
     block_accept) would draw for it alone."""
-    lengths_t = torch.tensor(lengths).to(target_probs.device, non_blocking=True)
+    lengths_t = to_device(lengths, target_probs.device)
     verdicts = ROW_RULES[rule](drafted, lengths_t, draft_rows_batch(drafted, qs, target_probs), target_probs,
                                generators, lengths)
     accepted, nxt = torch.stack(verdicts).tolist()

@@ -166,3 +166,28 @@ def placement_line(placement: dict) -> str:
     if d.get("device"):
         line += f"; draft on {d['device']}"
     return line
+
+
+def to_device(values, device: torch.device | str | None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host values (a list, nested lists, or a CPU tensor; `dtype` as torch.tensor's) as a tensor on `device`,
+    queued behind the work already there without the host waiting for it: on CUDA staged in pinned memory first,
+    since a copy from pageable memory may make the host wait until the stream's queued work is done (CUDA's API
+    synchronization behaviour; vLLM keeps its step inputs in pinned buffers for this). The pinned block is not reused
+    before the copy is done (torch's caching host allocator records the copy's event). Every host value a decode
+    step sends to the device comes through here or `staged` (tests/test_host_copies.py). `device` None: the CPU."""
+    host = staged(values, device, dtype)
+    return host if device is None else host.to(device, non_blocking=True)
+
+
+def staged(values, device: torch.device | str | None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host values as a CPU tensor to copy into a buffer on `device` (`buffer.copy_(staged(...), non_blocking=True)`):
+    pinned where the device is CUDA, as to_device."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    cuda = device is not None and torch.device(device).type == "cuda"
+    return host.pin_memory() if cuda and not host.is_pinned() else host
+
+
+def on_host(values, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host values as a CPU tensor that stays there (read by the host, never copied to a device): said where it is
+    made, so that tests/test_host_copies.py can hold every other tensor made from host values to to_device."""
+    return torch.tensor(values, dtype=dtype)

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 
 import torch
 
+from ..placement import to_device
+
 GROUPED = "specdemo_grouped"  # the name grouped_attention is registered under in transformers' attention interface
 
 
@@ -23,8 +25,8 @@ def left_pad(rows: list[list[int]], pad: int, device: torch.device | str) -> tup
     """(ids (B, W), attention mask (B, W), 1 on real tokens) for token rows of different lengths, padded on the left
     with `pad` so that every row's next token is written at the same column."""
     width = max(map(len, rows))
-    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    ids = to_device([[pad] * (width - len(r)) + r for r in rows], device)
+    mask = to_device([[0] * (width - len(r)) + [1] * len(r) for r in rows], device)
     return ids, mask
 
 
