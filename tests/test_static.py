@@ -5,15 +5,15 @@ whole."""
 
 import pytest
 import torch
-from conftest import drafter_cases
+from conftest import case, drafter_cases
 from test_batch import assert_lossless
 from test_engine import test_dynamic_k_is_lossless_and_adapts, test_sampled_distribution_matches_target
 
 from specdemo.config import GenerationConfig
-from specdemo.drafters import ModelDrafter, NgramDrafter
+from specdemo.drafters import ModelDrafter, NgramDrafter, eagle3_device_tree
 from specdemo.drafters.eagle3 import Eagle3Drafter
 from specdemo.drafters.eagle3_static import StaticHeadKV
-from specdemo.engine import decode, graphs, row_outputs
+from specdemo.engine import decode, graphs, loop, row_outputs
 from specdemo.engine.kv import with_cache
 from specdemo.engine.static import StaticKV
 
@@ -262,3 +262,40 @@ def test_baseline_check_takes_the_faster_transformers_decoding():
     assert fast["baseline"] == "generate, static cache, compiled"
     assert fast["ar_vs_hf_generate"] == pytest.approx(0.5) and fast["hf_static_tokens_per_s"] == pytest.approx(200)
     assert "static cache, compiled" in baseline_warning(fast) and baseline_warning(plain) == ""
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("kind,k,tree,device", [(None, 1, "off", False), ("ngram", 6, "off", False),
+                                                 ("model", 2, "off", False), ("eagle3", 3, "8", True),
+                                                 ("eagle3", 3, "6", False), ("suffix", 4, "auto", False)])
+def test_passes_padded_to_a_captured_width_give_the_same_tokens(tiny, tiny_tok, kind, k, tree, device, rows,
+                                                               monkeypatch, load_time_costs):
+    """Passes padded up to the next captured width (graphs.WIDTH_BUCKETS, as under capture; here buckets of 1, 4,
+    8, 16 and 33 so that most passes pad): chains, a draft LM's own padded steps, the head's trees verified on the
+    device or from the host, suffix decoding's trees: the same greedy tokens as unpadded passes. The real entries
+    never see the padding (an entry sees only earlier ones: Storage.set_layout); plain decoding's one-token passes
+    never pad."""
+    config = GenerationConfig(max_new_tokens=32, num_draft_tokens=k, tree=tree)
+    prompts = PROMPTS[:rows]
+    if device:
+        monkeypatch.setattr(loop, "ONE_READ", "always")
+        monkeypatch.setattr(eagle3_device_tree, "DEVICE_TREES", "always")
+
+    def tokens():
+        target, drafter = case(kind).build(tiny) if kind else (tiny.target, None)
+        if drafter is not None:
+            drafter.pass_costs = {n: 1.0 + 0.01 * n for n in range(1, 17)}
+        return row_outputs(list(decode(target, tiny_tok, prompts, config, drafter)), rows)
+
+    unpadded = tokens()
+    padded, replay = [], graphs.Runner.replay
+
+    def watched(self, storage, tokens, keep, layers, graph=True):
+        padded.append(self.width(tokens.shape[1], keep, graph) > tokens.shape[1])
+        return replay(self, storage, tokens, keep, layers, graph)
+
+    monkeypatch.setattr(graphs, "PAD_WIDTHS", "always")
+    monkeypatch.setattr(graphs, "WIDTH_BUCKETS", (1, 4, 8, 16, 33))
+    monkeypatch.setattr(graphs.Runner, "replay", watched)
+    assert tokens() == unpadded
+    assert sum(padded) > 5 if kind else not any(padded)  # an autoregressive pass keeps one logit: never padded

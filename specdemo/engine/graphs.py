@@ -19,13 +19,17 @@ import torch
 
 from ..config import GRAPH_MODES
 from ..models.placement import execution_device
-from .kv import BatchKV
+from .kv import PAD, BatchKV
 from .static import StaticKV, Storage
 
 log = logging.getLogger(__name__)
 
 BATCH_LADDER = (1, 2, 4, 8, 16, 32, 64)  # captured batch sizes; a batch runs as the next one up (vLLM's way)
 MAX_GRAPH_WIDTH = 33  # the widest pass captured (k = 32 and the pending token); wider ones run eagerly
+# the pass widths captured: every width of a chain up to k = 8, then wider passes (trees, long chains) padded up to
+# the next of these (as vLLM pads batch sizes), so that a tree budget of 32 costs 13 graphs a batch size, not 33
+WIDTH_BUCKETS = (*range(1, 10), 12, 17, 25, MAX_GRAPH_WIDTH)
+PAD_WIDTHS = "capture"  # pad widths up to WIDTH_BUCKETS: "capture" (where the runner captures), "always" (the tests)
 MAX_STORAGES = 4  # free storages a runner keeps for reuse (each holds its graphs)
 # --graphs compiled: torch.compile's backend for the passes (the tests trace with "aot_eager": no code generated)
 COMPILE_BACKEND = "inductor"
@@ -87,12 +91,27 @@ class Runner:
     def release(self, storage: Storage) -> None:
         storage.busy = False
 
+    def width(self, t: int, keep: int, graph: bool = True) -> int:
+        """The width a pass of t entries runs at: padded up to WIDTH_BUCKETS where widths are padded, for a pass
+        that keeps every entry's logits (a verify or a draft LM's step; an autoregressive step keeps one) and is not
+        a prefill; else t."""
+        pad = PAD_WIDTHS == "always" or (PAD_WIDTHS == "capture" and self.capture)
+        if not (pad and graph and keep == t and t <= MAX_GRAPH_WIDTH):
+            return t
+        return next(w for w in WIDTH_BUCKETS if w >= t)
+
     def replay(self, storage: Storage, tokens: torch.Tensor, keep: int, layers: tuple[int, ...] | None,
                graph: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One pass over `tokens` (b, T): a graph replay where it captures (b padded to the ladder, T at most
-        MAX_GRAPH_WIDTH; `graph` False for a prefill, which runs once), else the same code eagerly. Outputs are the
-        caller's own (copied off a graph, whose next replay overwrites its own)."""
+        """One pass over `tokens` (b, T): a graph replay where it captures (b padded to the ladder, T to the next of
+        WIDTH_BUCKETS, at most MAX_GRAPH_WIDTH; `graph` False for a prefill, which runs once), else the same code
+        eagerly. A padded pass's extra entries come after the real ones, which never see them (Storage.set_layout),
+        and their outputs are dropped. Outputs are the caller's own (copied off a graph, whose next replay
+        overwrites its own)."""
         b, t = tokens.shape
+        if (width := self.width(t, keep, graph)) > t:
+            tokens = torch.cat([tokens, tokens.new_full((b, width - t), PAD)], 1)
+            logits, features = self.replay(storage, tokens, width, layers, graph)
+            return logits[:, :t], None if features is None else features[:, :t]
         if not (self.capture and graph and t <= MAX_GRAPH_WIDTH):
             storage.input_view(b, t).copy_(tokens)
             return self.run(storage, b, t, keep, layers) if graph else storage.run(b, t, keep, layers)
@@ -181,7 +200,7 @@ class Runner:
         """Capture the passes a decode of `rows` rows will run (one graph per width and batch size, down the ladder:
         as rows finish the batch runs as a smaller rung), before it is timed; returns the seconds spent. Nothing to do
         without capture, but where passes are compiled: each width runs once, so compiling stays out of the timing."""
-        passes = sorted({w for w in widths if w <= MAX_GRAPH_WIDTH}, reverse=True)
+        passes = sorted({self.width(w, w) for w in widths if w <= MAX_GRAPH_WIDTH}, reverse=True)
         if not self.capture:
             if not self.compile:
                 return 0.0

@@ -172,7 +172,9 @@ class Storage:
 
     def set_layout(self, tree=None) -> None:
         """The next pass's layout: a draft tree's (engine.tree.TreeBatch: its rows' depths and ancestry masks), or
-        with None the chain's (written back only where a tree pass changed it)."""
+        with None the chain's (written back only where a tree pass changed it). An entry sees none after it (a
+        node's ancestors come before it), so a pass padded past the tree's entries (engine.graphs.WIDTH_BUCKETS)
+        leaves them as they are."""
         if tree is not None:
             b, t = tree.depths.shape
             self.depth[:b, :t].copy_(tree.depths, non_blocking=True)
@@ -298,7 +300,7 @@ class StaticKV(StaticRows):
     takes_trees = True  # a pass may feed a draft tree (Storage.set_layout)
 
     def _pass(self, tokens: torch.Tensor, keep: int, layers, graph: bool = True, tree=None):
-        self.reserve(tokens.shape[1])
+        self.reserve(self.runner.width(tokens.shape[1], keep, graph))  # padded where graphs are captured per bucket
         self.storage.set_layout(tree)
         return self.runner.replay(self.storage, tokens, keep, layers, graph)
 
