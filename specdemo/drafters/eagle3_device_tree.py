@@ -26,7 +26,7 @@ from ..engine.graphs import rungs
 from ..engine.static import CAPTURED
 from ..engine.tree import TreeBatch, device_tree_batch
 from ..models.placement import to_device
-from .base import FIELDS, DeviceTrees, DraftRequest, Proposal
+from .base import FIELDS, DeviceTrees, DraftRequest, Proposal, eos_on
 from .eagle3_static import StaticHeadKV
 from .eagle3_tree import FRONTIER, TOP, _proposal, _Row
 
@@ -145,14 +145,15 @@ class TreeInputs:
 
 
 def tree_inputs(request: DraftRequest, feature: torch.Tensor) -> TreeInputs:
-    """The request's TreeInputs, copied to the feature's device without waiting."""
+    """The request's TreeInputs, copied to the feature's device without waiting (the end-of-sequence ids once)."""
     device = feature.device
     per_row = [[k, int(k > 0 and request.nodes(r) > 0), limit]
                for r, (k, limit) in enumerate(zip(request.ks, _limits(request)))]
     return TreeInputs(
         feature=feature,
         per_row=to_device(per_row, device, torch.long),
-        eos=to_device(sorted(request.eos_token_ids), device, torch.long),
+        eos=eos_on(request.eos_token_ids, device) if request.eos_token_ids else torch.zeros(0, dtype=torch.long,
+                                                                                             device=device),
         cut=to_device(cut_inputs(request.tree_costs, request.tree_extra_scale), device, torch.float64))
 
 

@@ -256,7 +256,12 @@ class StaticRows:
         self.storage.lengths[: self.rows].copy_(staged(self.counts, self.device), non_blocking=True)
 
     def _advance(self, fed: Sequence[int]) -> None:
-        self._set_counts([c + n for c, n in zip(self.counts, fed)])
+        """Each row's length grows by what it fed: on the device alone where every row fed the same (a verify pass,
+        an autoregressive step), else copied from the host."""
+        if len(set(fed)) == 1:
+            self.grew(fed[0])
+        else:
+            self._set_counts([c + n for c, n in zip(self.counts, fed)])
 
     def grew(self, n: int) -> None:
         """Every row's length grows by n, on the device (one add: nothing copied from the host) and on the host: the
