@@ -191,26 +191,22 @@ def widest(head, k: int) -> int:
 
 
 def draft_device_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor) -> list[Proposal]:
-    """Each row's dynamic tree after the catch-up (feature (B, H)), grown and cut on the device (_kept), read back
-    once."""
-    return _read(_kept(drafter, request, feature).fields)
-
-
-def device_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor) -> DeviceTrees:
-    """The same trees left on the device, laid out for the engine to verify there and read back with its verdict.
-    Its pass feeds every row the whole node budget (under --tree auto the engine sizes the budget by the trees it
-    last read: loop.auto_width), the cost cut's dropped nodes as padding."""
-    return _kept(drafter, request, feature)
+    """Each row's dynamic tree after the catch-up (feature (B, H)), grown and cut on the device (device_trees), read
+    back once."""
+    return _read(device_trees(drafter, request, feature).fields)
 
 
 OUT = ("tokens", "parents", "keep", "depths", "mask", "fields")  # what grow gives: the kept trees, laid out
 
 
-def _kept(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor) -> DeviceTrees:
-    """The request's trees grown and cut (grow: the row's budget, and --tree auto's cost cut) in one CUDA graph per
-    padded batch and k where the head's runner captures (HeadRunner.tree), else the same code eagerly; the head's
-    cache then holds the growth's entries past each row's true ones (StaticHeadKV.drafted). The trees come as wide
-    as the widest a k-deep one keeps and are narrowed to node_count's entries here (views: nothing runs)."""
+def device_trees(drafter: Eagle3Drafter, request: DraftRequest, feature: torch.Tensor) -> DeviceTrees:
+    """The request's trees grown and cut (grow: the row's budget, and --tree auto's cost cut) and laid out for the
+    target's pass in one CUDA graph per padded batch and k where the head's runner captures (HeadRunner.tree), else
+    the same code eagerly, left on the device for the engine to verify there and read back with its verdict; the
+    head's cache then holds the growth's entries past each row's true ones (StaticHeadKV.drafted). The trees come as
+    wide as the widest a k-deep one keeps and are narrowed to node_count's entries here (views: nothing runs): the
+    pass feeds every row the whole node budget (under --tree auto the engine sizes it by the trees it last read:
+    loop.auto_width), the cost cut's dropped nodes as padding."""
     k = max(request.ks)
     out = dict(zip(OUT, _growth(drafter, tree_inputs(request, feature), k)))
     drafter.kv.drafted((k - 1) * FRONTIER)
