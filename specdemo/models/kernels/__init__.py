@@ -1,4 +1,5 @@
-"""Faster CPU kernels for decoding: the few-row linear product (linear.py) and batched one-token decoding (decode.py).
+"""Faster kernels for decoding: the few-row CPU linear product (linear.py), batched one-token decoding (decode.py) and
+CUDA's fused RMSNorm (norm.py).
 They read no environment; whether to use them is the caller's. Note that `kernels.linear` is the function; its
 module is `specdemo.models.kernels.linear` in sys.modules (importlib.import_module gives it).
 """
@@ -14,6 +15,7 @@ from .linear import (
            patch_linears,
            plan_free_attention,
 )
+from .norm import fuse_norms
 
-__all__ = ["MAX_ROWS", "Packed", "available_memory", "decode_cache", "enabled_for", "grouped_attention",
+__all__ = ["MAX_ROWS", "Packed", "available_memory", "decode_cache", "enabled_for", "fuse_norms", "grouped_attention",
            "grouped_attention_on", "left_pad", "linear", "pack", "patch_linears", "plan_free_attention"]
