@@ -23,7 +23,7 @@ from .kv import check_cache, right_padded
 from .static import needed_capacity
 from .timing import Clock, StepCosts, step_costs
 from .tree import TokenTree, TreeBatch, greedy_tree_accept_batch, tree_accept_batch, tree_accept_each
-from .verify import greedy_accept_batch, inspect_verify, logits_to_probs, sampled_accept_batch
+from .verify import greedy_accept_batch, inspect_verify, logits_to_probs, sample_rows, sampled_accept_batch
 
 KPolicy = Callable[[int], int]  # the current batch size -> k (0: no speculation this step)
 # when drafts (greedy chains or trees where the drafter grows them there, sampled chains under either verification
@@ -70,11 +70,11 @@ class _Rows:
 
 
 def _choose(logits: torch.Tensor, sampling: SamplingConfig, gens) -> list[int]:
-    """The next token of each row from logits (B, V): one argmax when greedy, else a sample per row."""
+    """The next token of each row from logits (B, V): one argmax when greedy, else a sample per row from its own
+    generator (verify.sample_rows: torch.multinomial's draw), every row read back in one copy."""
     if sampling.greedy:
         return logits.argmax(-1).tolist()
-    probs = logits_to_probs(logits, sampling)
-    return [int(torch.multinomial(p, 1, generator=g)) for p, g in zip(probs, gens)]
+    return sample_rows(logits_to_probs(logits, sampling), gens).tolist()
 
 
 def _verify(logits: torch.Tensor, tokens: torch.Tensor, drafted: list[list[int]], qs: list[torch.Tensor | None],
