@@ -258,3 +258,25 @@ def test_the_clock_times_a_steps_drafting_by_events_without_waiting():
     torch.cuda._sleep(50_000_000)
     total = clock.stop()
     assert 0.25 * total < clock.first < 0.75 * total, (clock.first, total)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_plain_step_reads_the_device_once_at_any_batch(tiny, tiny_tok, temperature, monkeypatch):
+    """Plain decoding of 4 rows over the static cache, greedy or sampled (each row from its own generator): one read
+    of the device a step, every row's token in it."""
+    graphs.attach(tiny.target, "on")
+    per_step, step = [], loop._ar_step
+
+    def counting(*args):
+        with counted_reads() as reads:
+            out = step(*args)
+        per_step.append([f for path, f in reads if "/specdemo/" in path])
+        return out
+
+    monkeypatch.setattr(loop, "_ar_step", counting)
+    config = GenerationConfig(max_new_tokens=12, sampling=SamplingConfig(temperature=temperature))
+    try:
+        list(decode(tiny.target, tiny_tok, PROMPTS[:4], config))
+    finally:
+        graphs.detach(tiny.target)
+    assert len(per_step) > 5 and all(reads == ["_choose"] for reads in per_step), per_step
