@@ -216,7 +216,9 @@ class ModelDrafter(Drafter):
         while True:
             active = chains.active
             q = logits_to_probs(logits, request.sampling)  # (B, V)
-            choice = [int(torch.multinomial(q[r], 1, generator=gens[r])) if active[r] else 0 for r in rows]
+            drawing = [r for r in rows if active[r]]  # each from its own generator, read back in one copy
+            drawn = iter(torch.cat([sample_rows(q[r : r + 1], [gens[r]]) for r in drawing]).tolist() if drawing else [])
+            choice = [next(drawn) if active[r] else 0 for r in rows]
             q_steps.append(q.gather(1, to_device(choice, q.device)[:, None])[:, 0])
             drafting.append(list(active))
             for r in rows:
