@@ -243,18 +243,18 @@ class Eagle3Drafter(Drafter):
                 break
             if sampling.greedy:
                 index = top
-            else:
-                index = torch.stack([torch.multinomial(q_sub[r], 1, generator=gens[r])[0] if active[r] else top[r]
+            else:  # each active row from its own generator (torch.multinomial's draw), nothing read yet
+                index = torch.stack([sample_rows(q_sub[r : r + 1], [gens[r]])[0] if active[r] else top[r]
                                      for r in range(rows)])
             chosen = q_sub.gather(1, index[:, None])[:, 0]
-            index_l, chosen = index.tolist(), chosen.tolist()
+            ids, chosen = torch.stack([subset[index].double(), chosen.double()]).tolist()  # one read a pass
             laws = None if sampling.greedy else self.head.spread(q_sub)  # (B, V): q over the target's vocabulary
             for r in range(rows):
                 if not active[r]:
                     continue
                 self.confidences[r].append(peak[r])
                 chains.q_tokens[r].append(chosen[r])
-                chains.add(r, int(subset[index_l[r]]), None if laws is None else laws[r])
+                chains.add(r, int(ids[r]), None if laws is None else laws[r])
             if not any(chains.active):
                 break
             step_tok = to_device([[t[-1] if a else PAD] for t, a in zip(chains.tokens, chains.active)], self.device)
