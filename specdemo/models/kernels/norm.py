@@ -1,7 +1,8 @@
 """Llama-style RMSNorms as torch's rms_norm: on CUDA one fused kernel (aten._fused_rms_norm) where transformers' eager
-norm launches six (eight in bf16, with its casts), about 16 of a layer's 40 kernels; a captured pass replays every
-kernel, so fewer of them is what a graph's replay costs less by. On the CPU rms_norm decomposes into transformers'
-own ops, bit for bit (tests/test_kernels_norm.py), so it is installed on CUDA only (models.loading).
+norm launches five, so a norm is two kernels with its weight's product (four in bf16, with the casts) instead of
+six (eight): 8 fewer a layer of about 40. A captured pass replays every kernel, so fewer of them is what a graph's
+replay costs less by. On the CPU rms_norm decomposes into transformers' own ops, bit for bit
+(tests/test_kernels_norm.py), so it is installed on CUDA only (models.loading).
 """
 
 from __future__ import annotations
