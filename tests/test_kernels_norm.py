@@ -56,3 +56,28 @@ def test_a_fused_norm_is_one_kernel_on_cuda():
     with torch.inference_mode(), Ops():
         model.model.norm(torch.randn(1, 4, 32, device=TEST_DEVICE))
     assert "_fused_rms_norm" in seen and "pow" not in seen, seen
+
+
+def test_a_norm_under_accelerates_hook_keeps_it():
+    """A norm that accelerate hooked (as a device map does, to stream its weight in) still runs the hook around the
+    fused forward: the hook's pre_forward sees every call, and the output is the unpatched one."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    class Counting(ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            Counting.calls += 1
+            return args, kwargs
+
+    model = tiny_llama(16, seed=3, layers=1)
+    norm = model.model.norm
+    add_hook_to_module(norm, Counting())
+    x = torch.randn(1, 4, 32, device=TEST_DEVICE)
+    with torch.inference_mode():
+        before = norm(x)
+        assert fuse_norms(model) == 3 and Counting.calls == 1
+        after = norm(x)
+    assert Counting.calls == 2
+    assert torch.allclose(before, after, rtol=1e-5, atol=1e-6)
+    assert TEST_DEVICE.type != "cpu" or torch.equal(before, after)

@@ -22,10 +22,16 @@ def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def fuse_norms(model: torch.nn.Module) -> int:
-    """Every Llama-style RMSNorm of `model` (LLAMA_NORMS) computed by torch's rms_norm; returns how many."""
+    """Every Llama-style RMSNorm of `model` (LLAMA_NORMS) computed by torch's rms_norm; returns how many. A norm under
+    one of accelerate's hooks (a device map: its weight may stream in at each pass) keeps the hook, which calls the
+    new forward."""
     count = 0
     for module in model.modules():
         if type(module).__name__ in LLAMA_NORMS and hasattr(module, "variance_epsilon") and module.weight is not None:
-            module.forward = types.MethodType(_forward, module)
+            fused = types.MethodType(_forward, module)
+            if getattr(module, "_hf_hook", None) is not None and hasattr(module, "_old_forward"):
+                module._old_forward = fused  # what accelerate's forward calls between its hook's two halves
+            else:
+                module.forward = fused
             count += 1
     return count
