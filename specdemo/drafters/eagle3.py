@@ -15,7 +15,7 @@ import torch
 from ..config import Runtime
 from ..engine import graphs
 from ..engine.kv import PAD, Slots, gather_slots, left_padded, right_padded
-from ..engine.verify import generator_on, logits_to_probs, sample_rows
+from ..engine.verify import generator_on, logits_to_probs, sample_active_rows, sample_rows
 from ..models import kernels
 from ..models.eagle3 import locate_eagle3, recorded_k
 from ..models.eagle3_head import load_head
@@ -244,8 +244,7 @@ class Eagle3Drafter(Drafter):
             if sampling.greedy:
                 index = top
             else:  # each active row from its own generator (torch.multinomial's draw), nothing read yet
-                index = torch.stack([sample_rows(q_sub[r : r + 1], [gens[r]])[0] if active[r] else top[r]
-                                     for r in range(rows)])
+                index = sample_active_rows(q_sub, gens, active, top)
             chosen = q_sub.gather(1, index[:, None])[:, 0]
             ids, chosen = torch.stack([subset[index].double(), chosen.double()]).tolist()  # one read a pass
             laws = None if sampling.greedy else self.head.spread(q_sub)  # (B, V): q over the target's vocabulary

@@ -11,8 +11,8 @@ import torch
 from ..engine import graphs
 from ..engine.kv import check_cache
 from ..engine.static import CAPACITY_STEP, CAPTURED, StaticKV, Storage, needed_capacity
-from ..engine.verify import generator_on, logits_to_probs, sample_rows
-from ..models.placement import staged, to_device
+from ..engine.verify import generator_on, logits_to_probs, sample_active_rows, sample_rows
+from ..models.placement import staged
 from .base import Chains, DeviceChains, Drafter, DraftRequest, Proposal, chain_lengths, eos_on
 
 
@@ -216,10 +216,9 @@ class ModelDrafter(Drafter):
         while True:
             active = chains.active
             q = logits_to_probs(logits, request.sampling)  # (B, V)
-            drawing = [r for r in rows if active[r]]  # each from its own generator, read back in one copy
-            drawn = iter(torch.cat([sample_rows(q[r : r + 1], [gens[r]]) for r in drawing]).tolist() if drawing else [])
-            choice = [next(drawn) if active[r] else 0 for r in rows]
-            q_steps.append(q.gather(1, to_device(choice, q.device)[:, None])[:, 0])
+            picks = sample_active_rows(q, gens, active, torch.zeros(len(rows), dtype=torch.long, device=q.device))
+            choice = picks.tolist()  # the pass's one read
+            q_steps.append(q.gather(1, picks[:, None])[:, 0])
             drafting.append(list(active))
             for r in rows:
                 if active[r]:

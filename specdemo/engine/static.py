@@ -264,8 +264,9 @@ class StaticRows:
             self._set_counts([c + n for c, n in zip(self.counts, fed)])
 
     def grew(self, n: int) -> None:
-        """Every row's length grows by n, on the device (one add: nothing copied from the host) and on the host: the
-        entries a captured chain wrote past each row's length (cut at the next verdict)."""
+        """Every row's length grows by n, on the device (one add: nothing copied from the host) and on the host: a
+        pass every row fed alike (_advance), or the entries a captured chain wrote past each row's length (cut at the
+        next verdict)."""
         if n:
             self.storage.lengths[: self.rows] += n
             self.counts = [c + n for c in self.counts]

@@ -102,6 +102,13 @@ def sample_rows(probs: torch.Tensor, generators) -> torch.Tensor:
     return (probs / races).argmax(-1)
 
 
+def sample_active_rows(probs: torch.Tensor, generators, active: Sequence[bool], fill: torch.Tensor) -> torch.Tensor:
+    """sample_rows for the rows marked active, fill's entry (B,) elsewhere, left on the device: a row not drawing
+    moves no generator (each active row's token is torch.multinomial's draw from its generator's state)."""
+    return torch.stack([sample_rows(probs[r : r + 1], [g])[0] if a else fill[r]
+                        for r, (a, g) in enumerate(zip(active, generators))])
+
+
 def row_uniforms(counts: list[int], width: int, generators, device: torch.device) -> torch.Tensor:
     """(B, width) draws in [0, 1): row r's first counts[r] from generators[r], the rest 1.0 (past a row's drafts)."""
     rows = [torch.rand(n, generator=g, device=device) for n, g in zip(counts, generators)]
