@@ -5,6 +5,7 @@ own greedy output, and the whole tree comes back in one read a step; verified on
 loop.ONE_READ = "always"), the same, the tree and the verdict read together. On CUDA (GRAPH_TESTS=1 in
 scripts/gpu_check.sh) the same, with the head's passes captured."""
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -15,7 +16,7 @@ from test_tree_engine import PROMPTS
 
 from specdemo.config import GenerationConfig, SamplingConfig
 from specdemo.drafters import eagle3_device_tree
-from specdemo.drafters.base import FIELDS, DraftRequest
+from specdemo.drafters.base import FIELDS, DeviceTrees, DraftRequest
 from specdemo.drafters.eagle3 import Eagle3Drafter
 from specdemo.drafters.eagle3_static import attach
 from specdemo.engine import decode, graphs, loop, row_outputs
@@ -190,3 +191,32 @@ def test_the_growth_cut_and_layout_compile_whole(head, costs):
         assert a.shape == b.shape and torch.allclose(a.double(), b.double(), atol=1e-6)
     kept = eager[2].sum(1).tolist()
     assert 1 <= kept[0] <= 8 and 1 <= kept[1] <= 6  # each row's budget
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_trees_without_a_layout_are_verified_the_same(eagle3_target, tiny_tok, head, rows, monkeypatch):
+    """A drafter's DeviceTrees may bring only tokens, parents, q, values and keep (`batch` and `fields` are optional
+    in the seam): verified on the device, the engine then builds the layout and the read table itself
+    (device_step.verify_trees_on_device), and the run is the one with them, step for step: the same trees, q and
+    output, the target's own greedy output."""
+    config = GenerationConfig(max_new_tokens=32, num_draft_tokens=3, tree="8")
+    full = run(eagle3_target, tiny_tok, head, PROMPTS[:rows], config, "always", one_read="always")
+    propose, stripped = Eagle3Drafter.propose_on_device, []
+
+    def bare(self, request):
+        out = propose(self, request)
+        if isinstance(out, DeviceTrees):
+            stripped.append(out.batch is not None and out.fields is not None)
+            out = dataclasses.replace(out, batch=None, fields=None)
+        return out
+
+    monkeypatch.setattr(Eagle3Drafter, "propose_on_device", bare)
+    fallback = run(eagle3_target, tiny_tok, head, PROMPTS[:rows], config, "always", one_read="always")
+    assert len(stripped) > 5 and all(stripped)
+    assert fallback[0] == full[0] and fallback[2] == full[2]
+    flat = [[p for step in q if step for p in step] for q in (fallback[1], full[1])]
+    assert flat[0] and flat[0] == pytest.approx(flat[1], abs=1e-6)
+    plain = row_outputs(list(decode(eagle3_target, tiny_tok, PROMPTS[:rows], GenerationConfig(max_new_tokens=32))),
+                        rows)
+    assert fallback[2] == plain
+    assert any(p != list(range(-1, len(p) - 1)) for _, p in fallback[0])  # trees that branch
