@@ -376,6 +376,7 @@ class Runtime:
 
     cache_dir: str | None = None  # converted models; None: $XDG_CACHE_HOME/specdemo or ~/.cache/specdemo
     fast_linear: bool = True  # the few-row CPU products of specdemo.models.kernels, for float32 models on the CPU
+    merge_projections: bool = True  # q/k/v and gate/up as one product each (kernels.merge_projections)
     cudnn_sdpa: bool = False  # keep cuDNN among CUDA's attention backends (see kernels.plan_free_attention)
     hub_offline: bool = False  # never try the model hub
     hub_endpoint: str = "https://huggingface.co"
@@ -389,10 +390,11 @@ def _flag(value: str | None, default: bool) -> bool:
 
 
 def runtime_from_env(env: Mapping[str, str]) -> Runtime:
-    """SPECDEMO_CACHE (else XDG_CACHE_HOME/specdemo), SPECDEMO_FAST_LINEAR=0, SPECDEMO_CUDNN_SDPA=1, HF_HUB_OFFLINE,
-    HF_ENDPOINT, SPECDEMO_GRAPHS (auto, on, off or compiled)."""
+    """SPECDEMO_CACHE (else XDG_CACHE_HOME/specdemo), SPECDEMO_FAST_LINEAR=0, SPECDEMO_MERGE=0, SPECDEMO_CUDNN_SDPA=1,
+    HF_HUB_OFFLINE, HF_ENDPOINT, SPECDEMO_GRAPHS (auto, on, off or compiled)."""
     cache = env.get("SPECDEMO_CACHE") or (f"{env['XDG_CACHE_HOME']}/specdemo" if env.get("XDG_CACHE_HOME") else None)
     return Runtime(cache_dir=cache, fast_linear=_flag(env.get("SPECDEMO_FAST_LINEAR"), True),
+                   merge_projections=_flag(env.get("SPECDEMO_MERGE"), True),
                    cudnn_sdpa=_flag(env.get("SPECDEMO_CUDNN_SDPA"), False),
                    hub_offline=_flag(env.get("HF_HUB_OFFLINE"), False),
                    hub_endpoint=env.get("HF_ENDPOINT") or Runtime.hub_endpoint,

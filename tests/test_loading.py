@@ -65,16 +65,19 @@ def test_draft_model_with_other_tokenizer_is_refused(bundled, tiny_target, tiny_
 
 
 def test_runtime_switches_reach_the_loaded_model(tiny_target, tiny_tok, tmp_path):
-    """The fast CPU products are applied at load unless the runtime (the app's or CLI's environment) turns them off;
-    the loading module itself reads no environment."""
+    """The fast CPU products and the merged q/k/v and gate/up products are applied at load unless the runtime (the
+    app's or CLI's environment) turns them off; the loading module itself reads no environment."""
     folder = tmp_path / "tiny"
     tiny_target.save_pretrained(folder)
     tiny_tok.save_pretrained(folder)
     fast = load_model(str(folder), device="cpu")
-    plain = load_model(str(folder), device="cpu", runtime=Runtime(fast_linear=False))
+    plain = load_model(str(folder), device="cpu", runtime=Runtime(fast_linear=False, merge_projections=False))
     assert fast is not plain and fast.fast_linear and not plain.fast_linear
     assert getattr(fast.model.lm_head, "_specdemo_fast", False)
     assert not getattr(plain.model.lm_head, "_specdemo_fast", False)
+    layer, bare = fast.model.model.layers[0], plain.model.model.layers[0]
+    assert layer.self_attn._specdemo_merged.fast and layer.mlp._specdemo_merged.fast
+    assert not hasattr(bare.self_attn, "_specdemo_merged") and not hasattr(bare.mlp, "_specdemo_merged")
     assert cache_root(Runtime(cache_dir=str(tmp_path))) == tmp_path
 
 

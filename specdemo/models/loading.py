@@ -322,12 +322,14 @@ def _from_pretrained(spec: str, path: str, dev: torch.device, dt: torch.dtype, t
 
 
 def _fast_kernels(model: torch.nn.Module, dev: torch.device, dt: torch.dtype, runtime: Runtime) -> None:
-    """The few-row CPU products (kernels.patch_linears) where they apply, CUDA's fused RMSNorm (kernels.fuse_norms) and
-    attention setting; says why not."""
+    """The few-row CPU products (kernels.patch_linears) where they apply, then merged q/k/v and gate/up products
+    (kernels.merge_projections), CUDA's fused RMSNorm (kernels.fuse_norms) and attention setting; says why not."""
     if runtime.fast_linear and kernels.enabled_for(dev, dt):
         kernels.patch_linears(model)
     elif runtime.fast_linear:
         log.info("fast CPU linears not used: the model computes on %s in %s (they serve float32 on the CPU)", dev, dt)
+    if runtime.merge_projections:
+        log.info("merged products: %d groups (q/k/v, gate/up)", kernels.merge_projections(model))
     if dev.type == "cuda":
         log.info("fused RMSNorm on %d norms", kernels.fuse_norms(model))
     kernels.plan_free_attention(dev, keep_cudnn=runtime.cudnn_sdpa)

@@ -1,5 +1,5 @@
-"""Faster kernels for decoding: the few-row CPU linear product (linear.py), batched one-token decoding (decode.py) and
-CUDA's fused RMSNorm (norm.py).
+"""Faster kernels for decoding: the few-row CPU linear product (linear.py), batched one-token decoding (decode.py),
+merged q/k/v and gate/up products (merge.py) and CUDA's fused RMSNorm (norm.py).
 They read no environment; whether to use them is the caller's. Note that `kernels.linear` is the function; its
 module is `specdemo.models.kernels.linear` in sys.modules (importlib.import_module gives it).
 """
@@ -15,7 +15,9 @@ from .linear import (
            patch_linears,
            plan_free_attention,
 )
+from .merge import merge_projections
 from .norm import fuse_norms
 
 __all__ = ["MAX_ROWS", "Packed", "available_memory", "decode_cache", "enabled_for", "fuse_norms", "grouped_attention",
-           "grouped_attention_on", "left_pad", "linear", "pack", "patch_linears", "plan_free_attention"]
+           "grouped_attention_on", "left_pad", "linear", "merge_projections", "pack", "patch_linears",
+           "plan_free_attention"]
