@@ -1,8 +1,8 @@
 """Merged q/k/v and gate/up products (models/kernels/merge.py): a merged tiny llama gives the unmerged logits (to
 float rounding) with and without the few-row CPU products, and the same greedy tokens through the engine, eager and
 under the static runner; its parts are views of the merged weight (no copy), so a write into a part reaches the
-merged product; a part called on its own, a model cast after merging, and parts under accelerate's hook compute
-their own products."""
+merged product; a part called on its own, a model cast after merging, a pass with gradients on (training reaches the
+parts' weights) and parts under accelerate's hook compute their own products."""
 
 import pytest
 import torch
@@ -95,6 +95,19 @@ def test_a_model_cast_after_merging_computes_part_by_part():
     model.double()
     plain = tiny_llama(16, seed=7, layers=2).double()
     assert torch.allclose(logits(model), logits(plain), atol=1e-10)
+
+
+def test_gradients_reach_the_parts_weights():
+    """With gradients on, a merged model computes part by part, so a loss's gradient reaches every part's weight, as
+    in the unmerged model."""
+    model, plain = tiny_llama(16, seed=10, layers=1), tiny_llama(16, seed=10, layers=1)
+    kernels.merge_projections(model)
+    ids = torch.tensor(IDS, device=model.device)
+    for m in (model, plain):
+        m(input_ids=ids).logits.square().mean().backward()
+    for name in ("self_attn.k_proj", "self_attn.v_proj", "mlp.up_proj"):
+        mine, theirs = (m.model.layers[0].get_submodule(name).weight.grad for m in (model, plain))
+        assert mine is not None and torch.allclose(mine, theirs, atol=1e-6)
 
 
 def test_parts_under_accelerates_hook_stay_apart():

@@ -7,7 +7,8 @@ The parts' weights become row blocks (views) of the merged weight, so nothing is
 part (load_state_dict) is a write into the merged weight. transformers' attention forward calls q_proj, k_proj and
 v_proj on the same hidden states in turn: q_proj computes all three and leaves k's and v's outputs for the next two
 calls on that same tensor; any other call computes its own part. Where the parts no longer lie in the merged weight
-(the model moved or cast after loading), each part computes its own product again.
+(the model moved or cast after loading), and wherever gradients are on (training), each part computes its own
+product again.
 """
 
 from __future__ import annotations
@@ -50,7 +51,11 @@ class Merged:
             self.packed.get(self.weight)
 
     def intact(self) -> bool:
-        """Whether every part's weight is still its block of the merged weight (not after a move or a cast)."""
+        """Whether the merged product stands for the parts: no gradient wanted (the merged weight is a plain tensor,
+        which training would not reach) and every part's weight still its block of the merged weight (not after a
+        move or a cast)."""
+        if torch.is_grad_enabled():
+            return False
         if torch.compiler.is_compiling():
             return True
         return all(p.weight.data_ptr() == ptr for p, ptr in zip(self.parts, self.ptrs))
