@@ -14,7 +14,7 @@ from specdemo.engine import decode, graphs, row_outputs
 from specdemo.models import kernels
 
 IDS = [[1, 5, 3, 9, 2, 7, 7, 4], [3, 5, 7, 3, 5, 9, 2, 2]]
-ATOL = 1e-5
+ATOL = 1e-5 if TEST_DEVICE.type == "cpu" else 1e-4  # another GEMM algorithm for the merged shape on CUDA
 
 
 def logits(model, ids=IDS):
