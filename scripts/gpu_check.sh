@@ -162,8 +162,9 @@ PROBE
     # steps); a few failures, not the first
     [ -n "${GRAPH_TESTS:-}" ] && SPECDEMO_TEST_DEVICE=$DEV stage pytest_graphs_cuda "${GRAPH_TESTS_CAP:-300}" $PY -m pytest \
       -q --maxfail=5 -p no:cacheprovider tests/test_one_read.py::test_a_captured_step_synchronises_once \
-      tests/test_host_copies.py tests/test_kernels_norm.py tests/test_kernels_merge.py tests/test_static.py \
-      tests/test_eagle3_static.py tests/test_draft_graphs.py tests/test_eagle3_device_tree.py tests/test_tree.py tests/test_one_read.py -m "not slow"
+      tests/test_host_copies.py tests/test_kernels_norm.py tests/test_kernels_merge.py tests/test_kernels_rope.py \
+      tests/test_static.py tests/test_eagle3_static.py tests/test_draft_graphs.py tests/test_eagle3_device_tree.py \
+      tests/test_tree.py tests/test_one_read.py -m "not slow"
     exit 0
   fi
   SPECDEMO_TEST_DEVICE=$DEV stage pytest_cuda 120 $PY -m pytest -q -p no:cacheprovider tests/test_static.py \

@@ -376,7 +376,7 @@ class Runtime:
 
     cache_dir: str | None = None  # converted models; None: $XDG_CACHE_HOME/specdemo or ~/.cache/specdemo
     fast_linear: bool = True  # the few-row CPU products of specdemo.models.kernels, for float32 models on the CPU
-    merge_projections: bool = True  # q/k/v and gate/up as one product each (kernels.merge_projections)
+    merge_projections: bool = True  # q/k/v and gate/up as one product each, RoPE's q and k together (kernels)
     cudnn_sdpa: bool = False  # keep cuDNN among CUDA's attention backends (see kernels.plan_free_attention)
     hub_offline: bool = False  # never try the model hub
     hub_endpoint: str = "https://huggingface.co"
