@@ -41,6 +41,9 @@ def test_joint_rope_is_transformers_bit_for_bit(fused, dtype):
     want, got = original(q, k, cos, sin), fused(q, k, cos, sin)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert got[0].shape == q.shape and got[1].shape == k.shape
+    cos2, sin2 = rotary(2, torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]]), 64, dtype)
+    for c, s in ((cos2, sin2), (cos, sin), (cos2, sin2)):  # passes taking turns: each its own sine's signed copy
+        assert all(torch.equal(a, b) for a, b in zip(original(q, k, c, s), fused(q, k, c, s)))
     q2, k2 = q.transpose(1, 2), k.transpose(1, 2)  # heads at dim 2: another layout, transformers' own function
     assert all(torch.equal(a, b) for a, b in zip(original(q2, k2, cos, sin, unsqueeze_dim=2),
                                                   fused(q2, k2, cos, sin, unsqueeze_dim=2)))

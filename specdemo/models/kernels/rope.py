@@ -18,15 +18,19 @@ import torch
 MODULES = ("llama", "mistral", "qwen2", "qwen3")
 
 _original: dict[str, object] = {}
-_last: list = [None, None]  # the sine last seen and its signed copy: the layers of a pass share one sine tensor
+_last: tuple = (None, None)  # the sine last seen and its signed copy: the layers of a pass share one sine tensor
 
 
 def _signed(sin: torch.Tensor) -> torch.Tensor:
-    """sin with its first half negated: roll(x) * _signed(sin) == rotate_half(x) * sin."""
-    if _last[0] is not sin:
+    """sin with its first half negated: roll(x) * _signed(sin) == rotate_half(x) * sin. The pair is read and
+    replaced whole, so passes in two threads at once each get their own sine's."""
+    global _last
+    seen, signed = _last
+    if seen is not sin:
         half = sin.shape[-1] // 2
-        _last[0], _last[1] = sin, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-    return _last[1]
+        signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        _last = (sin, signed)
+    return signed
 
 
 def joint_rope(original):
@@ -71,5 +75,6 @@ def unfuse_rope() -> None:
     for name, original in _original.items():
         module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
         module.apply_rotary_pos_emb = original
+    global _last
     _original.clear()
-    _last[0] = _last[1] = None
+    _last = (None, None)
