@@ -47,6 +47,7 @@ def test_joint_rope_is_transformers_bit_for_bit(fused, dtype):
     q2, k2 = q.transpose(1, 2), k.transpose(1, 2)  # heads at dim 2: another layout, transformers' own function
     assert all(torch.equal(a, b) for a, b in zip(original(q2, k2, cos, sin, unsqueeze_dim=2),
                                                   fused(q2, k2, cos, sin, unsqueeze_dim=2)))
+    assert all(torch.equal(a, b) for a, b in zip(original(q2, k2, cos, sin, 2), fused(q2, k2, cos, sin, 2)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -37,7 +37,8 @@ def joint_rope(original):
     """apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1) over q and k at once; other calls go to `original`."""
 
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        unsqueeze = kwargs.get("unsqueeze_dim", args[-1] if args else 1)
+        # unsqueeze_dim by name or as the int among the rest (older transformers put position_ids before it)
+        unsqueeze = kwargs.get("unsqueeze_dim", next((a for a in args if isinstance(a, int)), 1))
         if (unsqueeze != 1 or q.dim() != 4 or k.dim() != 4 or q.dtype != k.dtype or q.shape[0] != k.shape[0]
                 or q.shape[2:] != k.shape[2:] or torch.compiler.is_compiling()):
             return original(q, k, cos, sin, *args, **kwargs)
