@@ -376,7 +376,9 @@ class Runtime:
 
     cache_dir: str | None = None  # converted models; None: $XDG_CACHE_HOME/specdemo or ~/.cache/specdemo
     fast_linear: bool = True  # the few-row CPU products of specdemo.models.kernels, for float32 models on the CPU
-    merge_projections: bool = True  # q/k/v and gate/up as one product each, RoPE's q and k together (kernels)
+    # q/k/v and gate/up as one product each and RoPE's q and k together (kernels.merge_projections, fuse_rope):
+    # auto on CUDA only (on the CPU transformers' generate gained more from them than our loop: docs/notes/kernels.md)
+    merge_projections: str = "auto"
     cudnn_sdpa: bool = False  # keep cuDNN among CUDA's attention backends (see kernels.plan_free_attention)
     hub_offline: bool = False  # never try the model hub
     hub_endpoint: str = "https://huggingface.co"
@@ -389,12 +391,18 @@ def _flag(value: str | None, default: bool) -> bool:
     return value.strip().lower() not in ("0", "false", "no", "off")
 
 
+def _switch(value: str | None) -> str:
+    """auto, on or off from an environment value (1/true/yes/on and 0/false/no/off too); empty or unknown: auto."""
+    v = (value or "").strip().lower()
+    return "on" if v in ("1", "true", "yes", "on") else "off" if v in ("0", "false", "no", "off") else "auto"
+
+
 def runtime_from_env(env: Mapping[str, str]) -> Runtime:
-    """SPECDEMO_CACHE (else XDG_CACHE_HOME/specdemo), SPECDEMO_FAST_LINEAR=0, SPECDEMO_MERGE=0, SPECDEMO_CUDNN_SDPA=1,
+    """SPECDEMO_CACHE (else XDG_CACHE_HOME/specdemo), SPECDEMO_FAST_LINEAR=0, SPECDEMO_MERGE=1|0, SPECDEMO_CUDNN_SDPA=1,
     HF_HUB_OFFLINE, HF_ENDPOINT, SPECDEMO_GRAPHS (auto, on, off or compiled)."""
     cache = env.get("SPECDEMO_CACHE") or (f"{env['XDG_CACHE_HOME']}/specdemo" if env.get("XDG_CACHE_HOME") else None)
     return Runtime(cache_dir=cache, fast_linear=_flag(env.get("SPECDEMO_FAST_LINEAR"), True),
-                   merge_projections=_flag(env.get("SPECDEMO_MERGE"), True),
+                   merge_projections=_switch(env.get("SPECDEMO_MERGE")),
                    cudnn_sdpa=_flag(env.get("SPECDEMO_CUDNN_SDPA"), False),
                    hub_offline=_flag(env.get("HF_HUB_OFFLINE"), False),
                    hub_endpoint=env.get("HF_ENDPOINT") or Runtime.hub_endpoint,

@@ -65,19 +65,25 @@ def test_draft_model_with_other_tokenizer_is_refused(bundled, tiny_target, tiny_
 
 
 def test_runtime_switches_reach_the_loaded_model(tiny_target, tiny_tok, tmp_path):
-    """The fast CPU products and the merged q/k/v and gate/up products are applied at load unless the runtime (the
-    app's or CLI's environment) turns them off; the loading module itself reads no environment."""
+    """The fast CPU products are applied at load unless the runtime (the app's or CLI's environment) turns them off;
+    merged q/k/v and gate/up products on the CPU only when it says on (auto: CUDA only). The loading module itself
+    reads no environment."""
+    from specdemo.models import kernels
+
     folder = tmp_path / "tiny"
     tiny_target.save_pretrained(folder)
     tiny_tok.save_pretrained(folder)
     fast = load_model(str(folder), device="cpu")
-    plain = load_model(str(folder), device="cpu", runtime=Runtime(fast_linear=False, merge_projections=False))
+    plain = load_model(str(folder), device="cpu", runtime=Runtime(fast_linear=False))
     assert fast is not plain and fast.fast_linear and not plain.fast_linear
     assert getattr(fast.model.lm_head, "_specdemo_fast", False)
     assert not getattr(plain.model.lm_head, "_specdemo_fast", False)
-    layer, bare = fast.model.model.layers[0], plain.model.model.layers[0]
-    assert layer.self_attn._specdemo_merged.fast and layer.mlp._specdemo_merged.fast
-    assert not hasattr(bare.self_attn, "_specdemo_merged") and not hasattr(bare.mlp, "_specdemo_merged")
+    assert not hasattr(fast.model.model.layers[0].self_attn, "_specdemo_merged")
+    try:
+        merged = load_model(str(folder), device="cpu", runtime=Runtime(merge_projections="on")).model.model.layers[0]
+        assert merged.self_attn._specdemo_merged.fast and merged.mlp._specdemo_merged.fast
+    finally:
+        kernels.unfuse_rope()  # process-wide: later tests compare with transformers' own
     assert cache_root(Runtime(cache_dir=str(tmp_path))) == tmp_path
 
 

@@ -323,13 +323,14 @@ def _from_pretrained(spec: str, path: str, dev: torch.device, dt: torch.dtype, t
 
 def _fast_kernels(model: torch.nn.Module, dev: torch.device, dt: torch.dtype, runtime: Runtime) -> None:
     """The few-row CPU products (kernels.patch_linears) where they apply, then merged q/k/v and gate/up products
-    (kernels.merge_projections) and q and k's RoPE together (kernels.fuse_rope), CUDA's fused RMSNorm
-    (kernels.fuse_norms) and attention setting; says why not."""
+    (kernels.merge_projections) and q and k's RoPE together (kernels.fuse_rope) on CUDA or where the runtime says on,
+    CUDA's fused RMSNorm (kernels.fuse_norms) and attention setting; says why not."""
     if runtime.fast_linear and kernels.enabled_for(dev, dt):
         kernels.patch_linears(model)
     elif runtime.fast_linear:
         log.info("fast CPU linears not used: the model computes on %s in %s (they serve float32 on the CPU)", dev, dt)
-    if runtime.merge_projections:
+    merge = runtime.merge_projections
+    if merge == "on" or (merge == "auto" and dev.type == "cuda"):
         log.info("merged products: %d groups (q/k/v, gate/up); joint RoPE installed in %d modules",
                  kernels.merge_projections(model), kernels.fuse_rope())
     if dev.type == "cuda":
