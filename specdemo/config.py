@@ -377,7 +377,7 @@ class Runtime:
     cache_dir: str | None = None  # converted models; None: $XDG_CACHE_HOME/specdemo or ~/.cache/specdemo
     fast_linear: bool = True  # the few-row CPU products of specdemo.models.kernels, for float32 models on the CPU
     # q/k/v and gate/up as one product each and RoPE's q and k together (kernels.merge_projections, fuse_rope):
-    # auto on CUDA only (on the CPU transformers' generate gained more from them than our loop: docs/notes/kernels.md)
+    # auto: on CUDA only (on the CPU a prefill got slower and our AR's lead over generate shrank: notes/kernels.md)
     merge_projections: str = "auto"
     cudnn_sdpa: bool = False  # keep cuDNN among CUDA's attention backends (see kernels.plan_free_attention)
     hub_offline: bool = False  # never try the model hub

@@ -1,8 +1,8 @@
 """Llama-style attention's q, k and v projections as one product, and its MLP's gate and up projections as one: a
 layer's seven products become four. On CUDA each is a kernel fewer for a captured pass to replay; on the 2-core CPU
 a 3-17-token pass of the bundled model took 8-10% less (each product costs a call and a thread fork beside its
-arithmetic), but transformers' `generate` gained more than our loop, whose baseline check then failed, so models
-load with it on CUDA only unless the runtime says otherwise (docs/notes/kernels.md).
+arithmetic), but a prefill more, and our loop's lead over transformers' `generate` shrank, so models load with it on
+CUDA only unless the runtime says otherwise (docs/notes/kernels.md).
 
 The parts' weights become row blocks (views) of the merged weight, so nothing is duplicated and a write into a
 part (load_state_dict) is a write into the merged weight. transformers' attention forward calls q_proj, k_proj and
