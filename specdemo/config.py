@@ -376,6 +376,7 @@ class Runtime:
 
     cache_dir: str | None = None  # converted models; None: $XDG_CACHE_HOME/specdemo or ~/.cache/specdemo
     fast_linear: bool = True  # the few-row CPU products of specdemo.models.kernels, for float32 models on the CPU
+    native_linear: bool = True  # ...compiled for this CPU where a C++ compiler is found (kernels.native)
     # q/k/v and gate/up as one product each and RoPE's q and k together (kernels.merge_projections, fuse_rope):
     # auto: on CUDA only (on the CPU a prefill got slower and our AR's lead over generate shrank: notes/kernels.md)
     merge_projections: str = "auto"
@@ -398,10 +399,12 @@ def _switch(value: str | None) -> str:
 
 
 def runtime_from_env(env: Mapping[str, str]) -> Runtime:
-    """SPECDEMO_CACHE (else XDG_CACHE_HOME/specdemo), SPECDEMO_FAST_LINEAR=0, SPECDEMO_MERGE=1|0, SPECDEMO_CUDNN_SDPA=1,
+    """SPECDEMO_CACHE (else XDG_CACHE_HOME/specdemo), SPECDEMO_FAST_LINEAR=0, SPECDEMO_NATIVE_LINEAR=0,
+    SPECDEMO_MERGE=1|0, SPECDEMO_CUDNN_SDPA=1,
     HF_HUB_OFFLINE, HF_ENDPOINT, SPECDEMO_GRAPHS (auto, on, off or compiled)."""
     cache = env.get("SPECDEMO_CACHE") or (f"{env['XDG_CACHE_HOME']}/specdemo" if env.get("XDG_CACHE_HOME") else None)
     return Runtime(cache_dir=cache, fast_linear=_flag(env.get("SPECDEMO_FAST_LINEAR"), True),
+                   native_linear=_flag(env.get("SPECDEMO_NATIVE_LINEAR"), True),
                    merge_projections=_switch(env.get("SPECDEMO_MERGE")),
                    cudnn_sdpa=_flag(env.get("SPECDEMO_CUDNN_SDPA"), False),
                    hub_offline=_flag(env.get("HF_HUB_OFFLINE"), False),

@@ -344,7 +344,7 @@ def load_eagle3(spec: str | Path, target_loaded, runtime: Runtime = Runtime()) -
     head, meta = load_head(folder, target_loaded.model)
     fast = getattr(target_loaded, "fast_linear", True)
     if fast and kernels.enabled_for(head.norm.weight.device, head.norm.weight.dtype):
-        kernels.patch_linears(head)
+        kernels.patch_linears(head, native=getattr(target_loaded, "native", None))
     attach(head, runtime.graphs)
     chain = (meta.get("metrics") or {}).get("chain") or []
     return Eagle3Drafter(head, recorded_k(folder), float(meta.get("min_confidence", 0.0)),

@@ -52,6 +52,7 @@ class LoadedModel:
     fast_linear: bool = True  # config.Runtime.fast_linear at load: kernels' few-row products where they apply (a
     # draft head bound to this target follows suit)
     placement: Placement = Placement()  # the device map it was loaded with (none: all of it on `device`)
+    native: object = None  # the compiled few-row kernel its linears use (kernels.native.Native), if any
 
     def where(self) -> dict:
         """Where each part lives (placement.model_placement): the result JSON's placement of this model."""
@@ -276,9 +277,9 @@ def load_model(
                                      "first device more memory (--max-memory)")
         else:
             model.to(dev)
-        _fast_kernels(model, dev, dt, runtime)
+        native = _fast_kernels(model, dev, dt, runtime)
         loaded = LoadedModel(spec, model, tokenizer, dev, dt, source, time.perf_counter() - start,
-                             runtime.fast_linear, placement)
+                             runtime.fast_linear, placement, native)
         _cache[key] = loaded
         log.info("loaded %s from %s on %s (%s) in %.1fs%s", spec, source, dev, dt, loaded.load_seconds,
                  f"; device map {loaded.where()['parts']}" if placement.active else "")
@@ -321,12 +322,15 @@ def _from_pretrained(spec: str, path: str, dev: torch.device, dt: torch.dtype, t
     return model, tokenizer
 
 
-def _fast_kernels(model: torch.nn.Module, dev: torch.device, dt: torch.dtype, runtime: Runtime) -> None:
-    """The few-row CPU products (kernels.patch_linears) where they apply, then merged q/k/v and gate/up products
-    (kernels.merge_projections) and q and k's RoPE together (kernels.fuse_rope) on CUDA or where the runtime says on,
-    CUDA's fused RMSNorm (kernels.fuse_norms) and attention setting; says why not."""
+def _fast_kernels(model: torch.nn.Module, dev: torch.device, dt: torch.dtype, runtime: Runtime):
+    """The few-row CPU products (kernels.patch_linears; compiled for this CPU where runtime.native_linear and a
+    compiler allow) where they apply, then merged q/k/v and gate/up products (kernels.merge_projections) and q and k's
+    RoPE together (kernels.fuse_rope) on CUDA or where the runtime says on, CUDA's fused RMSNorm (kernels.fuse_norms)
+    and attention setting; says why not. Returns the compiled kernel, if one is used."""
+    native = None
     if runtime.fast_linear and kernels.enabled_for(dev, dt):
-        kernels.patch_linears(model)
+        native = kernels.native_kernel(cache_root(runtime) / "kernels") if runtime.native_linear else None
+        kernels.patch_linears(model, native=native)
     elif runtime.fast_linear:
         log.info("fast CPU linears not used: the model computes on %s in %s (they serve float32 on the CPU)", dev, dt)
     merge = runtime.merge_projections
@@ -336,6 +340,7 @@ def _fast_kernels(model: torch.nn.Module, dev: torch.device, dt: torch.dtype, ru
     if dev.type == "cuda":
         log.info("fused RMSNorm on %d norms", kernels.fuse_norms(model))
     kernels.plan_free_attention(dev, keep_cudnn=runtime.cudnn_sdpa)
+    return native
 
 
 def is_loaded(spec: str) -> bool:

@@ -71,7 +71,7 @@ def run_batch_bench(bc: BenchConfig) -> dict:
                      placement=bc.placement, drafter_options=bc.drafter_options)
     prompt_ids = [encode_prompt(pair.target.tokenizer, it.prompt, config.use_chat_template) for it in items]
     rows = len(shared_rows(prompt_ids, sizes))
-    machine = machine_info(pair.target.device, pair.target.dtype)
+    machine = machine_info(pair.target.device, pair.target.dtype, pair.target.native)
     total = len(sizes) + sum(min(rows // b, bc.max_batches or rows) for b in sizes)
     sweep = None
     # every batch size decodes the same rows: none leaves an answer in a suffix drafter's cache for another to draft

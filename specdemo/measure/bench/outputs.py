@@ -81,7 +81,8 @@ def markdown(report: dict) -> str:
         + (f"draft trees (--tree {c['tree']['setting']}): {c['tree']['note']}; {c['tree']['tree_steps']} of "
            f"{c['tree']['drafted_steps']} steps verified a tree\n\n" if c.get("tree") else "") +
         f"machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), "
-        f"{m['device']} {m['dtype']}, torch {m['torch']}, transformers {m['transformers']}; "
+        f"{m['device']} {m['dtype']}{', linear products ' + m['linears'] if m.get('linears') else ''}, "
+        f"torch {m['torch']}, transformers {m['transformers']}; "
         f"load average {fmt((m.get('load_average_start') or [None])[0])} at start, "
         f"{fmt((m.get('load_average_end') or [None])[0])} at end\n\n"
         f"Speedup = total autoregressive seconds / total speculative seconds (wall clock, perf_counter); "

@@ -106,8 +106,9 @@ class BenchConfig:
         return starting_k(self.drafter_kind, self.target, self.draft, self.runtime)
 
 
-def machine_info(device: torch.device, dtype: torch.dtype) -> dict:
-    """CPU model, cores, threads, library versions, device and dtype."""
+def machine_info(device: torch.device, dtype: torch.dtype, native=None) -> dict:
+    """CPU model, cores, threads, library versions, device and dtype, and which kernel computed the linear products
+    on a CPU (`native`: the loaded model's compiled kernel, kernels.native, if any)."""
     import transformers
 
     cpu = platform.processor() or ""
@@ -126,6 +127,9 @@ def machine_info(device: torch.device, dtype: torch.dtype) -> dict:
     }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
+    else:
+        info["linears"] = (f"compiled for this CPU, {native.vector_width} floats a vector" if native is not None
+                           else "torch's")
     if hasattr(os, "getloadavg"):
         info["load_average_start"] = list(os.getloadavg())
     return info
@@ -339,7 +343,7 @@ def run_bench(bc: BenchConfig) -> dict:
     draft_mods = list({id(m): m for m in drafter_modules(pair.drafter)}.values())  # an assistant is one of these
     timers = (ForwardTimer(target_modules(pair.target.model), device),
               ForwardTimer(draft_mods, device) if draft_mods else None)
-    machine = machine_info(device, pair.target.dtype)
+    machine = machine_info(device, pair.target.dtype, pair.target.native)
     rows: list[dict] = []
     runs: dict[int, list] = {}
     try:

@@ -1,14 +1,16 @@
 """A faster matrix product for the few-token forward passes of decoding on a float32 CPU model, and the attention
 setting that keeps CUDA decoding timings independent of run order. Reads no environment: callers decide whether to
-use either (enabled_for, plan_free_attention's keep_cudnn) from their runtime settings.
+use either (enabled_for, plan_free_attention's keep_cudnn) from their runtime settings, and whether to use the
+compiled kernel (native.build) where one builds.
 """
 
 # Why (the measurements are in docs/notes/kernels.md): on a CPU, `F.linear` on 1-3 rows takes a slow small-matrix path,
 # while `W @ x.T` (made row-major again) is several times faster there; from 3 rows on, a copy of each weight packed
 # once into oneDNN's blocked layout is faster still, so a verify pass of 3-9 tokens costs about what a 3-token one does,
-# which is what makes drafting more than one token worth it on a CPU. Both decoders and transformers' `generate` run
-# the same patched model object, so every timed comparison stays like for like; the result differs from `F.linear`
-# only by float rounding.
+# which is what makes drafting more than one token worth it on a CPU. Where the caller passes the compiled kernel
+# (native.py), it serves every row count instead, 1-9 rows at about one weight stream's cost. Both decoders and
+# transformers' `generate` run the same patched model object, so every timed comparison stays like for like; the
+# result differs from `F.linear` only by float rounding.
 
 from __future__ import annotations
 
@@ -41,21 +43,26 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 class Packed:
     """A weight's packed copy, made again when the weight is replaced or changed in place (its version counter moves:
     load_state_dict, `p.add_` under no_grad; not writes through `.data`). A deepcopy starts empty, so a copied model
-    whose weights are then changed packs its own."""
+    whose weights are then changed packs its own. With `native` (a native.Native), the copy is in that kernel's
+    layout (`is_native`), else oneDNN's, whichever this weight allows."""
 
-    __slots__ = ("key", "tensor")
+    __slots__ = ("key", "tensor", "native", "is_native")
 
-    def __init__(self) -> None:
+    def __init__(self, native=None) -> None:
         self.key: tuple[int, int] | None = None
         self.tensor: torch.Tensor | None = None
+        self.native = native
+        self.is_native = False
 
     def __deepcopy__(self, memo) -> "Packed":
-        return Packed()
+        return Packed(self.native)
 
     def get(self, weight: torch.Tensor) -> torch.Tensor | None:
         key = (weight.data_ptr(), weight._version)
         if key != self.key:
-            self.key, self.tensor = key, pack(weight)
+            tensor = self.native.pack(weight) if self.native is not None else None
+            self.is_native = tensor is not None
+            self.key, self.tensor = key, tensor if tensor is not None else pack(weight)
         return self.tensor
 
 
@@ -65,8 +72,9 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: Packed | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for float32 CPU rows without gradient: (weight @ x.T).T for 1-2 rows, the packed
-    copy of weight (see pack) for 3 or more, (weight @ x.T).T up to MAX_ROWS without one, else F.linear.
+    """F.linear(x, weight, bias) for float32 CPU rows without gradient: the compiled kernel's packed copy for any rows
+    where `packed` holds one (Packed with native); else (weight @ x.T).T for 1-2 rows, oneDNN's packed copy of weight
+    (see pack) for 3 or more, (weight @ x.T).T up to MAX_ROWS without one, else F.linear.
 
     Whether to use it at all (enabled_for) is decided by the callers, once: at load time, or per draft token.
     """
@@ -74,9 +82,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not rows or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32:
         return nn.functional.linear(x, weight, bias)
     # the packed copy is looked up by the weight's address, which torch.compile (--graphs compiled) does not trace
-    if (packed is not None and rows >= 3 and not torch.compiler.is_compiling()
-            and (copy := packed.get(weight)) is not None):
-        return _packed_linear(x, copy, bias)
+    if packed is not None and not torch.compiler.is_compiling() and (copy := packed.get(weight)) is not None:
+        if packed.is_native:
+            return packed.native.linear(x, copy, bias)
+        if rows >= 3:
+            return _packed_linear(x, copy, bias)
     if rows > MAX_ROWS:
         return nn.functional.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
@@ -110,8 +120,9 @@ def available_memory() -> int | None:
     return None
 
 
-def patch_linears(model: nn.Module, packed: bool | None = None) -> int:
-    """Route the model's nn.Linear forwards through the few-row product; returns how many were patched.
+def patch_linears(model: nn.Module, packed: bool | None = None, native=None) -> int:
+    """Route the model's nn.Linear forwards through the few-row product; returns how many were patched. With `native`
+    (native.build's kernel), packed copies are in its layout where a weight's shape allows.
 
     packed=None packs the weights when the copies take at most a quarter of the available memory (they double the
     weights' memory); the copies are made now, and again on first
@@ -127,7 +138,7 @@ def patch_linears(model: nn.Module, packed: bool | None = None) -> int:
         packed = free is None or need <= free // 4
     for module in linears:
         pack_it = packed and id(module) not in offloaded
-        module._specdemo_packed = Packed() if pack_it else None
+        module._specdemo_packed = Packed(native) if pack_it else None
         if pack_it:
             module._specdemo_packed.get(module.weight)
         forward = types.MethodType(_patched_forward, module)

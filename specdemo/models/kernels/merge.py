@@ -44,7 +44,8 @@ class Merged:
         self.ptrs = [p.weight.data_ptr() for p in parts]
         # the few-row CPU product where the parts had it (kernels.patch_linears), packed where they were packed
         self.fast = all(getattr(p, "_specdemo_fast", False) for p in parts)
-        self.packed = Packed() if self.fast and all(getattr(p, "_specdemo_packed", None) for p in parts) else None
+        packs = [getattr(p, "_specdemo_packed", None) for p in parts]
+        self.packed = Packed(packs[0].native) if self.fast and all(packs) else None
         for p in parts:
             if getattr(p, "_specdemo_packed", None) is not None:
                 p._specdemo_packed = None  # a fallback part computes unpacked rather than pack a copy of its view
