@@ -185,15 +185,14 @@ _TREES = "2026-12-04 20:40-21:07 UTC"  # trees against chains, paired (bench/tre
 _SUFFIX_CA = "2026-12-05 08:58-09:13 UTC"  # suffix decoding with and without the cost-aware cut, five rounds each
 _CA_ROUNDS = tuple(f"bench/trees/suffix-k8-ca-{n}" for n in range(1, 6))
 _PLAIN_ROUNDS = tuple(f"bench/trees/suffix-k8-plain-{n}" for n in range(1, 6))
+_NATIVE_TREES = "2026-12-06 06:01-06:08 UTC"  # the trained head's chains against trees, compiled few-row products
+_HEAD_ROUNDS = tuple(f"bench/trees/head-k3-native-{n}" for n in range(1, 6))
 DRAFTER_DEFAULTS: tuple[DrafterDefault, ...] = (
     DrafterDefault("model", 3, Evidence("bench/eagle3/eagle3-k1-3", _ONE_ENGINE, "dev.jsonl"),
-                   # chains: auto measured level with them in the CLI (1.00x and 1.08x, bench/trees/head-k3-*), and the
-                   # page's race with trees missed the CLI's pace (its AR at 0.58-0.79x the CLI's, against 0.92x
-                   # with chains: bench/app-live/trees-default; again 0.78x against 0.93x in
-                   # bench/app-live/page-vs-cli-2026-12-04; docs/notes/trees-cpu-2026-12-04.md); auto sized by the
-                   # run's step costs, five paired rounds: 0.98-1.06x the chains, behind in two
-                   # (bench/trees/head-k3-paired-*)
-                   tree="off", tree_evidence=None),
+                   # auto: with the compiled few-row products a 9-token pass costs about a 2-token one, and auto
+                   # beat the chains in each of five paired rounds, 1.10-1.19x (chains before that kernel: level)
+                   tree="auto", tree_evidence=Evidence(_HEAD_ROUNDS[0], _NATIVE_TREES, "dev.jsonl",
+                                                       rivals=_HEAD_ROUNDS[1:])),
     DrafterDefault("ngram", 4, Evidence("bench/suffix/k-sweep/repetitive-ngram", "2026-12-02 18:14-18:19 UTC",
                                         "repetitive.jsonl"),
                    tree="off", tree_evidence=Evidence("bench/trees/ngram-k4-off-1", _TREES, "dev.jsonl",

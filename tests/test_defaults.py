@@ -259,22 +259,15 @@ def test_each_tree_default_is_what_its_report_measured_best(d):
         assert tree_disagreements(swapped)
 
 
-def test_the_heads_chain_default_rests_on_the_page_and_the_cli_runs():
-    """The trained head starts with chains although auto trees gave it more tokens per pass: in the CLI they ran
-    level with the chain (within 10% in each round of one sitting), and the page's race with them missed the CLI's
-    autoregressive pace by more than the page check allows (0.8), where chains kept within it."""
-    assert drafter_default("model").tree == "off" and drafter_default("model").tree_evidence is None
-    for r in (1, 2):
-        auto, off = report(f"bench/trees/head-k3-auto-{r}"), report(f"bench/trees/head-k3-off-{r}")
-        assert auto["overall"]["mean_accepted"] > off["overall"]["mean_accepted"]
-        assert abs(auto["overall"]["speedup"] / off["overall"]["speedup"] - 1) < 0.1
-    page = json.loads((REPO / "bench/app-live/trees-default/page-vs-cli-default.json").read_text())
-    assert page["page_over_cli"]["ar_tokens_per_s"] < 0.8
-    # measured again, both in one test session: trees under the bound, chains within it
-    again = REPO / "bench/app-live/page-vs-cli-2026-12-04"
-    trees, chains = (json.loads((again / f"page-vs-cli-{c}.json").read_text())["page_over_cli"]
-                     for c in ("head_trees", "default"))
-    assert trees["ar_tokens_per_s"] < 0.8 <= chains["ar_tokens_per_s"]
+def test_the_heads_tree_default_keeps_the_pages_pace():
+    """The trained head starts with auto trees (its five paired CLI rounds: the test above). Before the compiled
+    few-row products its trees ran level with the chains and it started with chains; with them the page's default
+    run, trees now, kept within the page check's bounds (0.8-1.2 of the CLI's speedup and autoregressive pace)."""
+    assert drafter_default("model").tree == "auto"
+    for case in ("default", "head_trees"):
+        page = json.loads((REPO / f"bench/app-live/page-vs-cli-2026-12-06/page-vs-cli-{case}.json").read_text())
+        assert all(0.8 <= page["page_over_cli"][key] <= 1.2 for key in ("speedup", "ar_tokens_per_s")), case
+    assert drafter_default("model").tree_evidence.sitting == "2026-12-06 06:01-06:08 UTC"
 
 
 def test_generate_and_bench_start_each_drafter_with_its_tree_default(capsys):
@@ -289,4 +282,4 @@ def test_generate_and_bench_start_each_drafter_with_its_tree_default(capsys):
         with pytest.raises(SystemExit):
             main(command) if command[0] == "generate" else bench_main(command[1:])
         out = " ".join(capsys.readouterr().out.split())
-        assert "model off, ngram off, hybrid off, suffix auto" in out
+        assert "model auto, ngram off, hybrid off, suffix auto" in out
