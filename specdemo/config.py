@@ -399,8 +399,8 @@ def _switch(value: str | None) -> str:
 
 def runtime_from_env(env: Mapping[str, str]) -> Runtime:
     """SPECDEMO_CACHE (else XDG_CACHE_HOME/specdemo), SPECDEMO_FAST_LINEAR=0, SPECDEMO_NATIVE_LINEAR=0,
-    SPECDEMO_MERGE=1|0, SPECDEMO_CUDNN_SDPA=1,
-    HF_HUB_OFFLINE, HF_ENDPOINT, SPECDEMO_GRAPHS (auto, on, off or compiled)."""
+    SPECDEMO_MERGE=1|0, SPECDEMO_CUDNN_SDPA=1, HF_HUB_OFFLINE, HF_ENDPOINT, SPECDEMO_GRAPHS (auto, on, off or
+    compiled)."""
     cache = env.get("SPECDEMO_CACHE") or (f"{env['XDG_CACHE_HOME']}/specdemo" if env.get("XDG_CACHE_HOME") else None)
     return Runtime(cache_dir=cache, fast_linear=_flag(env.get("SPECDEMO_FAST_LINEAR"), True),
                    native_linear=_flag(env.get("SPECDEMO_NATIVE_LINEAR"), True),

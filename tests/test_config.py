@@ -9,10 +9,11 @@ def test_runtime_from_an_empty_environment_is_the_default():
 
 
 def test_runtime_reads_each_variable():
-    env = {"SPECDEMO_CACHE": "/c", "SPECDEMO_FAST_LINEAR": "0", "SPECDEMO_MERGE": "0", "SPECDEMO_CUDNN_SDPA": "1",
-           "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://mirror:8080"}
-    assert runtime_from_env(env) == Runtime(cache_dir="/c", fast_linear=False, merge_projections="off",
-                                            cudnn_sdpa=True, hub_offline=True, hub_endpoint="http://mirror:8080")
+    env = {"SPECDEMO_CACHE": "/c", "SPECDEMO_FAST_LINEAR": "0", "SPECDEMO_NATIVE_LINEAR": "0", "SPECDEMO_MERGE": "0",
+           "SPECDEMO_CUDNN_SDPA": "1", "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://mirror:8080"}
+    assert runtime_from_env(env) == Runtime(cache_dir="/c", fast_linear=False, native_linear=False,
+                                            merge_projections="off", cudnn_sdpa=True, hub_offline=True,
+                                            hub_endpoint="http://mirror:8080")
     assert runtime_from_env({"XDG_CACHE_HOME": "/x"}).cache_dir == "/x/specdemo"
     assert runtime_from_env({"HF_HUB_OFFLINE": "0"}).hub_offline is False
     assert runtime_from_env({"SPECDEMO_FAST_LINEAR": "1"}).fast_linear is True

@@ -78,6 +78,10 @@ def test_runtime_switches_reach_the_loaded_model(tiny_target, tiny_tok, tmp_path
     assert fast is not plain and fast.fast_linear and not plain.fast_linear
     assert getattr(fast.model.lm_head, "_specdemo_fast", False)
     assert not getattr(plain.model.lm_head, "_specdemo_fast", False)
+    unbuilt = load_model(str(folder), device="cpu", runtime=Runtime(native_linear=False))
+    assert unbuilt.native is None and not unbuilt.model.lm_head._specdemo_packed.is_native
+    if kernels.native.compiler() is not None:  # a compiler on PATH: the compiled kernel serves the packed copies
+        assert fast.native is not None and fast.model.lm_head._specdemo_packed.native is fast.native
     assert not hasattr(fast.model.model.layers[0].self_attn, "_specdemo_merged")
     try:
         merged = load_model(str(folder), device="cpu", runtime=Runtime(merge_projections="on")).model.model.layers[0]

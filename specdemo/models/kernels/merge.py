@@ -46,8 +46,8 @@ class Merged:
         self.fast = all(getattr(p, "_specdemo_fast", False) for p in parts)
         packs = [getattr(p, "_specdemo_packed", None) for p in parts]
         self.packed = Packed(packs[0].native) if self.fast and all(packs) else None
-        for p in parts:
-            if getattr(p, "_specdemo_packed", None) is not None:
+        for p, pack in zip(parts, packs):
+            if pack is not None:
                 p._specdemo_packed = None  # a fallback part computes unpacked rather than pack a copy of its view
         if self.packed is not None:
             self.packed.get(self.weight)
