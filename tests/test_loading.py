@@ -1,16 +1,20 @@
 """Model loading: the bundled model, its cache, devices, and clear refusals."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
 from specdemo.config import Runtime
-from specdemo.measure.compare import make_drafter
+from specdemo.measure.compare import load_pair, make_drafter
 from specdemo.models.loading import (
     ModelLoadError,
     TokenizerMismatchError,
     bundled_gguf_path,
     cache_root,
     check_tokenizers,
+    freeze_heap,
     load_model,
     parse_dtype,
     resolve_device,
@@ -102,3 +106,29 @@ def test_load_tokenizer_reads_the_tokenizer_and_context_without_weights(tiny_tar
     assert not any(key[0] == str(tmp_path) for key in loading._cache)
     with pytest.raises(ModelLoadError, match="unreachable"):
         loading.load_tokenizer("no-such-org/no-such-model", runtime=Runtime(hub_offline=True))
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def test_freeze_heap_keeps_live_objects_from_the_collector_and_frees_frozen_garbage_next_time():
+    """What freeze_heap froze no collection reaches (so none walks a loaded model inside a timed decode); the next
+    freeze_heap first collects what has become garbage among the frozen objects (a model let go)."""
+    obj = _Cycle()
+    ref = weakref.ref(obj)
+    freeze_heap()
+    assert gc.get_freeze_count() > 0 and all(o is not obj for o in gc.get_objects())
+    del obj
+    gc.collect()
+    assert ref() is not None  # frozen: out of the collector's reach
+    freeze_heap()
+    assert ref() is None
+
+
+def test_load_pair_leaves_what_it_loaded_frozen(bundled):
+    gc.unfreeze()
+    pair = load_pair("smollm2-135m", "ngram", device="cpu")
+    model = pair.target.model
+    assert all(o is not model for o in gc.get_objects())

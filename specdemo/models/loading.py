@@ -5,6 +5,7 @@ Knows nothing about decoding. The bundled GGUF is converted once and cached as s
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import logging
@@ -284,6 +285,16 @@ def load_model(
         log.info("loaded %s from %s on %s (%s) in %.1fs%s", spec, source, dev, dt, loaded.load_seconds,
                  f"; device map {loaded.where()['parts']}" if placement.active else "")
         return loaded
+
+
+def freeze_heap() -> None:
+    """Put every object alive now out of the cyclic collector's reach (gc.freeze), after collecting what is garbage,
+    the frozen objects of an earlier call included. Loaded models, their tokenizers and the libraries' modules are
+    some 370,000 tracked objects; a full collection walks them all, 140-180 ms on the 2-core CPU, and fell at random
+    inside timed decodes (docs/notes/trees-cpu-2026-12-04.md). vLLM freezes its heap after warm-up and SGLang offers the same."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
 
 
 def load_device(placement: Placement, device: str | torch.device | None = None) -> torch.device:
