@@ -291,7 +291,8 @@ def freeze_heap() -> None:
     """Put every object alive now out of the cyclic collector's reach (gc.freeze), after collecting what is garbage,
     the frozen objects of an earlier call included. Loaded models, their tokenizers and the libraries' modules are
     some 370,000 tracked objects; a full collection walks them all, 140-180 ms on the 2-core CPU, and fell at random
-    inside timed decodes (docs/notes/trees-cpu-2026-12-04.md). vLLM freezes its heap after warm-up and SGLang offers the same."""
+    inside timed decodes (docs/notes/trees-cpu-2026-12-04.md). vLLM freezes its heap after warm-up; SGLang offers
+    the same."""
     gc.unfreeze()
     gc.collect()
     gc.freeze()
