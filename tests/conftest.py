@@ -98,6 +98,7 @@ def load_time_costs(monkeypatch):
     from specdemo.engine.timing import StepCosts
 
     monkeypatch.setattr(StepCosts, "MIN_SAMPLES", 10**9)
+    monkeypatch.setattr(StepCosts, "MIN_VALUED", 10**9)
 
 
 @pytest.fixture(scope="session")

@@ -49,6 +49,24 @@ def test_preallocated_cache_and_grouped_attention_match_the_stock_path():
     torch.testing.assert_close(fast[:, real.shape[1] :], stock[:, real.shape[1] :], rtol=1e-4, atol=1e-5)
 
 
+@torch.inference_mode()
+def test_several_queries_under_a_mask_attend_over_the_key_value_heads_as_transformers_sdpa_does(monkeypatch):
+    """A verify pass's queries under a 4D mask (4 query heads, 2 key/value heads): grouped_attention gives sdpa's
+    output without copying the keys and values per query head (transformers' repeat_kv is never called)."""
+    from transformers.integrations import sdpa_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, t, 8, generator=g) for h, t in ((4, 5), (2, 12), (2, 12)))
+    mask = torch.rand(2, 1, 5, 12, generator=g) > 0.3
+    mask[..., 0] = True  # every query sees something
+    module = type("Attn", (), {"num_key_value_groups": 2, "is_causal": True})()
+    stock, _ = sdpa_attention.sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", None)  # a call would fail
+    grouped, _ = kernels.grouped_attention(module, q, k, v, mask, scaling=0.3)
+    torch.testing.assert_close(grouped, stock, rtol=1e-6, atol=1e-6)
+    assert grouped.shape == (2, 5, 4, 8) and grouped.is_contiguous()
+
+
 def test_grouped_attention_is_switched_on_only_inside_the_block_and_only_for_sdpa():
     model = tiny_llama(VOCAB, seed=5)
     with kernels.grouped_attention_on(model):

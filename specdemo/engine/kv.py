@@ -188,8 +188,10 @@ class BatchKV:
         inputs = self.inputs(tokens, real, fed) if tree is None else self.tree_inputs(tokens, tree)
         self.width = tokens.shape[1]
         features = None
-        # grouped products only for one query per row: sdpa is faster for a verify pass or a prefill
-        with grouped_attention_on(self.model) if self.grouped and tokens.shape[1] == 1 else contextlib.nullcontext():
+        # grouped products for one query per row where many rows decode (sdpa is faster for a few); several queries
+        # (a verify pass, a prefill) attend over the key/value heads as they are (kernels.decode.grouped_attention)
+        grouped = self.grouped or tokens.shape[1] > 1
+        with grouped_attention_on(self.model) if grouped else contextlib.nullcontext():
             if layers is None:
                 logits = self.model(**inputs, logits_to_keep=keep).logits
             else:

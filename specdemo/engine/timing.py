@@ -191,16 +191,16 @@ def verify_costs(costs: dict[int, float], k_max: int) -> dict[int, float]:
     return out
 
 
-def nondecreasing(values: list[float]) -> list[float]:
-    """The closest non-decreasing sequence in least squares (pool adjacent violators): a wider pass never costs less
-    than a narrower one, so a dip in a few noisy timings is noise."""
-    blocks: list[list[float]] = []  # [mean, size]
-    for v in values:
-        blocks.append([v, 1.0])
+def nondecreasing(values: list[float], weights: list[float] | None = None) -> list[float]:
+    """The closest non-decreasing sequence in (weighted) least squares (pool adjacent violators): a wider pass never
+    costs less than a narrower one, so a dip in a few noisy timings is noise."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for v, w in zip(values, weights or [1.0] * len(values)):
+        blocks.append([v, w, 1])
         while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
-            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
-    return [m for m, n in blocks for _ in range(int(n))]
+            (m2, w2, n2), (m1, w1, n1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    return [m for m, _, n in blocks for _ in range(n)]
 
 
 def verify_costs_for(model, prompts: Sequence[list[int]], k_max: int = MAX_K,
@@ -238,7 +238,8 @@ class StepCosts:
     1.28x: docs/notes/trees-cpu-2026-12-04.md)."""
 
     WINDOW = 24
-    MIN_SAMPLES = 3
+    MIN_SAMPLES = 5  # steps before a width's median counts (at 3, a slow spell at a rarely used width skewed auto)
+    MIN_VALUED = 3  # tokens the branches must be valued at before extra_scale says what they gave
 
     def __init__(self, prior: dict[int, float]):
         self.prior = prior
@@ -253,10 +254,10 @@ class StepCosts:
 
     def extra_scale(self) -> float:
         """What the recent trees' nodes off their chains gave over what they were valued at (1 until they were
-        valued at MIN_SAMPLES tokens in all; within 0.1..2): a drafter whose estimates run high (the trained head's
+        valued at MIN_VALUED tokens in all; within 0.1..2): a drafter whose estimates run high (the trained head's
         joint q did by 17% on the dev prompts) then sizes its trees by what such nodes give."""
         valued = sum(v for v, _ in self.extras)
-        if valued < self.MIN_SAMPLES:
+        if valued < self.MIN_VALUED:
             return 1.0
         return round(min(2.0, max(0.1, sum(g for _, g in self.extras) / valued)), 3)
 
@@ -278,9 +279,13 @@ class StepCosts:
 
     def _worked_out(self) -> dict[int, float]:
         prior = self.prior
-        measured = {w - 1: s for w, s in self.measured().items() if w - 1 in prior or w == 1}
-        if len(measured) < 2:
+        timed = [(w - 1, s, len(self.seconds[w])) for w, s in self.measured().items() if w - 1 in prior or w == 1]
+        if len(timed) < 2:
             return prior
+        # a wider step never costs less: dips pooled, each width weighed by its steps (a width timed a few times in
+        # a slow spell moves its neighbours less than one timed in every step)
+        pooled = nondecreasing([s for _, s, _ in timed], [c for _, _, c in timed])
+        measured = {n: s for (n, _, _), s in zip(timed, pooled)}
         base = {0: 1.0, **prior}
         scale = {n: s / base[n] for n, s in measured.items()}  # seconds per unit of prior cost, where measured
         first = min(scale)
