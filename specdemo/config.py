@@ -181,23 +181,25 @@ class DrafterDefault:
 # The one place a drafter's starting settings are said. The app's presets, generate, bench, Tune k, serve-config and
 # export read them (drafters.resolve.starting_k); docs/benchmarks.md#defaults lists them with their reports.
 _ONE_ENGINE = "2026-12-02 15:23-15:37 UTC"  # the sitting of the README's figures on the one engine
+_HEAD_K = "2026-12-06 08:26-08:31 UTC"  # the trained head's k sweep, rerun on this session's code
 _TREES = "2026-12-04 20:40-21:07 UTC"  # trees against chains, paired (bench/trees, docs/trees.md)
 _SUFFIX_CA = "2026-12-05 08:58-09:13 UTC"  # suffix decoding with and without the cost-aware cut, five rounds each
 _CA_ROUNDS = tuple(f"bench/trees/suffix-k8-ca-{n}" for n in range(1, 6))
 _PLAIN_ROUNDS = tuple(f"bench/trees/suffix-k8-plain-{n}" for n in range(1, 6))
-_NATIVE_TREES = "2026-12-06 06:01-06:08 UTC"  # the trained head's chains against trees, compiled few-row products
-_HEAD_ROUNDS = tuple(f"bench/trees/head-k3-native-{n}" for n in range(1, 6))
+_GQA_TREES = "2026-12-06 08:05-08:16 UTC"  # chains against trees: compiled products, no per-head K/V copies, GC frozen
+_HEAD_ROUNDS = tuple(f"bench/trees/head-k3-gqa-{n}" for n in range(1, 6))
+_SUFFIX_ROUNDS = tuple(f"bench/trees/suffix-k8-gqa-{n}" for n in range(1, 4))
 DRAFTER_DEFAULTS: tuple[DrafterDefault, ...] = (
-    DrafterDefault("model", 3, Evidence("bench/eagle3/eagle3-k1-3", _ONE_ENGINE, "dev.jsonl"),
-                   # auto: with the compiled few-row products a 9-token pass costs about a 2-token one, and auto
-                   # beat the chains in each of five paired rounds, 1.10-1.19x (chains before that kernel: level)
-                   tree="auto", tree_evidence=Evidence(_HEAD_ROUNDS[0], _NATIVE_TREES, "dev.jsonl",
+    DrafterDefault("model", 3, Evidence("bench/eagle3/eagle3-k1-3", _HEAD_K, "dev.jsonl"),
+                   # auto: a 9-token pass costs about a 2-token one with the compiled few-row products, and auto
+                   # beat the chains in each of five paired rounds, 1.11-1.16x (chains before that kernel: level)
+                   tree="auto", tree_evidence=Evidence(_HEAD_ROUNDS[0], _GQA_TREES, "dev.jsonl",
                                                        rivals=_HEAD_ROUNDS[1:])),
     DrafterDefault("ngram", 4, Evidence("bench/suffix/k-sweep/repetitive-ngram", "2026-12-02 18:14-18:19 UTC",
                                         "repetitive.jsonl"),
                    tree="off", tree_evidence=Evidence("bench/trees/ngram-k4-off-1", _TREES, "dev.jsonl",
                                                       rivals=("bench/trees/ngram-k4-auto-1",))),
-    DrafterDefault("hybrid", 8, Evidence("bench/eagle3/eagle3-hybrid-k8", _ONE_ENGINE, "dev.jsonl"),
+    DrafterDefault("hybrid", 8, Evidence("bench/eagle3/eagle3-hybrid-k8", "2026-12-06 08:39-08:41 UTC", "dev.jsonl"),
                    options=Evidence("bench/suffix/hybrid-ngram", "2026-12-02 17:40-17:46 UTC", "dev.jsonl",
                                     rivals=("bench/suffix/hybrid-suffix",)),
                    tree="off", tree_evidence=Evidence("bench/trees/hybrid-k8-off-1", _TREES, "dev.jsonl",
@@ -208,11 +210,11 @@ DRAFTER_DEFAULTS: tuple[DrafterDefault, ...] = (
                    # the cost-aware cut: ahead in each of five paired rounds (chains and auto trees pooled), 1.377x
                    # against 1.330x on average
                    options=Evidence(_CA_ROUNDS[0], _SUFFIX_CA, "repetitive.jsonl", rivals=_PLAIN_ROUNDS),
-                   # trees from every match, cost-aware: auto ahead of the chains in each of five rounds, 1.034x on
-                   # average (8 nodes a little further ahead without the cut, in an earlier sitting, but a fixed
-                   # budget would not follow another target's pass costs)
-                   tree="auto", tree_evidence=Evidence(_CA_ROUNDS[0], _SUFFIX_CA, "repetitive.jsonl",
-                                                    rivals=_CA_ROUNDS[1:])),
+                   # trees from every match, cost-aware: auto ahead of the chains in each of three rounds, 1.04-1.06x
+                   # (8 nodes level with auto or a little ahead, but a fixed budget would not follow another
+                   # target's pass costs)
+                   tree="auto", tree_evidence=Evidence(_SUFFIX_ROUNDS[0], _GQA_TREES, "repetitive.jsonl",
+                                                    rivals=_SUFFIX_ROUNDS[1:])),
 )
 
 

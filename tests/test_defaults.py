@@ -267,7 +267,7 @@ def test_the_heads_tree_default_keeps_the_pages_pace():
     for case in ("default", "head_trees"):
         page = json.loads((REPO / f"bench/app-live/page-vs-cli-2026-12-06/page-vs-cli-{case}.json").read_text())
         assert all(0.8 <= page["page_over_cli"][key] <= 1.2 for key in ("speedup", "ar_tokens_per_s")), case
-    assert drafter_default("model").tree_evidence.sitting == "2026-12-06 06:01-06:08 UTC"
+    assert drafter_default("model").tree_evidence.sitting == "2026-12-06 08:05-08:16 UTC"
 
 
 def test_generate_and_bench_start_each_drafter_with_its_tree_default(capsys):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdemo.config import Runtime
-from specdemo.measure.compare import load_pair, make_drafter
+from specdemo.measure.compare import make_drafter
 from specdemo.models.loading import (
     ModelLoadError,
     TokenizerMismatchError,
@@ -127,8 +127,10 @@ def test_freeze_heap_keeps_live_objects_from_the_collector_and_frees_frozen_garb
     assert ref() is None
 
 
-def test_load_pair_leaves_what_it_loaded_frozen(bundled):
+def test_a_loaded_model_is_left_frozen(tiny_target, tiny_tok, tmp_path):
+    folder = tmp_path / "tiny"
+    tiny_target.save_pretrained(folder)
+    tiny_tok.save_pretrained(folder)
     gc.unfreeze()
-    pair = load_pair("smollm2-135m", "ngram", device="cpu")
-    model = pair.target.model
+    model = load_model(str(folder), device="cpu").model
     assert all(o is not model for o in gc.get_objects())

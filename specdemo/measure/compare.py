@@ -25,7 +25,7 @@ from ..engine import (
     speculative,
 )
 from ..engine.loop import auto_costs, tree_plan
-from ..models.loading import LoadedModel, freeze_heap, load_model
+from ..models.loading import LoadedModel, load_model
 from ..models.placement import draft_head, draft_lm, drafter_device
 from .metrics import (
     PassCosts,
@@ -87,7 +87,6 @@ def load_pair(target: str, kind: str = "model", draft: str | None = None, device
                                                     runtime, drafter_options=drafter_options, shared=shared)
     if draft_lm(drafter) is not None:
         graphs.attach(draft_lm(drafter), runtime.graphs)
-    freeze_heap()  # what is loaded stays: no full collection walks it inside a timed decode
     return Pair(loaded, drafter, kind, draft_name, calibration)
 
 

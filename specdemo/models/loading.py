@@ -282,6 +282,7 @@ def load_model(
         loaded = LoadedModel(spec, model, tokenizer, dev, dt, source, time.perf_counter() - start,
                              runtime.fast_linear, placement, native)
         _cache[key] = loaded
+        freeze_heap()  # a loaded model stays loaded (the cache keeps it): no full collection walks it again
         log.info("loaded %s from %s on %s (%s) in %.1fs%s", spec, source, dev, dt, loaded.load_seconds,
                  f"; device map {loaded.where()['parts']}" if placement.active else "")
         return loaded
@@ -292,7 +293,7 @@ def freeze_heap() -> None:
     the frozen objects of an earlier call included. Loaded models, their tokenizers and the libraries' modules are
     some 370,000 tracked objects; a full collection walks them all, 140-180 ms on the 2-core CPU, and fell at random
     inside timed decodes (docs/notes/trees-cpu-2026-12-04.md). vLLM freezes its heap after warm-up; SGLang offers
-    the same."""
+    the same. Called where a model is loaded (not per request: the collection costs what it saves)."""
     gc.unfreeze()
     gc.collect()
     gc.freeze()
