@@ -276,10 +276,10 @@ open(sys.argv[2],'w').write(''.join(json.dumps(r)+'\n' for r in rows if r.get('c
   # 16 / 32 nodes, k = 6; the chain 1.81)
   stage bench_head_wide_trees_graphs_on "$GC" "${G[@]}" --drafter model --k 6 --tree 16,32 --graphs on \
     --out "$R/graphs-on/head-wide-trees"
-  # suffix decoding's trees (its default: 8 nodes) against its chains on the repetitive prompts, host-grown trees
+  # suffix decoding's trees (its default: auto) against its chains on the repetitive prompts, host-grown trees
   # verified under the captured target
   stage bench_suffix_trees_graphs_on "$GC" "${G[@]}" --prompts specdemo/data/prompts/repetitive.jsonl \
-    --drafter suffix --k 8 --tree off,8,16 --graphs on --out "$R/graphs-on/suffix-trees"
+    --drafter suffix --k 8 --tree off,auto,8,16 --graphs on --out "$R/graphs-on/suffix-trees"
   # sampled chains drawn and verified on the device, read once a step (the head's, at k = 2)
   stage bench_head_sampled_graphs_on "$GC" "${G[@]}" --limit 3 --drafter model --k 2 --temperature 0.7 --graphs on \
     --out "$R/graphs-on/head-sampled"
