@@ -118,7 +118,7 @@ def decode_cache(model, capacity: int, room: int = 0):
     return cache
 
 
-_SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)  # enable_gqa
+_SDPA_GQA = torch.__version__ >= (2, 5)  # sdpa takes enable_gqa (TorchVersion compares with a tuple)
 
 
 def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
