@@ -84,7 +84,7 @@ def test_greedy_follows_the_branch_the_target_agrees_with():
 
 def test_greedy_batch_matches_rows_and_the_chain_rule():
     """Random trees with the tokens the target would pick planted on some branches: the batched walk equals each
-    row's alone (with padding), and on chains it is greedy_accept_batch."""
+    row's alone (with padding) and the device's verdict, and on chains it is greedy_accept_batch."""
     gen = torch.Generator().manual_seed(0)
     vocab, trees, logits = 6, [], []
     for r in range(12):
@@ -103,6 +103,10 @@ def test_greedy_batch_matches_rows_and_the_chain_rule():
     assert (paths, nxt) == tuple(map(list, zip(*[greedy_tree_accept(t, lg[: len(t) + 1]) for t, lg in
                                                  zip(trees, logits)])))
     assert sum(len(p) for p in paths) >= 8  # the planted branches were found
+    # the device's verdict (what a GPU runs) agrees with the host's walk (what a CPU runs)
+    last, device_next = tree_mod.greedy_tree_verdict(TreeBatch.stack(trees, 8), stacked)
+    assert [t.path(e - 1) if e else [] for t, e in zip(trees, last.tolist())] == paths
+    assert device_next.tolist() == nxt
     chains = [r for r, t in enumerate(trees) if t.is_chain()]
     drafted = torch.zeros(len(chains), 8, dtype=torch.long)
     for i, r in enumerate(chains):

@@ -325,3 +325,19 @@ def test_a_trimmed_tree_keeps_each_kept_nodes_own_q():
     tree, tokens, probs, q, values = _as_verified(p, k=1, nodes=4)  # depth 1 only: nodes 0 and 2
     assert tokens == [5, 7] and q == [0.9, 0.7] and probs is None and values == [0.9, 0.5]
     assert _as_verified(Proposal([5, 6, 7], token_probs=[0.9, 0.8, 0.7]), k=2, nodes=0)[3] == [0.9, 0.8]
+
+
+def test_one_rows_path_moves_as_a_batchs_rows_do():
+    """move_slots' one-row copy (index_select then index_copy_) moves what gather and scatter move for each row of a
+    batch, reading before it writes (a slot both read and written)."""
+    from specdemo.engine.kv import move_slots, path_moves
+
+    buf = torch.randn(2, 3, 12, 4)
+    src, dst = path_moves([5, 5], [[0, 2, 3], [0, 3, 1]], torch.device("cpu"))
+    batch = buf.clone()
+    move_slots(batch, src, dst)
+    for r in range(2):
+        row = buf[r : r + 1].clone()
+        move_slots(row, src[r : r + 1], dst[r : r + 1])
+        assert torch.equal(row[0], batch[r])
+    assert torch.equal(batch[1, :, 6], buf[1, :, 8]) and torch.equal(batch[1, :, 7], buf[1, :, 6])

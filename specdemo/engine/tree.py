@@ -162,10 +162,26 @@ def greedy_tree_accept_batch(trees: Sequence[TokenTree], logits: torch.Tensor,
     (accepted nodes along each row's path, next token per row). The path ends at the deepest node whose token and
     every ancestor's equal the target's argmax at its parent (the lowest index among equally deep ones), so the output
     is the target's own greedy output; the next token is the argmax there. `batch`: the trees already stacked."""
-    w = logits.shape[1]
-    batch = batch if batch is not None else TreeBatch.stack(trees, w - 1, logits.device)
-    ends, nxt = torch.stack(greedy_tree_verdict(batch, logits)).tolist()  # the one host sync
+    if logits.device.type == "cpu":  # reads cost nothing here: the argmaxes once, then a walk per row
+        choices = logits.argmax(-1).tolist()
+        ends, nxt = map(list, zip(*(greedy_tree_end(t, c) for t, c in zip(trees, choices)))) if trees else ([], [])
+    else:
+        w = logits.shape[1]
+        batch = batch if batch is not None else TreeBatch.stack(trees, w - 1, logits.device)
+        ends, nxt = torch.stack(greedy_tree_verdict(batch, logits)).tolist()  # the one host sync
     return [t.path(e - 1) if e else [] for t, e in zip(trees, ends)], nxt
+
+
+def greedy_tree_end(tree: TokenTree, choice: Sequence[int]) -> tuple[int, int]:
+    """greedy_tree_verdict for one tree on the host, from the target's argmax at each entry (choice, at least
+    len(tree) + 1 of them): (the accepted path's last entry, 0 for none; the next token)."""
+    good, end = [False] * len(tree), 0
+    depths = tree.depths
+    for j, (a, t) in enumerate(zip(tree.parents, tree.tokens)):
+        good[j] = t == choice[a + 1] and (a < 0 or good[a])
+        if good[j] and (not end or depths[j] > depths[end - 1]):  # deeper only: the lowest index of a depth stays
+            end = j + 1
+    return end, choice[end]
 
 
 def greedy_tree_verdict(batch: TreeBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
