@@ -49,7 +49,7 @@ def test_a_branching_tree_attends_to_its_ancestors_only():
     expected[:, 0] = True
     for j, anc in ancestors.items():
         expected[j + 1, [j + 1] + [a + 1 for a in anc]] = True
-    assert torch.equal(t.attention_mask(), expected)
+    assert torch.equal(t.attention_mask(), expected) and torch.equal(torch.tensor(t.ancestry), expected)
     assert not t.is_chain() and t.distinct_siblings()
 
 
@@ -376,6 +376,9 @@ def test_tree_batch_stacks_padded_rows():
     assert b.tokens.shape == (2, 6) and b.real.sum(1).tolist() == [6, 1]
     assert torch.equal(b.mask[0], BRANCHY.attention_mask()) and b.depths[1].tolist() == [0, 1, 0, 0, 0, 0, 0]
     assert torch.equal(b.mask[1, 2:], torch.eye(7, dtype=torch.bool)[2:])
+    assert torch.equal(b.mask[1, :2, :2], TokenTree.chain([4]).attention_mask()) and not b.mask[1, :2, 2:].any()
+    assert b.tokens[1].tolist() == [4, 0, 0, 0, 0, 0] and b.parents[1].tolist() == [-1] * 6
+    assert TreeBatch.stack([], 3).mask.shape == (0, 4, 4)
 
 
 def test_tree_accept_batch_is_each_row_with_its_own_generator():

@@ -19,7 +19,7 @@ import torch
 
 from ..engine.tree import TokenTree
 from ..engine.verify import generator_on, logits_to_probs
-from ..models.placement import to_device
+from ..models.placement import on_host, to_device
 from .base import DraftRequest, Proposal
 from .trees import branch_out, shifted_costs, tree_budget
 
@@ -125,6 +125,8 @@ def _level(drafter: Eagle3Drafter, trees: list[_Row], request: DraftRequest, dep
         return None
     out = _expand(drafter, trees, feed, width, depth, base, true_valid)  # (B, W, H)
     fed = [(r, j, n) for r, nodes in enumerate(feed) for j, n in enumerate(nodes)]
+    if len(fed) == out.shape[0] * out.shape[1]:  # no padding: every output, in order
+        return [(r, n) for r, _, n in fed], out.reshape(len(fed), out.shape[-1])
     at = to_device([(r, j) for r, j, _ in fed], out.device).T
     return [(r, n) for r, _, n in fed], out[at[0], at[1]]
 
@@ -136,29 +138,29 @@ def _expand(drafter: Eagle3Drafter, trees: list[_Row], feed: list[list[int]], wi
     entry lands (its column in the mask) is the cache's to say (kv.tree_columns)."""
     rows, device = len(trees), drafter.device
     columns, start = drafter.kv.tree_columns(width)
-    inputs = torch.zeros(2, rows, width, dtype=torch.long)  # tokens and positions, the host's, moved at once
-    real = torch.zeros(rows, width, dtype=torch.bool)
+    tokens, positions = [[0] * width for _ in range(rows)], [[0] * width for _ in range(rows)]  # padding: 0s
+    real = [[False] * width for _ in range(rows)]
     seen = [(r, j, start[r] + j) for r in range(rows) for j in range(width)]  # each entry sees itself (padding too)
     where, sources = [], []
     for r, (tree, nodes) in enumerate(zip(trees, feed)):
         for j, n in enumerate(nodes):
             where.append((r, j))
             sources.append(tree.source[n])
-            inputs[0, r, j], inputs[1, r, j], real[r, j] = tree.tokens[n], base[r] + depth - 1, True
+            tokens[r][j], positions[r][j], real[r][j] = tree.tokens[n], base[r] + depth - 1, True
             seen += [(r, j, tree.column[a]) for a in tree.ancestors(tree.parents[n])]
             tree.column[n] = start[r] + j
-    inputs = to_device(inputs, device)
-    hidden = torch.zeros(rows, width, feature_width(trees), dtype=drafter.dtype, device=device)
-    at = to_device(where, device).T
-    hidden[at[0], at[1]] = torch.stack(sources).to(drafter.dtype)  # one gather, not a copy per node
+    inputs = to_device([tokens, positions], device, torch.long)  # the host's lists, moved at once
+    fed = torch.stack(sources).to(drafter.dtype)  # one gather, not a copy per node
+    if len(where) == rows * width:  # no padding (one row): the fed outputs in order are the pass's
+        hidden = fed.view(rows, width, -1)
+    else:
+        hidden = torch.zeros(rows, width, fed.shape[-1], dtype=drafter.dtype, device=device)
+        at = to_device(where, device).T
+        hidden[at[0], at[1]] = fed
     mask = torch.zeros(rows, width, columns, dtype=torch.bool, device=device)
     mask[:, :, : true_valid.shape[1]] = true_valid[:, None, :]
     mask[tuple(to_device(seen, device).T)] = True
-    return drafter._pass(hidden, inputs[0], real, inputs[1], mask[:, None])
-
-
-def feature_width(trees: list[_Row]) -> int:
-    return next(t.source[0].shape[-1] for t in trees if t.source)
+    return drafter._pass(hidden, inputs[0], on_host(real, torch.bool), inputs[1], mask[:, None])
 
 
 def _kept(tree: _Row, nodes: int, pass_costs: dict[int, float] | None, scale: float = 1.0

@@ -107,6 +107,17 @@ class TokenTree:
         """(n+1,) position of each verify entry: `start` (the root's position) plus its depth."""
         return start + torch.tensor((0, *self.depths), dtype=torch.long, device=device)
 
+    @cached_property
+    def ancestry(self) -> tuple[tuple[bool, ...], ...]:
+        """attention_mask's rows as the host's booleans."""
+        rows: list[list[bool]] = []
+        for b in range(len(self) + 1):
+            a = self.parents[b - 1] + 1 if b else -1  # the parent's entry
+            row = list(rows[a]) if a >= 0 else [False] * (len(self) + 1)
+            row[0] = row[b] = True
+            rows.append(row)
+        return tuple(map(tuple, rows))
+
     def attention_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
         """(n+1, n+1) bool, [b, a] = entry b may attend to entry a: a is b itself or one of its ancestors (the root is
         every node's). A chain gives the causal mask."""
@@ -143,17 +154,18 @@ class TreeBatch:
     def stack(cls, trees: Sequence[TokenTree], nodes: int | None = None,
               device: torch.device | str | None = None) -> TreeBatch:
         n = max((len(t) for t in trees), default=0) if nodes is None else nodes
-        tokens = torch.zeros(len(trees), n, dtype=torch.long)
-        parents = torch.full((len(trees), n), -1, dtype=torch.long)
-        real = torch.zeros(len(trees), n, dtype=torch.bool)
-        depths = torch.zeros(len(trees), n + 1, dtype=torch.long)
-        mask = torch.eye(n + 1, dtype=torch.bool).repeat(len(trees), 1, 1)
-        for r, t in enumerate(trees):
-            m = len(t)
-            tokens[r, :m], parents[r, :m], real[r, :m] = torch.tensor(t.tokens), torch.tensor(t.parents), True
-            depths[r, 1 : m + 1] = torch.tensor(t.depths)
-            mask[r, : m + 1, : m + 1] = t.attention_mask()
-        return cls(*(to_device(x, device) for x in (tokens, parents, real, depths, mask)))  # no wait
+        b, tokens, parents, real, depths, mask = len(trees), [], [], [], [], []
+        for t in trees:  # Python lists, made tensors once each (a tensor op per row and field costs more here)
+            m, pad = len(t), n - len(t)
+            tokens += [*t.tokens, *[0] * pad]
+            parents += [*t.parents, *[-1] * pad]
+            real += [True] * m + [False] * pad
+            depths += [0, *t.depths, *[0] * pad]
+            mask += [v for row in t.ancestry for v in (*row, *[False] * pad)]
+            mask += [j == i for i in range(m + 1, n + 1) for j in range(n + 1)]  # padding sees only itself
+        return cls(to_device(tokens, device, torch.long).view(b, n), to_device(parents, device, torch.long).view(b, n),
+                   to_device(real, device, torch.bool).view(b, n), to_device(depths, device, torch.long).view(b, n + 1),
+                   to_device(mask, device, torch.bool).view(b, n + 1, n + 1))  # no wait
 
 
 def greedy_tree_accept_batch(trees: Sequence[TokenTree], logits: torch.Tensor,
