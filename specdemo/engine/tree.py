@@ -109,7 +109,8 @@ class TokenTree:
 
     @cached_property
     def ancestry(self) -> tuple[tuple[bool, ...], ...]:
-        """attention_mask's rows as the host's booleans."""
+        """(n+1) rows of (n+1) booleans, [b][a] = entry b may attend to entry a: a is b itself or one of its ancestors
+        (the root is every node's). A chain gives the causal mask. On the host: TreeBatch.stack pads them."""
         rows: list[list[bool]] = []
         for b in range(len(self) + 1):
             a = self.parents[b - 1] + 1 if b else -1  # the parent's entry
@@ -119,15 +120,8 @@ class TokenTree:
         return tuple(map(tuple, rows))
 
     def attention_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
-        """(n+1, n+1) bool, [b, a] = entry b may attend to entry a: a is b itself or one of its ancestors (the root is
-        every node's). A chain gives the causal mask."""
-        n = len(self)
-        mask = torch.eye(n + 1, dtype=torch.bool)
-        mask[:, 0] = True
-        for j, a in enumerate(self.parents):
-            if a >= 0:
-                mask[j + 1] |= mask[a + 1]
-        return mask.to(device)
+        """`ancestry` as an (n+1, n+1) bool tensor."""
+        return to_device(self.ancestry, device, torch.bool)
 
     def select(self, nodes: Sequence[int]) -> TokenTree:
         """The tree of these nodes only (every kept node's parent kept too), in their original order."""
