@@ -6,12 +6,17 @@ prompt, so a slow spell of a shared machine falls on all of them.
     python scripts/tree_step_costs.py off:3 auto:3 8:3 6:3 --out bench/trees/step-costs     # about 3 minutes
 
 Each setting is TREE:K (TREE as --tree: off, auto or a node budget). What it answers: whether a tree's extra tokens
-per pass pay for its wider verify pass and its wider draft steps on this machine.
+per pass pay for its wider verify pass and its wider draft steps on this machine. Suffix decoding on its workload, one
+round (a second would draft from the first round's answers, which its cache of earlier answers then holds):
+
+    python scripts/tree_step_costs.py off:8 8:8 --drafter suffix --prompt-file \
+        specdemo/data/prompts/repetitive.jsonl --prompts 15 --rounds 1                    # about a minute
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -31,7 +36,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("settings", nargs="+", help="TREE:K, e.g. off:3 auto:3 8:3")
     ap.add_argument("--drafter", default="model")
-    ap.add_argument("--prompts", type=int, default=8, help="the first N prompts of the in-repo prompt set")
+    ap.add_argument("--prompts", type=int, default=8, help="the first N prompts of the prompt file")
+    ap.add_argument("--prompt-file", default=str(DEFAULT_PROMPTS), help="a JSONL prompt set (default: the dev set)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default="out/tree-step-costs")
@@ -39,7 +45,7 @@ def main() -> None:
 
     pair = load_pair("smollm2-135m", args.drafter, device="cpu")
     target, drafter = pair.target, pair.drafter
-    prompts = [encode_prompt(target.tokenizer, p.prompt) for p in read_prompts(DEFAULT_PROMPTS, args.prompts)]
+    prompts = [encode_prompt(target.tokenizer, p.prompt) for p in read_prompts(args.prompt_file, args.prompts)]
     settings = [(s.split(":")[0], int(s.split(":")[1])) for s in args.settings]
     configs = {s: GenerationConfig(max_new_tokens=args.max_new_tokens, num_draft_tokens=s[1], tree=s[0])
                for s in settings}
@@ -54,15 +60,18 @@ def main() -> None:
                 t_fwd = ForwardTimer([target.model.model, target.model.lm_head])
                 h_fwd = ForwardTimer(head)
                 t0, total = time.perf_counter(), totals[s]
-                for e in decode(target.model, target.tokenizer, [ids], configs[s], drafter):
-                    step = e.steps[0]
-                    if e.kind == "spec":
-                        total["steps"] += 1
-                        total["tokens"] += len(step.tokens)
-                        total["draft_s"] += e.draft_seconds
-                        total["verify_s"] += e.verify_seconds
-                    elif e.kind == "prefill":
-                        t_fwd.seconds = 0.0  # the prompt's pass is no step's
+                # what the drafter keeps across requests (suffix decoding's earlier answers) learns each prompt once,
+                # from the last setting, as in the bench
+                with drafter.paused() if s != settings[-1] else contextlib.nullcontext():
+                    for e in decode(target.model, target.tokenizer, [ids], configs[s], drafter):
+                        step = e.steps[0]
+                        if e.kind == "spec":
+                            total["steps"] += 1
+                            total["tokens"] += len(step.tokens)
+                            total["draft_s"] += e.draft_seconds
+                            total["verify_s"] += e.verify_seconds
+                        elif e.kind == "prefill":
+                            t_fwd.seconds = 0.0  # the prompt's pass is no step's
                 total["wall_s"] += time.perf_counter() - t0
                 total["target_s"] += t_fwd.read()[0]
                 total["head_s"] += h_fwd.read()[0]
@@ -80,6 +89,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"what": __doc__.splitlines()[0], "drafter": args.drafter, "prompts": len(prompts),
+              "prompt_file": args.prompt_file,
               "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
               "pass_costs_at_load": getattr(drafter, "pass_costs", None), "rows": rows,
               # what --tree auto sized trees by at the end: the load-time costs corrected by the steps it timed
