@@ -1,6 +1,7 @@
 """--tree auto sized by the run's own steps (engine.timing.StepCosts): the load-time pass costs corrected by what steps
-of each verify width took, and a run whose wide passes cost far more than the load-time costs said stops drafting
-trees once it has timed them, with the target's greedy output all along."""
+of each verify width took beside steps of other widths (the ratios of neighbouring steps), and a run whose wide passes
+cost far more than the load-time costs said stops drafting trees once it has timed them, with the target's greedy
+output all along."""
 
 import time
 
@@ -14,21 +15,22 @@ from specdemo.engine.timing import StepCosts, step_costs
 
 
 def timed(costs: StepCosts, seconds: dict[int, float], times: int = StepCosts.MIN_SAMPLES) -> StepCosts:
+    """Each width's step taking its seconds, the widths in turn, `times` rounds."""
     for _ in range(times):
         for width, s in seconds.items():
             costs.add(width, s)
     return costs
 
 
-def test_costs_are_the_prior_until_two_widths_are_timed_enough():
+def test_costs_are_the_prior_until_two_widths_are_timed_enough_beside_each_other():
     prior = {n: 1.0 + 0.1 * n for n in range(1, 9)}
     costs = StepCosts(prior)
     assert costs.costs() == prior
     timed(costs, {4: 0.05}, times=10)  # one width: nothing to compare it with
-    timed(costs, {9: 0.09}, times=StepCosts.MIN_SAMPLES - 1)  # another, too few times
+    timed(costs, {9: 0.09}, times=StepCosts.MIN_SAMPLES)  # another, after it: one ratio, the machine or the width?
     assert costs.costs() == prior
-    costs.add(9, 0.09)
-    assert costs.costs() != prior
+    timed(costs, {4: 0.05, 9: 0.09}, times=1)  # side by side: MIN_PAIRS ratios
+    assert costs.costs()[8] / costs.costs()[3] == pytest.approx(0.09 / 0.05, abs=1e-3)
 
 
 def test_measured_widths_take_the_measured_ratio_and_the_rest_follow_their_neighbours():
@@ -54,25 +56,42 @@ def test_a_timed_one_token_step_makes_the_costs_wholly_measured_and_dips_are_poo
     assert out[4] == pytest.approx(3.0, abs=1e-3) and out[1] == pytest.approx(1.45, abs=1e-3)  # between 1 and 1.9
 
 
-def test_a_width_timed_a_few_times_in_a_slow_spell_is_pooled_by_its_steps():
-    """Widths timed in every step (5 and 12 drafted tokens, 44 and 50 ms) and one between them timed a few times in a
-    slow spell (7 drafted, 55 ms): the dip is pooled by steps, 7 to 12 at 51 ms, where pooling them one for one put
-    them at 52.5 (and so a spell at a rarely used width made every wider tree look as dear as the widest, what made
-    --tree auto jump between the chain's width and its widest trees on the 2-core CPU, 2026-12-06)."""
+def test_a_dear_width_timed_a_few_times_is_pooled_by_its_steps():
+    """Widths timed in every step (5 and 12 drafted tokens, 44 and 50 ms) and one between them timed a few times at
+    55 ms, between steps of the others: the dip is pooled by steps, 7 to 12 at 51 ms, where pooling them one for one
+    put them at 52.5 (and so a rarely used width made every wider tree look as dear as the widest, what made --tree
+    auto jump between the chain's width and its widest trees on the 2-core CPU, 2026-12-06)."""
     prior = {n: 1.0 for n in range(1, 13)}
     costs = timed(StepCosts(prior), {6: 0.044, 13: 0.050}, times=StepCosts.WINDOW)
-    out = timed(costs, {8: 0.055}).costs()
+    for _ in range(StepCosts.MIN_SAMPLES):
+        timed(costs, {6: 0.044, 8: 0.055, 13: 0.050}, times=1)
+    out = costs.costs()
     few, many = StepCosts.MIN_SAMPLES, StepCosts.WINDOW
     pooled = (0.055 * few + 0.050 * many) / (few + many)
     assert out[12] / out[5] == pytest.approx(pooled / 0.044, abs=1e-3)
     assert out[7] == out[12]
 
 
+def test_the_machines_pace_prices_no_width():
+    """Steps compare with their neighbours, not with every step of other widths: widths 6 and 13 timed side by side
+    at 44 and 50 ms, then the machine 1.4x slower for a spell in which only width 8 (46 ms at the usual pace) and 13
+    are timed, then back at its pace with only width 6. Width 8 is costed at its own cost between them, where each
+    width's latest steps priced it as the spell (64 ms, above width 13)."""
+    prior = {n: 1.0 for n in range(1, 13)}
+    costs = timed(StepCosts(prior), {6: 0.044, 13: 0.050}, times=StepCosts.WINDOW)
+    timed(costs, {8: 1.4 * 0.046, 13: 1.4 * 0.050})
+    timed(costs, {6: 0.044}, times=StepCosts.WINDOW)
+    out = costs.costs()
+    assert out[7] / out[5] == pytest.approx(0.046 / 0.044, abs=1e-3)
+    assert out[12] / out[5] == pytest.approx(0.050 / 0.044, abs=1e-3)
+
+
 def test_the_window_follows_the_machine():
-    """Only the last WINDOW steps of a width count: a width that got slower is costed at its new pace."""
-    costs = timed(StepCosts({n: 1.0 for n in range(1, 9)}), {4: 0.05, 9: 0.05}, times=StepCosts.WINDOW)
+    """Only the last WINDOW ratios of a pair of widths count: a width that got dearer beside another is costed at
+    its new cost."""
+    costs = timed(StepCosts({n: 1.0 for n in range(1, 9)}), {4: 0.05, 9: 0.05})
     assert costs.costs()[8] == pytest.approx(1.0, abs=1e-3)
-    timed(costs, {9: 0.10}, times=StepCosts.WINDOW)
+    timed(costs, {4: 0.05, 9: 0.10}, times=StepCosts.WINDOW)
     assert costs.costs()[8] == pytest.approx(2.0, abs=1e-3)
 
 

@@ -218,6 +218,8 @@ class _Run:
                                                                           and getattr(runner, "capture", False)))
         # under --tree auto: what steps cost by width, as this drafter's runs have measured them so far
         self.costs = auto_costs(drafter, len(prompts), config) if self.tree.by_cost else None
+        if self.costs is not None:
+            self.costs.restart()
         self.width = self.tree.nodes  # under --tree auto with one read a step: the next pass's nodes (auto_width)
 
     def warm(self, widths: Sequence[int], prompts: Sequence[list[int]]) -> None:

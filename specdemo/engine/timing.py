@@ -9,6 +9,7 @@ Knows models only as callables with a KV cache; no decoding, no metrics.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 import weakref
@@ -229,21 +230,29 @@ class StepCosts:
     """What steps cost by their verify width as a run goes, the costs that size draft trees under --tree auto.
 
     Each speculative step's seconds (drafting and verifying: a wider tree costs the drafter more too) are kept by
-    width, the last WINDOW per width. `costs()` is the load-time pass costs (`prior`, {n: an (n+1)-token pass over a
-    1-token one}) with the measured widths' costs put in their place: once two widths have MIN_SAMPLES steps, a
-    width's cost over the narrowest measured one is the ratio of their median step seconds; a width between measured
-    ones keeps the prior's ratio to its measured neighbours, one beyond the widest costs at least the line through the
-    two widest measured. So a tree is sized by what steps of its width cost on this machine now, not by a few passes
-    timed at load (on a shared 2-core machine those put a 9-token pass at 1.08x a 2-token one where the runs measured
-    1.28x: docs/notes/trees-cpu-2026-12-04.md)."""
+    width, the last WINDOW per width, and so is the ratio of each step's seconds to the step before it in the same
+    run where the two widths differ (by pair of widths). `costs()` is the load-time pass costs (`prior`, {n: an
+    (n+1)-token pass over a 1-token one}) with the measured widths' costs put in their place: once two widths have
+    MIN_SAMPLES steps and MIN_PAIRS ratios join them to the rest, their costs relative to each other are the
+    least-squares fit of those ratios' medians (in logs); a width between measured ones keeps the prior's ratio to its
+    measured neighbours, one beyond the widest costs at least the line through the two widest measured. So a tree is
+    sized by what steps of its width cost on this machine, not by a few passes timed at load (on a shared 2-core
+    machine those put a 9-token pass at 1.08x a 2-token one where the runs measured 1.28x:
+    docs/notes/trees-cpu-2026-12-04.md).
+    Ratios of neighbouring steps, 40 ms apart, leave out the machine's pace: it drifted by 40% within one bench run on
+    that machine, where the widths' own costs differ by 5%, so comparing each width's latest steps (what this did
+    before, 2026-12-06) priced widths by when they were last timed."""
 
     WINDOW = 24
     MIN_SAMPLES = 5  # steps before a width's median counts (at 3, a slow spell at a rarely used width skewed auto)
     MIN_VALUED = 3  # tokens the branches must be valued at before extra_scale says what they gave
+    MIN_PAIRS = 3  # ratios to its neighbours' steps before a width's cost counts
 
     def __init__(self, prior: dict[int, float]):
         self.prior = prior
         self.seconds: dict[int, deque] = {}
+        self.pairs: dict[tuple[int, int], deque] = {}  # (a, b), a < b: log(seconds at b / seconds at a), next steps
+        self._last: tuple[int, float] | None = None  # this run's last step: (width, seconds)
         self.extras: deque = deque(maxlen=4 * self.WINDOW)  # per tree step: (off-chain value, off-chain tokens)
         self._costs: tuple[dict, dict] | None = None  # (the prior, costs()) until a step is added: asked every step
 
@@ -264,7 +273,42 @@ class StepCosts:
     def add(self, width: int, seconds: float) -> None:
         """One step that verified `width` tokens per row took `seconds`."""
         self.seconds.setdefault(width, deque(maxlen=self.WINDOW)).append(seconds)
+        if self._last is not None and self._last[0] != width and seconds > 0 and self._last[1] > 0:
+            (a, sa), (b, sb) = sorted([self._last, (width, seconds)])
+            self.pairs.setdefault((a, b), deque(maxlen=self.WINDOW)).append(math.log(sb / sa))
+        self._last = (width, seconds)
         self._costs = None
+
+    def restart(self) -> None:
+        """A new run: its first step is not compared with the last run's (other work may have run between them)."""
+        self._last = None
+
+    def relative(self) -> dict[int, float]:
+        """{width: its steps' cost over the narrowest such width's}, for the widths with MIN_SAMPLES steps joined to
+        it by ratios (least squares over the median ratio of each pair of widths, weighed by how many it has)."""
+        ready = {w for w, s in self.seconds.items() if len(s) >= self.MIN_SAMPLES}
+        edges = [(a, b, statistics.median(d), len(d)) for (a, b), d in self.pairs.items() if a in ready and b in ready]
+        joined = {w: sum(n for a, b, _, n in edges if w in (a, b)) for w in ready}
+        edges = [e for e in edges if joined[e[0]] >= self.MIN_PAIRS and joined[e[1]] >= self.MIN_PAIRS]
+        if not edges:
+            return {}
+        anchor = min(w for a, b, _, _ in edges for w in (a, b))
+        logs, linked = {anchor: 0.0}, {anchor}
+        while True:  # the widths joined to the anchor, each first estimated from a joined neighbour
+            new = [(b, logs[a] + d) if a in linked else (a, logs[b] - d) for a, b, d, _ in edges
+                   if (a in linked) != (b in linked)]
+            if not new:
+                break
+            for w, v in new:
+                if w not in linked:
+                    linked.add(w)
+                    logs[w] = v
+        edges = [e for e in edges if e[0] in linked]
+        for _ in range(50):  # Gauss-Seidel on the weighted least squares, the anchor held at 0
+            for w in sorted(linked - {anchor}):
+                num = sum(n * (logs[a] + d if b == w else logs[b] - d) for a, b, d, n in edges if w in (a, b))
+                logs[w] = num / sum(n for a, b, _, n in edges if w in (a, b))
+        return {w: math.exp(v) for w, v in sorted(logs.items())}
 
     def measured(self) -> dict[int, float]:
         """{width: median step seconds} for each width with MIN_SAMPLES steps."""
@@ -279,7 +323,7 @@ class StepCosts:
 
     def _worked_out(self) -> dict[int, float]:
         prior = self.prior
-        timed = [(w - 1, s, len(self.seconds[w])) for w, s in self.measured().items() if w - 1 in prior or w == 1]
+        timed = [(w - 1, s, len(self.seconds[w])) for w, s in self.relative().items() if w - 1 in prior or w == 1]
         if len(timed) < 2:
             return prior
         # a wider step never costs less: dips pooled, each width weighed by its steps (a width timed a few times in
