@@ -293,21 +293,24 @@ class StepCosts:
         if not edges:
             return {}
         anchor = min(w for a, b, _, _ in edges for w in (a, b))
-        logs, linked = {anchor: 0.0}, {anchor}
-        while True:  # the widths joined to the anchor, each first estimated from a joined neighbour
-            new = [(b, logs[a] + d) if a in linked else (a, logs[b] - d) for a, b, d, _ in edges
-                   if (a in linked) != (b in linked)]
-            if not new:
-                break
-            for w, v in new:
-                if w not in linked:
-                    linked.add(w)
-                    logs[w] = v
-        edges = [e for e in edges if e[0] in linked]
-        for _ in range(50):  # Gauss-Seidel on the weighted least squares, the anchor held at 0
-            for w in sorted(linked - {anchor}):
-                num = sum(n * (logs[a] + d if b == w else logs[b] - d) for a, b, d, n in edges if w in (a, b))
-                logs[w] = num / sum(n for a, b, _, n in edges if w in (a, b))
+        linked = {anchor}
+        while grown := {w for a, b, _, _ in edges for w in (a, b) if (a in linked) != (b in linked)} - linked:
+            linked |= grown  # the widths joined to the anchor by ratios
+        index = {w: i for i, w in enumerate(sorted(linked - {anchor}))}
+        lap, rhs = [[0.0] * len(index) for _ in index], [0.0] * len(index)
+        for a, b, d, n in edges:  # the normal equations of sum n (log b - log a - d)^2, the anchor's log held at 0
+            for w, sign in ((a, -1.0), (b, 1.0)):
+                if w in index:
+                    lap[index[w]][index[w]] += n
+                    rhs[index[w]] += sign * n * d
+            if a in index and b in index:
+                lap[index[a]][index[b]] -= n
+                lap[index[b]][index[a]] -= n
+        logs = {anchor: 0.0}
+        if index:
+            solved = torch.linalg.solve(torch.tensor(lap, dtype=torch.float64),
+                                        torch.tensor(rhs, dtype=torch.float64)).tolist()
+            logs.update({w: solved[i] for w, i in index.items()})
         return {w: math.exp(v) for w, v in sorted(logs.items())}
 
     def measured(self) -> dict[int, float]:
