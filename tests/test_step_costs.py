@@ -146,8 +146,8 @@ def test_auto_stops_drafting_trees_once_it_has_timed_wide_passes_as_costly(tiny_
 
 
 def test_reports_give_the_steps_by_width_and_the_costs_auto_sized_by(tiny_target, tiny_tok):
-    """A run's steps by verify width (metrics.step_ms_by_width: what the cost model reads) agree with the drafter's
-    StepCosts, and the bench's tree report under auto gives the costs it sized trees by at the end."""
+    """A run's steps by verify width (metrics.step_ms_by_width) agree with the drafter's StepCosts.measured, and the
+    bench's tree report under auto gives the costs it sized trees by at the end."""
     from specdemo.engine.loop import auto_costs
     from specdemo.measure.bench.run import tree_report
     from specdemo.measure.metrics import step_ms_by_width
