@@ -244,7 +244,7 @@ class StepCosts:
     before, 2026-12-06) priced widths by when they were last timed."""
 
     WINDOW = 24
-    MIN_SAMPLES = 5  # steps before a width's median counts (at 3, a slow spell at a rarely used width skewed auto)
+    MIN_SAMPLES = 5  # steps before a width counts (at 3, a slow spell at a rarely used width skewed auto)
     MIN_VALUED = 3  # tokens the branches must be valued at before extra_scale says what they gave
     MIN_PAIRS = 3  # ratios to its neighbours' steps before a width's cost counts
 
@@ -313,10 +313,6 @@ class StepCosts:
             logs.update({w: solved[i] for w, i in index.items()})
         return {w: math.exp(v) for w, v in sorted(logs.items())}
 
-    def measured(self) -> dict[int, float]:
-        """{width: median step seconds} for each width with MIN_SAMPLES steps."""
-        return {w: statistics.median(s) for w, s in sorted(self.seconds.items()) if len(s) >= self.MIN_SAMPLES}
-
     def costs(self) -> dict[int, float]:
         """{n: what a step verifying n drafted tokens costs, over a 1-token pass}: the prior with the run's measured
         ratios between widths in place (see the class), non-decreasing. Worked out once per step added."""
@@ -334,7 +330,7 @@ class StepCosts:
         pooled = nondecreasing([s for _, s, _ in timed], [c for _, _, c in timed])
         measured = {n: s for (n, _, _), s in zip(timed, pooled)}
         base = {0: 1.0, **prior}
-        scale = {n: s / base[n] for n, s in measured.items()}  # seconds per unit of prior cost, where measured
+        scale = {n: s / base[n] for n, s in measured.items()}  # relative cost per unit of prior cost, where measured
         first = min(scale)
         known = sorted((n, v / scale[first]) for n, v in scale.items())  # corrections, 1 at the narrowest
         (a, ca), (b, cb) = [(n, base[n] * c) for n, c in known[-2:]]  # the two widest measured, as costs
