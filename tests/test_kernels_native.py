@@ -1,6 +1,6 @@
 """The compiled few-row product (specdemo.models.kernels.native, fewrow.cpp): F.linear's result up to rounding at
-every row count, each row's result independent of how many rows share the call, both vector widths, and torch's
-kernels wherever it cannot serve."""
+every row count, each row's result independent of how many rows share the call, both vector widths, float16-valued
+weights streamed as float16 with the same products, and torch's kernels wherever it cannot serve."""
 
 import copy
 import importlib
@@ -63,6 +63,31 @@ def test_the_avx2_build(tmp_path):
     w, x = torch.randn(40, 24), torch.randn(30, 24)
     assert torch.equal(built.linear(x[:1], built.pack(w)), built.linear(x, built.pack(w))[:1])
     torch.testing.assert_close(built.linear(x, built.pack(w)), x @ w.T, rtol=1e-5, atol=1e-5)
+    h = w.half().float()
+    assert built.pack(h).dtype == torch.float16
+    assert torch.equal(built.linear(x, built.pack(h)), built.linear(x, _plain_layout(h, 8)))
+
+
+def _plain_layout(w: torch.Tensor, width: int) -> torch.Tensor:
+    """w packed as the kernel packs float32 weights, whatever values it holds."""
+    n, k = w.shape
+    return w.reshape(n // width, width, k).transpose(1, 2).contiguous()
+
+
+@needs_compiler
+@pytest.mark.parametrize("n,k", [(48, 37), (1536, 576)])
+def test_float16_valued_weights_pack_as_float16_with_the_same_products(nat, n, k):
+    """An EAGLE-3 head's weights come from a float16 checkpoint: they stream at half the bytes, and since widening a
+    float16 is exact, every product is bit for bit what the float32 copy gives, at every row count."""
+    torch.manual_seed(n + k)
+    w = torch.randn(n, k).half().float()
+    packed = nat.pack(w)
+    assert packed.dtype == torch.float16
+    x = torch.randn(40, k)
+    for rows in (1, 2, 3, 9, 14, 15, 17, 40):
+        assert torch.equal(nat.linear(x[:rows], packed), nat.linear(x[:rows], _plain_layout(w, nat.vector_width)))
+    w[3, 5] += 1e-4  # one value a float16 cannot hold: the whole weight stays float32
+    assert nat.pack(w).dtype == torch.float32
 
 
 @needs_compiler
