@@ -3,9 +3,11 @@ scripts/gpu_check.sh): the eager engine's greedy tokens for every drafter and ba
 cache addresses, rollback that writes nothing, rows that hold a fresh prefill, and a step function that compiles
 whole."""
 
+import contextlib
+
 import pytest
 import torch
-from conftest import case, drafter_cases
+from conftest import TEST_DEVICE, case, drafter_cases
 from test_batch import assert_lossless
 from test_engine import test_dynamic_k_is_lossless_and_adapts, test_sampled_distribution_matches_target
 
@@ -211,6 +213,7 @@ def test_the_step_function_compiles_whole(tiny_target):
     assert torch.allclose(compiled, eager, atol=1e-5)
 
 
+@pytest.mark.skipif(TEST_DEVICE.type == "cuda", reason="on CUDA the forward captures")
 def test_a_forward_that_will_not_capture_falls_back_with_one_line(tiny_target, tiny_tok, caplog):
     """A runner asked to capture a forward that cannot be captured (here: no CUDA at all) says why once, runs the
     same static code eagerly from then on, and decodes the eager engine's tokens."""
@@ -299,3 +302,60 @@ def test_passes_padded_to_a_captured_width_give_the_same_tokens(tiny, tiny_tok, 
     monkeypatch.setattr(graphs.Runner, "replay", watched)
     assert tokens() == unpadded
     assert sum(padded) > 5 if kind else not any(padded)  # an autoregressive pass keeps one logit: never padded
+
+
+class _FailingCapture:
+    """torch.cuda.graph whose capture_end raises, as a capture invalidated by a host synchronisation does; like
+    torch's, it leaves its capture stream current then."""
+
+    def __init__(self, graph, pool=None):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+@pytest.mark.skipif(TEST_DEVICE.type == "cuda", reason="stands in for torch.cuda's calls")
+def test_a_capture_that_breaks_restores_the_stream_and_stops_every_runner(tiny_target, monkeypatch, caplog):
+    """A capture that fails after it began (torch 2.11 may then leave its allocator capturing) puts the stream back,
+    says why once, and no runner in the process tries to capture again; they run eagerly and say why. torch.cuda's
+    calls are stand-ins here: this machine has no CUDA (scripts/gpu_check.sh runs the real ones)."""
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    current, set_to = Stream(), []
+    cuda = torch.cuda
+    monkeypatch.setattr(graphs, "_broken", [])
+    for name, value in {"graph_pool_handle": lambda: object(), "Stream": lambda device=None: Stream(),
+                        "stream": lambda s: contextlib.nullcontext(),
+                        "current_stream": lambda device=None: current, "CUDAGraph": object,
+                        "graph": _FailingCapture, "set_stream": set_to.append,
+                        "synchronize": lambda device=None: None}.items():
+        monkeypatch.setattr(cuda, name, value)
+    runner, other = graphs.runner_of(tiny_target), graphs.Runner(object(), capture=True)
+    runs = []
+    with caplog.at_level("WARNING", logger="specdemo.engine.graphs"):
+        with pytest.raises(graphs.CaptureBroken, match="capturing a 1 x 2 pass failed .RuntimeError"):
+            runner.record(torch.device("cuda"), lambda: runs.append(1), "a 1 x 2 pass")
+        assert set_to == [current] and len(runs) == 3  # two warm-up runs, then the one under capture
+        storage = type("S", (), {"graphs": {}, "device": torch.device("cuda")})()
+        assert other.call(storage, ("k",), 1, lambda: (torch.ones(2, 1),), "a head step")[0].shape == (1, 1)
+    assert len(runs) == 3  # the other runner did not try
+    assert not other.capture and graphs.capture_broken() == other.reason
+    assert len([r for r in caplog.records if "failed" in r.message]) == 1
+
+
+def test_a_decode_takes_the_storage_released_last(tiny_target):
+    """A warm-up captures its graphs on a storage and releases it; the timed decode after it must get that storage
+    (with its graphs), not an older free one that also fits."""
+    runner = graphs.runner_of(tiny_target)
+    first, second = runner.acquire(1, 64), runner.acquire(1, 64)
+    runner.release(second)
+    runner.release(first)
+    assert runner.acquire(1, 64) is first
+    runner.release(first)
+    assert runner.acquire(1, 64) is first

@@ -6,6 +6,7 @@ nothing here loads a model's weights.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from bisect import bisect_right
@@ -318,7 +319,8 @@ def friendly_error(exc: Exception) -> str:
 def free_memory(exc: Exception) -> None:
     """After running out of memory, hand CUDA's cached blocks back, so that the next (smaller) request can load."""
     if "out of memory" in friendly_error(exc).lower()[:20] and torch.cuda.is_available():
-        torch.cuda.empty_cache()
+        with contextlib.suppress(RuntimeError):  # torch refuses while a failed capture's pool stays open
+            torch.cuda.empty_cache()
 
 
 KNOWN_ERRORS = (UserError, ModelLoadError, TokenizerMismatchError, GenerationError, ValueError, OOM, MemoryError,

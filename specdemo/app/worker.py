@@ -5,6 +5,7 @@ hold the interpreter lock while a decoder is timed. Knows nothing of models, dec
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import multiprocessing
@@ -130,7 +131,8 @@ def serve(conn, threads: int | None, every: float = SEND_EVERY) -> None:
             conn.send(("end", None))
         except Exception as exc:  # the server says what went wrong; this process keeps serving
             if "out of memory" in str(exc).lower() and torch.cuda.is_available():
-                torch.cuda.empty_cache()  # this process holds the memory, so it hands it back for the next request
+                with contextlib.suppress(RuntimeError):  # refused while a failed capture's pool stays open
+                    torch.cuda.empty_cache()  # this process holds the memory: back for the next request
             if batch:
                 conn.send(("items", batch))
             try:

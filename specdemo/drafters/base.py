@@ -120,7 +120,7 @@ def chain_lengths(tokens: torch.Tensor, sure: torch.Tensor | None, ks: torch.Ten
     if ks is not None:
         kept = kept & (torch.arange(tokens.shape[1], device=tokens.device)[None, :] < ks[:, None])
     if eos is not None:
-        ended = torch.isin(tokens, eos)
+        ended = (tokens[..., None] == eos).any(-1)  # torch.isin may sort and sync (under capture: fails)
         kept = kept & (ended.cumsum(1) == ended)  # nothing after an end of sequence
     return kept.cumprod(1).sum(1)
 

@@ -278,7 +278,7 @@ def _grow(head, storage, inputs: TreeInputs, k: int, min_confidence: float) -> l
     offset = 0
     for depth in range(1, k):
         nodes = levels[-1]
-        blocked = nodes.dead | torch.isin(nodes.tokens, eos) | (ks <= depth)[:, None]
+        blocked = nodes.dead | (nodes.tokens[..., None] == eos).any(-1) | (ks <= depth)[:, None]  # not isin: see base
         key = torch.where(blocked, float("-inf"), nodes.values + CHAIN_FIRST * nodes.chain)
         sel = key.sort(dim=1, descending=True, stable=True).indices[:, :FRONTIER]  # (B, F): the nodes to feed
         fed = _Nodes(tokens=nodes.tokens.gather(1, sel), values=nodes.values.gather(1, sel), q=None,

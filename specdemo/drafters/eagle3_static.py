@@ -61,6 +61,7 @@ class HeadStorage:
         self.level_mask[:, 0, range(LEVEL_WIDTH), range(LEVEL_WIDTH)] = True
         self.trees: dict = {}  # (b, E) -> a tree growth's static inputs (HeadRunner.tree)
         self.busy = False  # held by one drafter at a time
+        self.released = 0  # when it was last released (Runner.acquire takes the latest first)
         self.graphs: dict = {}  # (b,) -> engine.graphs.Captured: the step at that padded batch size
 
     def buffers(self) -> list[torch.Tensor]:

@@ -9,6 +9,7 @@ The engine never knows which runner serves a model: it asks `new_kv` for a cache
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import weakref
@@ -33,6 +34,16 @@ PAD_WIDTHS = "capture"  # pad widths up to WIDTH_BUCKETS: "capture" (where the r
 MAX_STORAGES = 4  # free storages a runner keeps for reuse (each holds its graphs)
 # --graphs compiled: torch.compile's backend for the passes (the tests trace with "aot_eager": no code generated)
 COMPILE_BACKEND = "inductor"
+
+
+class CaptureBroken(RuntimeError):
+    """A capture failed after it began: torch may leave its allocator believing a capture is under way (torch 2.11:
+    capture_end skips ending the pool's allocation when it raises, pytorch#180395), so no runner in this process
+    captures again."""
+
+
+_broken: list[str] = []  # why capture stopped for the whole process, once it has
+_release_order = itertools.count(1)
 
 
 @dataclass
@@ -71,9 +82,10 @@ class Runner:
         return why_not(model, mode)
 
     def acquire(self, rows: int, capacity: int) -> Storage:
-        """A free storage with room for `rows` rows (padded to the ladder) of `capacity` positions; made if none."""
+        """A free storage with room for `rows` rows (padded to the ladder) of `capacity` positions, the one released
+        last first (a warm-up's, whose graphs the decode then replays); made if none."""
         rows = padded_batch(rows) if self.capture else rows
-        for s in self.storages:
+        for s in sorted(self.storages, key=lambda s: -s.released):
             if not s.busy and s.rows >= rows and s.capacity >= capacity:
                 s.busy = True
                 return s
@@ -90,6 +102,7 @@ class Runner:
 
     def release(self, storage: Storage) -> None:
         storage.busy = False
+        storage.released = next(_release_order)
 
     def width(self, t: int, keep: int, graph: bool = True) -> int:
         """The width a pass of t entries runs at: padded up to WIDTH_BUCKETS where widths are padded, for a pass
@@ -148,7 +161,7 @@ class Runner:
             try:
                 storage.graphs[key] = self._capture(storage, *key)
             except Exception as exc:  # noqa: BLE001 - whatever the forward does under capture, eager still works
-                self.capture, self.reason = False, f"its forward did not capture ({type(exc).__name__}: {exc})"
+                self.capture, self.reason = False, f"its forward did not capture ({type(exc).__name__}: {exc})"[:400]
                 log.warning("graph runner: running %s eagerly: %s", type(self.model).__name__, self.reason)
                 storage.graphs.clear()
         return storage.graphs.get(key)
@@ -161,6 +174,8 @@ class Runner:
         if self.capture and key not in storage.graphs:
             try:
                 storage.graphs[key] = self.record(storage.device, fn, what)
+            except CaptureBroken as exc:  # said once, where it broke
+                self.capture, self.reason = False, str(exc)
             except Exception as exc:  # noqa: BLE001 - the same code runs eagerly
                 storage.graphs[key] = None
                 log.warning("graph runner: %s runs eagerly: it did not capture (%s: %s)", what, type(exc).__name__, exc)
@@ -176,7 +191,14 @@ class Runner:
 
     def record(self, device: torch.device, fn, what: str) -> Captured:
         """fn() captured as a CUDA graph in this runner's pool, after warm-up runs on a side stream (as CUDA graphs
-        need); its outputs are the tensors the replays overwrite. Counts the graph and the seconds spent."""
+        need); its outputs are the tensors the replays overwrite. Counts the graph and the seconds spent.
+
+        A failure inside the capture restores the stream and stops capture for the whole process (CaptureBroken). The
+        warm-up runs are not checked for host synchronisations (torch.cuda.set_sync_debug_mode): code may take
+        another path while a stream captures (transformers' mask checks do), and such a check would send a pass
+        that captures well to the eager path."""
+        if _broken:
+            raise CaptureBroken(_broken[0])
         start = time.perf_counter()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
@@ -186,9 +208,15 @@ class Runner:
             for _ in range(2):
                 fn()
         torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = fn()
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.current_stream(device)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = fn()
+        except Exception as exc:
+            torch.cuda.set_stream(stream)  # torch.cuda.graph leaves its capture stream current when capture_end raises
+            _broken.append(f"capturing {what} failed ({type(exc).__name__}: {str(exc)[:200]}); no graphs from then on")
+            log.warning("graph runner: %s", _broken[0])
+            raise CaptureBroken(_broken[0]) from exc
         torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
         self.capture_seconds += seconds
@@ -223,9 +251,15 @@ class Runner:
         """One line for the app's machine check and the logs."""
         passes = " of compiled passes" if self.compile else ""
         if self.capture:
-            why = f"; {self.reason}" if self.reason else ""
+            extra = self.reason or capture_broken()
+            why = f"; {extra}" if extra else ""
             return f"CUDA graphs{passes} ({self.graphs} captured in {self.capture_seconds:.1f}s{why})"
         return f"static KV cache{', compiled passes' if self.compile else ''}, no graphs ({self.reason})"
+
+
+def capture_broken() -> str | None:
+    """Why no runner in this process captures any more (a capture failed after it began), or None."""
+    return _broken[0] if _broken else None
 
 
 def _install_output_hooks(model) -> None:

@@ -147,6 +147,7 @@ class Storage:
         self.cache_argument = with_cache(model, self.cache)  # once: nothing to look up inside a captured pass
         self.eager_mask = model.config._attn_implementation == "eager"  # an additive float mask instead of a bool
         self.busy = False  # held by one decode (or drafter) at a time
+        self.released = 0  # when it was last released (Runner.acquire takes the latest first)
         self.graphs: dict = {}  # (b, T, features) -> engine.graphs.Captured, kept with the addresses they read
         self.inputs: dict = {}  # static inputs of captured code from elsewhere (a draft LM's chain: drafters.model)
 
