@@ -46,3 +46,27 @@ def test_bench_cli_on_the_bundled_model(tmp_path):
     assert report["overall"]["identical_fraction"] == 1.0
     assert report["anchors"]["hf_generate_identical_fraction"] == 1.0
     assert (tmp_path / "bench.md").exists() and (tmp_path / "bench.html").exists()
+    assert not (tmp_path / "rows.partial.jsonl").exists()  # bench.json holds them
+
+
+@pytest.mark.slow
+def test_a_bench_stopped_early_leaves_the_rows_it_measured(tmp_path, monkeypatch):
+    """A run stopped by a time limit (each stage of scripts/gpu_check.sh has one) still leaves every finished
+    prompt's rows, in rows.partial.jsonl."""
+    from specdemo.measure.bench import run
+
+    real, calls = run.bench_prompt, []
+
+    def stopped_at_the_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # as a signal stops it
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(run, "bench_prompt", stopped_at_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        main(["--limit", "2", "--max-new-tokens", "8", "--drafter", "ngram", "--k", "2", "--out", str(tmp_path),
+              "--quiet"])
+    rows = [json.loads(line) for line in (tmp_path / run.PARTIAL_ROWS).read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["identical"] and rows[0]["k"] == 2
+    assert not (tmp_path / "bench.json").exists()

@@ -4,6 +4,7 @@ speculative run at each k and the transformers anchors, one after the other (nev
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import platform
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 
 CALIBRATION_KS = (1, 2, 3, 4, 6, 8)
 DEFAULT_OUT = "out/bench"  # git-ignored; reports cited by the docs are copied to bench/
+PARTIAL_ROWS = "rows.partial.jsonl"  # each prompt's rows while a run goes; removed once bench.json is written
 
 
 @dataclass(frozen=True)
@@ -346,12 +348,19 @@ def run_bench(bc: BenchConfig) -> dict:
     machine = machine_info(device, pair.target.dtype, pair.target.native)
     rows: list[dict] = []
     runs: dict[int, list] = {}
+    # each prompt's rows as they come, so that a run stopped early (a time limit) still leaves what it measured
+    partial = Path(bc.out) / PARTIAL_ROWS
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.write_text("")
     try:
         with tqdm(total=len(items) * len(ks) * len(rules) * len(trees), desc="bench", file=sys.stderr,
                   disable=bc.quiet) as bar:
             for item, ids in zip(items, prompt_ids):
-                rows += bench_prompt(pair, item, ids, ks, config, timers, bc.anchors, runs, bar, tuple(rules),
-                                     bc.suffix_cold, tuple(trees))
+                done = bench_prompt(pair, item, ids, ks, config, timers, bc.anchors, runs, bar, tuple(rules),
+                                    bc.suffix_cold, tuple(trees))
+                with partial.open("a", encoding="utf-8") as f:
+                    f.writelines(json.dumps(row, default=str) + "\n" for row in done)
+                rows += done
     finally:
         for t in timers:
             if t:
@@ -396,4 +405,5 @@ def run_bench(bc: BenchConfig) -> dict:
         cfg.update(pair.calibration.as_dict())
     report = build_report(cfg, machine, rows, theory)
     write_outputs(report, Path(bc.out))
+    partial.unlink(missing_ok=True)  # bench.json holds every row
     return report
