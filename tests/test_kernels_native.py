@@ -91,6 +91,20 @@ def test_float16_valued_weights_pack_as_float16_with_the_same_products(nat, n, k
 
 
 @needs_compiler
+@pytest.mark.skipif(native_module.platform.machine() != "x86_64", reason="builds for plain x86-64")
+def test_a_build_without_f16c_keeps_float16_valued_weights_as_float32(tmp_path):
+    """Where the CPU cannot widen float16 in one instruction (built here for plain x86-64, as a CPU without F16C
+    would be; other architectures likewise), the kernel has no float16 entry and packs every weight as float32."""
+    flags = tuple("-march=x86-64" if f == "-march=native" else f for f in native_module.FLAGS)
+    built = native_module.build(tmp_path, flags)
+    assert built is not None and torch.float16 not in built._run
+    torch.manual_seed(4)
+    h, x = torch.randn(24, 16).half().float(), torch.randn(5, 16)
+    assert built.pack(h).dtype == torch.float32
+    torch.testing.assert_close(built.linear(x, built.pack(h)), x @ h.T, rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
 def test_built_once_per_folder(nat, tmp_path):
     assert kernels.native_kernel(nat.path.parent) is nat
     again = native_module.build.__wrapped__(nat.path.parent)  # another process: finds the file, compiles nothing

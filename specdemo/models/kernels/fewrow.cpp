@@ -2,14 +2,13 @@
 // vector width: 16 floats with AVX-512, else 8. Built for the machine it runs on by native.py (-march=native).
 // W is float32, or float16 where every weight is a float16 value (an EAGLE-3 head's checkpoint): each weight vector
 // is widened to float32 in registers (exact), so the products are bit for bit the float32 kernel's from half the bytes.
+// The float16 entry point exists where the CPU widens in one instruction (x86's F16C); elsewhere only float32's.
 //
 // The weights stream from memory once per call and every streamed vector meets up to MMAX rows while it is in
 // registers, so a 9-row call costs about what a 1-row call does; more rows go in even chunks, each unit of weights
 // meeting every chunk while it is in cache. Each output
 // is one chain of fused multiply-adds over k in order, the same for every M: a row's result does not depend on how
 // many rows share the call, so a verify pass of 9 tokens computes each token's products bit for bit as a 1-token pass.
-#include <immintrin.h>
-
 #include <cstdint>
 #include <cstring>
 
@@ -23,6 +22,12 @@ constexpr int64_t AHEAD = 1024;   // how far ahead (floats) each stream is prefe
 
 typedef float vec __attribute__((vector_size(VW * 4)));
 typedef uint16_t half;  // a float16's bits
+#if defined(__F16C__)
+#include <immintrin.h>
+#define HALVES 1
+#else
+#define HALVES 0
+#endif
 
 template <typename T>
 static inline vec load(const T* p) {
@@ -30,12 +35,13 @@ static inline vec load(const T* p) {
   if constexpr (sizeof(T) == 4) {
     std::memcpy(&v, p, sizeof(vec));
   } else {
-#if defined(__AVX512F__)
+#if HALVES && defined(__AVX512F__)
     __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#else
-    __m256 w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#endif
     std::memcpy(&v, &w, sizeof(vec));
+#elif HALVES
+    __m256 w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    std::memcpy(&v, &w, sizeof(vec));
+#endif
   }
   return v;
 }
@@ -82,8 +88,11 @@ static void fill(unit_fn<T> (*table)[NVMAX + 1]) {
 }
 
 static unit_fn<float> table[MMAX + 1][NVMAX + 1];
+static const bool filled = [] { fill<float, MMAX>(table); return true; }();
+#if HALVES
 static unit_fn<half> table_h[MMAX + 1][NVMAX + 1];
-static const bool filled = [] { fill<float, MMAX>(table); fill<half, MMAX>(table_h); return true; }();
+static const bool filled_h = [] { fill<half, MMAX>(table_h); return true; }();
+#endif
 
 template <typename T>
 static void fewrow(const unit_fn<T> (*tab)[NVMAX + 1], const float* x, const T* wp, float* y, int64_t M, int64_t K,
@@ -112,8 +121,10 @@ void specdemo_fewrow(const float* x, const float* wp, float* y, int64_t M, int64
   fewrow<float>(table, x, wp, y, M, K, N, threads);
 }
 
+#if HALVES
 // the same with W's values stored as float16
 void specdemo_fewrow_h(const float* x, const half* wp, float* y, int64_t M, int64_t K, int64_t N, int threads) {
   fewrow<half>(table_h, x, wp, y, M, K, N, threads);
 }
+#endif
 }
