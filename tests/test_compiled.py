@@ -3,6 +3,8 @@ width; on a GPU inductor's fused kernels, captured as CUDA graphs) give the eage
 that will not compile runs uncompiled with one log line. On the CPU: traced with the "aot_eager" backend (the same
 graphs, no code generated), and once with inductor itself."""
 
+import types
+
 import pytest
 import torch
 from conftest import case
@@ -75,3 +77,25 @@ def test_a_pass_that_will_not_compile_runs_uncompiled_with_one_line(tiny, tiny_t
     for model in (tiny.target, tiny.draft, tiny.eagle3_target):
         graphs.detach(model)
     assert got == eager_tokens(tiny, tiny_tok, "model", 2, config)
+
+
+def test_many_pass_shapes_stay_compiled(compiled, monkeypatch):
+    """Each batch and width of 1 (which dynamic shapes specialise), kept width and set of feature layers is a trace of
+    its own, all of one code object (Storage.run): more than dynamo's default of 8 must not turn compiling off. A
+    stand-in pass of the same signature keeps the 12 traces quick."""
+    def run(storage, b, t, keep, layers, offset=0):
+        out = torch.ones(b, t, 2)[:, t - keep:]  # b, t and keep as sizes, as the pass has them
+        return out if layers is None else out + len(layers), None
+
+    monkeypatch.setattr(graphs, "COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(graphs.Storage, "run", run)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # dynamo's default, whatever ran before
+    runner = compiled[0]
+    storage = types.SimpleNamespace(run=lambda *args: run(None, *args))  # what an uncompiled pass would call
+    for b in (1, 2):
+        for t in (1, 3):
+            for keep in {1, t}:
+                for layers in (None, (0,)):
+                    assert runner.run(storage, b, t, keep, layers)[0].shape == (b, keep, 2)
+    assert runner.compile, runner.reason
+    assert torch._dynamo.config.recompile_limit >= graphs.RECOMPILE_LIMIT

@@ -34,6 +34,9 @@ PAD_WIDTHS = "capture"  # pad widths up to WIDTH_BUCKETS: "capture" (where the r
 MAX_STORAGES = 4  # free storages a runner keeps for reuse (each holds its graphs)
 # --graphs compiled: torch.compile's backend for the passes (the tests trace with "aot_eager": no code generated)
 COMPILE_BACKEND = "inductor"
+# --graphs compiled: traces of Storage.run one process may keep (dynamo's default is 8, and each batch or width of 1,
+# each kept width and each set of feature layers is one; past the limit a fullgraph compile fails)
+RECOMPILE_LIMIT = 64
 
 
 class CaptureBroken(RuntimeError):
@@ -144,6 +147,7 @@ class Runner:
             try:
                 if self.compiled is None:
                     _install_output_hooks(self.model)
+                    _allow_recompiles(RECOMPILE_LIMIT)
                     self.compiled = torch.compile(Storage.run, fullgraph=True, dynamic=True, backend=COMPILE_BACKEND)
                 return self.compiled(storage, b, t, keep, layers, offset)
             except Exception as exc:  # noqa: BLE001 - the uncompiled pass computes the same
@@ -260,6 +264,16 @@ class Runner:
 def capture_broken() -> str | None:
     """Why no runner in this process captures any more (a capture failed after it began), or None."""
     return _broken[0] if _broken else None
+
+
+def _allow_recompiles(limit: int) -> None:
+    """Let dynamo keep at least `limit` traces of a code object (process-wide: recompile_limit, cache_size_limit in
+    older torch)."""
+    import torch._dynamo.config as dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if getattr(dynamo, name, limit) < limit:
+            setattr(dynamo, name, limit)
 
 
 def _install_output_hooks(model) -> None:
