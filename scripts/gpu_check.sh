@@ -97,6 +97,9 @@ stage() {
   local rc=$?
   note "$name: rc=$rc in $(($(date +%s) - t0))s (cap ${cap}s)"
   tail -3 "$R/$name.log" | sed 's/^/    /' | tee -a "$OUT/stages.log"
+  # a runner that fell back to eager code or stopped compiling only logs it: say so where it is read first
+  grep -m3 -E "graph runner: .*(eagerly|failed|uncompiled)" "$R/$name.log" | sed 's/^/    FELL BACK: /' \
+    | tee -a "$OUT/stages.log"
   pack  # after every stage: a call stopped at its limit still brings back what the stages before it measured
   return $rc
 }
