@@ -359,3 +359,36 @@ def test_a_decode_takes_the_storage_released_last(tiny_target):
     assert runner.acquire(1, 64) is first
     runner.release(first)
     assert runner.acquire(1, 64) is first
+
+
+def _production_forward_tokens(tiny_tok, dtype, capture: bool, monkeypatch) -> tuple[list, graphs.Runner]:
+    """Greedy tokens of a fresh tiny llama with the kernels a real model gets at load on its device (merged q/k/v and
+    gate/up products, the joint RoPE, and on CUDA the fused RMSNorm and attention without cuDNN), under the static
+    runner, captured or not, every pass width padded alike; and the runner."""
+    from conftest import WORDS, tiny_llama
+
+    from specdemo.config import Runtime
+    from specdemo.models import kernels
+    from specdemo.models.loading import _fast_kernels
+
+    monkeypatch.setattr(graphs, "PAD_WIDTHS", "always")
+    model = tiny_llama(len(WORDS) + 1, seed=1, sharpness=8.0).to(dtype)
+    _fast_kernels(model, TEST_DEVICE, dtype, Runtime(merge_projections="on"))
+    try:
+        runner = graphs.attach(model, "on")
+        runner.capture = capture and runner.capture
+        config = GenerationConfig(max_new_tokens=24, num_draft_tokens=3, tree="off")
+        return row_outputs(list(decode(model, tiny_tok, PROMPTS[:2], config, NgramDrafter())), 2), runner
+    finally:
+        graphs.detach(model)
+        kernels.unfuse_rope()
+
+
+@pytest.mark.skipif(TEST_DEVICE.type != "cuda", reason="CUDA graphs: scripts/gpu_check.sh runs this (GRAPH_TESTS=1)")
+def test_the_forward_a_real_model_runs_captures(tiny_tok, monkeypatch):
+    """The tiny tests' models are float32 and built directly; a real model on a GPU is bfloat16 with load's kernels.
+    That forward captures, and its replays decode the tokens of the same code uncaptured."""
+    plain, _ = _production_forward_tokens(tiny_tok, torch.bfloat16, False, monkeypatch)
+    captured, runner = _production_forward_tokens(tiny_tok, torch.bfloat16, True, monkeypatch)
+    assert runner.capture and runner.graphs > 0, runner.reason
+    assert captured == plain
