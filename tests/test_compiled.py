@@ -89,13 +89,14 @@ def test_many_pass_shapes_stay_compiled(compiled, monkeypatch):
 
     monkeypatch.setattr(graphs, "COMPILE_BACKEND", "aot_eager")
     monkeypatch.setattr(graphs.Storage, "run", run)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # dynamo's default, whatever ran before
     runner = compiled[0]
     storage = types.SimpleNamespace(run=lambda *args: run(None, *args))  # what an uncompiled pass would call
-    for b in (1, 2):
-        for t in (1, 3):
-            for keep in {1, t}:
-                for layers in (None, (0,)):
-                    assert runner.run(storage, b, t, keep, layers)[0].shape == (b, keep, 2)
-    assert runner.compile, runner.reason
-    assert torch._dynamo.config.recompile_limit >= graphs.RECOMPILE_LIMIT
+    # dynamo's default, whatever ran before (its own patch: monkeypatch's undo deletes a config entry)
+    with torch._dynamo.config.patch(recompile_limit=8):
+        for b in (1, 2):
+            for t in (1, 3):
+                for keep in {1, t}:
+                    for layers in (None, (0,)):
+                        assert runner.run(storage, b, t, keep, layers)[0].shape == (b, keep, 2)
+        assert runner.compile, runner.reason
+        assert torch._dynamo.config.recompile_limit >= graphs.RECOMPILE_LIMIT

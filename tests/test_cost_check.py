@@ -20,14 +20,16 @@ HOG = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() <
 
 
 def test_cost_drift_names_the_passes_beyond_the_ratio_either_way_and_skips_tiny_drafts():
-    """Exact verdicts from made-up medians: 1.6x slower and 1.6x faster both count, 1.4x does not; a draft under 2%
-    of a target pass (prompt lookup) is never judged, nor a hybrid's; a missing median is skipped."""
+    """Exact verdicts from made-up medians: 1.6x slower and 1.6x faster both count, 1.4x does not; a draft under 5%
+    of a target pass (prompt lookup, the head on a CPU) is never judged, nor a hybrid's; a missing median is skipped."""
     was = PassCosts(target_pass=0.030, verify_pass=0.040, draft_token=0.003)
     assert cost_drift(was, PassCosts(0.030 * 1.4, 0.040 / 1.4, 0.003)) == {}
     assert cost_drift(was, PassCosts(0.030 * 1.6, 0.040 / 1.6, 0.003 * 3)) == {
         "target_pass": 1.6, "verify_pass": 0.62, "draft_token": 3.0}
     lookup = PassCosts(0.030, 0.040, 0.0001)
     assert cost_drift(lookup, PassCosts(0.030, 0.040, 0.0009)) == {}
+    head = PassCosts(0.030, 0.040, 0.0007)  # the head's drafted token on a CPU, about 2% of a pass
+    assert cost_drift(head, PassCosts(0.030, 0.040, 0.00116)) == {}
     assert cost_drift(was, PassCosts(None, 0.040, None)) == {}
     assert cost_drift(was, PassCosts(0.030, 0.040, 0.0001), judge_draft=False) == {}  # a hybrid's mix of drafts
     assert BUSY_RATIO == 1.5
