@@ -120,9 +120,15 @@ def chain_lengths(tokens: torch.Tensor, sure: torch.Tensor | None, ks: torch.Ten
     if ks is not None:
         kept = kept & (torch.arange(tokens.shape[1], device=tokens.device)[None, :] < ks[:, None])
     if eos is not None:
-        ended = (tokens[..., None] == eos).any(-1)  # torch.isin may sort and sync (under capture: fails)
+        ended = at_eos(tokens, eos)
         kept = kept & (ended.cumsum(1) == ended)  # nothing after an end of sequence
     return kept.cumprod(1).sum(1)
+
+
+def at_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    """Where `tokens` are among the end of sequence ids `eos` (eos_on's): a comparison with each, not torch.isin,
+    which may sort and synchronise with the host (and then fails under capture)."""
+    return (tokens[..., None] == eos).any(-1)
 
 
 @functools.cache

@@ -26,7 +26,7 @@ from ..engine.graphs import rungs
 from ..engine.static import CAPTURED
 from ..engine.tree import TreeBatch, device_tree_batch
 from ..models.placement import to_device
-from .base import FIELDS, DeviceTrees, DraftRequest, Proposal, eos_on
+from .base import FIELDS, DeviceTrees, DraftRequest, Proposal, at_eos, eos_on
 from .eagle3_static import StaticHeadKV
 from .eagle3_tree import FRONTIER, TOP, _proposal, _Row
 
@@ -278,7 +278,7 @@ def _grow(head, storage, inputs: TreeInputs, k: int, min_confidence: float) -> l
     offset = 0
     for depth in range(1, k):
         nodes = levels[-1]
-        blocked = nodes.dead | (nodes.tokens[..., None] == eos).any(-1) | (ks <= depth)[:, None]  # not isin: see base
+        blocked = nodes.dead | at_eos(nodes.tokens, eos) | (ks <= depth)[:, None]
         key = torch.where(blocked, float("-inf"), nodes.values + CHAIN_FIRST * nodes.chain)
         sel = key.sort(dim=1, descending=True, stable=True).indices[:, :FRONTIER]  # (B, F): the nodes to feed
         fed = _Nodes(tokens=nodes.tokens.gather(1, sel), values=nodes.values.gather(1, sel), q=None,

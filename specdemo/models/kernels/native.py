@@ -53,8 +53,7 @@ class Native:
             return None
         with torch.no_grad():
             w = weight.detach()
-            half = w.half()
-            if torch.float16 in self._run and torch.equal(half.float(), w):  # exact: the float32 weight's products
+            if torch.float16 in self._run and torch.equal((half := w.half()).float(), w):  # exact: w's products
                 w = half
             return w.reshape(n // self.vector_width, self.vector_width, k).transpose(1, 2).contiguous()
 
@@ -64,8 +63,8 @@ class Native:
         flat = x.reshape(-1, k).contiguous()
         y = torch.empty(flat.shape[0], blocks * width, dtype=flat.dtype)
         if flat.shape[0]:
-            self._run[packed.dtype](flat.data_ptr(), packed.data_ptr(), y.data_ptr(), flat.shape[0], k, blocks * width,
-                      torch.get_num_threads())
+            self._run[packed.dtype](flat.data_ptr(), packed.data_ptr(), y.data_ptr(), flat.shape[0], k,
+                                    blocks * width, torch.get_num_threads())
         if bias is not None:
             y.add_(bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
