@@ -262,17 +262,16 @@ open(sys.argv[2],'w').write(''.join(json.dumps(r)+'\n' for r in rows if r.get('c
   # where a graphed step's time goes: eager kernels, replays, host syncs and GPU busy time per step, AR and the head
   stage step_profile "$GC" $PY scripts/step_profile.py --device "$DEV" --graphs on --k 2 --max-new-tokens "$TOKENS" \
     --out "$R/step-profile.json"
-  # the anchors (generate, and generate with a static compiled cache) in a stage of their own: the static one
-  # compiles cold on a fresh machine and again for each prompt's cache length, which would stop the stages around it
-  # at their caps; our graphed AR beside them in the same run is the baseline check
-  stage bench_head_graphs_on "$GC" "${G[@]}" --drafter model --k 1,2,4 --graphs on --out "$R/graphs-on/head"
-  stage bench_lookup_graphs_on "$GC" "${G[@]}" --prompts "$R/extractive.jsonl" --drafter ngram --k 4 --graphs on \
-    --out "$R/graphs-on/lookup-extractive"
-  stage bench_anchors_graphs_on "${ANCHORS_CAP:-150}" "${G[@]}" --limit 3 --drafter model --k 2 --anchors \
-    --graphs on --out "$R/graphs-on/anchors"
-  stage bench_head_graphs_off "$GC" "${G[@]}" --drafter model --k 1,2,4 --graphs off --out "$R/graphs-off/head"
-  stage bench_lookup_graphs_off "$GC" "${G[@]}" --prompts "$R/extractive.jsonl" --drafter ngram --k 4 --graphs off \
-    --out "$R/graphs-off/lookup-extractive"
+  for g in on off; do
+    stage "bench_head_graphs_$g" "$GC" "${G[@]}" --drafter model --k 1,2,4 --graphs "$g" --out "$R/graphs-$g/head"
+    stage "bench_lookup_graphs_$g" "$GC" "${G[@]}" --prompts "$R/extractive.jsonl" --drafter ngram --k 4 \
+      --graphs "$g" --out "$R/graphs-$g/lookup-extractive"
+    # the anchors (generate, and generate with a static compiled cache) in a stage of their own: the static one
+    # compiles cold on a fresh machine and again for each prompt's cache length, which would stop the stages around
+    # it at their caps; our graphed AR beside them in the same run is the baseline check
+    [ "$g" = on ] && stage bench_anchors_graphs_on "${ANCHORS_CAP:-150}" "${G[@]}" --limit 3 --drafter model --k 2 \
+      --anchors --graphs on --out "$R/graphs-on/anchors"
+  done
   # the passes compiled (inductor's fused kernels) before capture: what generate's compiled static path has, where
   # a captured eager forward launches some 40 kernels a layer; compiling costs its first passes (GRAPHS_COMPILE_CAP)
   GCC=${GRAPHS_COMPILE_CAP:-150}; [ "$DRY" = 1 ] && GCC=${GRAPHS_COMPILE_CAP:-600}  # inductor's C++: 6-9 min cold here
